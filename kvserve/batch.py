@@ -1,0 +1,46 @@
+"""The scheduler -> runner contract: what to compute in one engine step. Torch-free."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute ``num_new_tokens`` tokens of ``request`` starting at its ``num_computed_tokens``.
+
+    A decode step is a chunk of one token; a prefill (or a chunk of one) is several. The
+    chunk needs logits (and a sampled token) only when it reaches the end of the request's
+    known tokens: ``needs_sample``.
+    """
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+
+    @property
+    def start_position(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_new_tokens > 1 or self.request.num_computed_tokens < self.request.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

