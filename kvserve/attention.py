@@ -6,10 +6,14 @@ KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_head
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.profiler import record_function
+
+from kvserve.config import ConfigError, ModelConfig
 
 
 @dataclass
@@ -29,6 +33,9 @@ class AttentionMetadata:
     # Device copies, for vectorised backends.
     seq_lens_tensor: Optional[torch.Tensor] = None  # [S] int32
     query_start_loc_tensor: Optional[torch.Tensor] = None  # [S+1] int32
+    # Tensors a backend derives from the above (gather indices, masks): built by the first
+    # layer that needs them and reused by the others. Lives and dies with this step.
+    derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -42,3 +49,244 @@ class AttentionMetadata:
     def query_lens(self) -> list[int]:
         qsl = self.query_start_loc
         return [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+
+
+def build_attention_metadata(
+    block_tables: Sequence[Sequence[int]],
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for sequences given their block tables, cached lengths and new-token counts
+    (a convenience for tests and tools; the runner builds its own from a SchedulerOutput)."""
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    width = max(1, max((len(t) for t in block_tables), default=1))
+    tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    slots = []
+    for s, table in enumerate(block_tables):
+        table_t = torch.as_tensor(list(table), dtype=torch.int64)
+        tables[s, : len(table)] = table_t.to(torch.int32)
+        pos = torch.arange(context_lens[s], seq_lens[s])
+        slots.append(table_t[pos // block_size] * block_size + pos % block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device) if slots else torch.zeros(0, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+        query_start_loc=qsl,
+        context_lens=list(context_lens),
+        seq_lens=seq_lens,
+        block_size=block_size,
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc_tensor=torch.tensor(qsl, dtype=torch.int32, device=device),
+    )
+
+
+def allocate_kv_caches(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[torch.Tensor]:
+    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+
+    Zero-filled, not ``empty``: padded block-table entries and masked keys are still read,
+    and uninitialised memory could hold NaNs, which survive a zero attention weight.
+    """
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values ``[T, KVH, D]`` at their flat slots."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+# --------------------------------------------------------------------------------------
+# Torch reference backend
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _DecodePlan:
+    """How the single-token (decode) sequences of a step read the cache, for one window size.
+
+    Each sequence gathers only the blocks that hold keys it can see (for a sliding layer, the
+    last ``window`` keys), padded to the longest; ``key_mask`` hides the padding.
+    """
+
+    rows: Optional[torch.Tensor]  # [Sd] their rows of T; None when every row is one, in order
+    block_ids: torch.Tensor  # [Sd * nb] int64, flattened
+    num_blocks: int  # nb, blocks gathered per sequence
+    key_mask: torch.Tensor  # [Sd, 1, 1, nb * block_size] bool: key visible
+
+
+def _decode_plan(md: AttentionMetadata, window: Optional[int]) -> Optional[_DecodePlan]:
+    key = ("torch.decode", window)
+    if key not in md.derived:
+        md.derived[key] = _build_decode_plan(md, window)
+    return md.derived[key]
+
+
+def _build_decode_plan(md: AttentionMetadata, window: Optional[int]) -> Optional[_DecodePlan]:
+    seqs = [s for s, n in enumerate(md.query_lens) if n == 1]
+    if not seqs:
+        return None
+    bs = md.block_size
+    device = md.block_tables.device
+    seq_lens = [md.seq_lens[s] for s in seqs]
+    # The query sits at position seq_len - 1; a window of W shows it keys seq_len - W .. seq_len - 1.
+    first_keys = [max(0, n - window) if window else 0 for n in seq_lens]
+    first_blocks = [f // bs for f in first_keys]
+    nb = max(-(-n // bs) - fb for n, fb in zip(seq_lens, first_blocks))
+
+    first_block_t = torch.tensor(first_blocks, dtype=torch.int64, device=device)
+    cols = (first_block_t[:, None] + torch.arange(nb, device=device)).clamp_(max=md.block_tables.shape[1] - 1)
+    tables = md.block_tables if len(seqs) == md.num_seqs else md.block_tables[torch.tensor(seqs, device=device)]
+    block_ids = tables.long().gather(1, cols).reshape(-1)
+    key_pos = first_block_t[:, None] * bs + torch.arange(nb * bs, device=device)
+    lo = torch.tensor(first_keys, device=device)[:, None]
+    hi = torch.tensor(seq_lens, device=device)[:, None]
+    key_mask = ((key_pos >= lo) & (key_pos < hi))[:, None, None, :]
+    rows = None
+    if len(seqs) != md.num_seqs:
+        rows = torch.tensor([md.query_start_loc[s] for s in seqs], dtype=torch.int64, device=device)
+    return _DecodePlan(rows=rows, block_ids=block_ids, num_blocks=nb, key_mask=key_mask)
+
+
+def _attend(
+    q: torch.Tensor,  # [..., H, Tq, D]
+    k: torch.Tensor,  # [..., KVH, Tk, D]
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],  # bool, broadcastable to [..., H, Tq, Tk]; True = visible
+    scale: float,
+    logit_softcap: Optional[float],
+    is_causal: bool = False,
+) -> torch.Tensor:
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3]
+        )
+    # SDPA has no soft-capping: the explicit form (Gemma 2 style tanh cap on the scores).
+    group = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(group, dim=-3)
+    v = v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    if is_causal:
+        tq, tk = scores.shape[-2:]
+        mask = torch.arange(tk, device=q.device)[None, :] <= torch.arange(tq, device=q.device)[:, None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1).to(v.dtype) @ v
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float, logit_softcap: Optional[float]
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[-2]
+    # Gather every sequence's visible blocks into one padded [Sd, KVH, L, D] tensor.
+    keys = kv_cache[0].index_select(0, plan.block_ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = kv_cache[1].index_select(0, plan.block_ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # The query heads sharing a KV head become that head's "query rows": GQA without copying K/V.
+    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = _attend(grouped, keys.to(q.dtype), values.to(q.dtype), plan.key_mask, scale, logit_softcap)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor,  # [n, H, D] this sequence's new tokens
+    k: torch.Tensor,  # [n, KVH, D]
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    seq: int,
+    scale: float,
+    window: Optional[int],
+    logit_softcap: Optional[float],
+) -> torch.Tensor:
+    context = md.context_lens[seq]
+    seq_len = md.seq_lens[seq]
+    device = q.device
+    if context == 0:
+        # Nothing cached before this chunk: its own keys are all there is to see.
+        keys, values, first_key = k.transpose(0, 1), v.transpose(0, 1), 0
+    else:
+        bs = md.block_size
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        # First key any of these queries can see; blocks before it are not read.
+        first_visible = max(0, context - window + 1) if window else 0
+        first_block = first_visible // bs
+        block_ids = md.block_tables[seq, first_block:(seq_len - 1) // bs + 1].long()
+        first_key = first_block * bs
+        num_keys = seq_len - first_key
+        keys = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_keys]
+        values = kv_cache[1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_keys]
+        keys, values = keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype)
+
+    mask = None
+    is_causal = context == 0 and window is None
+    if not is_causal:
+        # Causal (+ window) mask from position comparisons, never a materialised tril(ones).
+        q_pos = torch.arange(context, seq_len, device=device)[:, None]
+        k_pos = torch.arange(first_key, seq_len, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if window:
+            mask &= (q_pos - k_pos) < window
+    out = _attend(q.transpose(0, 1)[None], keys[None], values[None], mask, scale, logit_softcap, is_causal)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int],
+    logit_softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Plain-torch paged attention: ``q [T, H, D]``, ``k, v [T, KVH, D]`` -> ``[T, H, D]``.
+
+    Writes this step's k/v into ``kv_cache`` at ``slot_mapping`` first, then each sequence's
+    queries (positions ``context_len .. seq_len-1``) attend causally over its cached keys
+    ``0 .. seq_len-1``; with ``sliding_window`` W, query i sees key j iff ``i - W < j <= i``
+    (HF Gemma 3 / Mistral semantics). Decode sequences (one query) run as one batched SDPA;
+    prefill chunks run one SDPA each.
+    """
+    # One profiler label over the whole of attention (cache write included): `kvserve profile`
+    # attributes time to it.
+    with record_function("attention"):
+        md = attn_metadata
+        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        decode = _decode_plan(md, sliding_window)
+        if decode is not None and decode.rows is None:
+            return _decode_attention(q, kv_cache, decode, scale, logit_softcap)
+
+        out = torch.empty_like(q)
+        if decode is not None:
+            out.index_copy_(0, decode.rows, _decode_attention(q.index_select(0, decode.rows), kv_cache, decode,
+                                                              scale, logit_softcap))
+        qsl = md.query_start_loc
+        for seq, n in enumerate(md.query_lens):
+            if n > 1:
+                a, b = qsl[seq], qsl[seq + 1]
+                out[a:b] = _prefill_attention(q[a:b], k[a:b], v[a:b], kv_cache, md, seq, scale, sliding_window,
+                                              logit_softcap)
+        return out
+
+
+AttentionFn = Callable[..., torch.Tensor]
+
+# Backends by name; each has paged_attention's signature. Faster ones (fused CPU kernels,
+# flash-attention on CUDA) register here.
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention}
+
+
+def get_attention_backend(name: str = "torch") -> AttentionFn:
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(f"unknown attention backend '{name}' (available: {', '.join(ATTENTION_BACKENDS)})")
+    return ATTENTION_BACKENDS[name]

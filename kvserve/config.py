@@ -91,3 +91,45 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set on the engine (CLI flags and ``LLM(**kwargs)`` map onto it)."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None  # bytes
+    num_blocks: Optional[int] = None  # overrides kv_cache_memory
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 64
+    max_model_len: Optional[int] = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: Optional[int] = None
+    seed: int = 0
+    num_threads: Optional[int] = None
+
+    def cache_config(self) -> CacheConfig:
+        cfg = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                          num_gpu_blocks=self.num_blocks,
+                          enable_prefix_caching=self.enable_prefix_caching)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ConfigError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len must be >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads must be >= 1")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ConfigError("max_waiting_requests must be >= 0")
+        self.cache_config()
+        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs).validate()

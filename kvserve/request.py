@@ -14,6 +14,10 @@ class RequestRejected(ValueError):
     """A request that can never be served (too long, bad parameters). The message says why."""
 
 
+class EngineBusy(RequestRejected):
+    """The waiting queue is full: try again later (HTTP 429)."""
+
+
 @dataclass
 class SamplingParams:
     n: int = 1

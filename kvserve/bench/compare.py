@@ -1,0 +1,88 @@
+"""What throughput and latency share: the kvserve driver, the machine limit measured in the
+same run, and running each requested peer on the same workloads, one at a time."""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from kvserve.bench.kvserve_driver import KvserveDriver
+from kvserve.bench.machine import achieved, machine_limit
+from kvserve.bench.peers import PeerContext, PeerUnavailable, open_peer
+from kvserve.bench.timing import EngineRun, greedy_agreement
+from kvserve.config import EngineArgs
+
+logger = logging.getLogger("kvserve.bench")
+
+
+@dataclass
+class CompareOptions:
+    peers: list[str] = field(default_factory=list)
+    hf_batch_size: Optional[int] = None  # None: one static batch of the whole workload
+    matmul_size: int = 1024
+    matmul_seconds: float = 1.0
+    progress: bool = True
+
+
+class BenchSession:
+    """kvserve loaded once, the machine's matmul limit, and the context peers are built in."""
+
+    def __init__(self, eargs: EngineArgs, opts: CompareOptions) -> None:
+        self.opts = opts
+        self.driver = KvserveDriver(eargs)
+        engine = self.driver.engine
+        self.dtype = engine.dtype
+        self.machine = machine_limit(opts.matmul_size, opts.matmul_seconds, str(engine.device))
+        self.peer_ctx = PeerContext(source_kind=engine.source.kind, source_path=str(engine.source.path),
+                                    num_threads=torch.get_num_threads(), eargs=eargs,
+                                    hf_batch_size=opts.hf_batch_size)
+
+    def header(self, command: str) -> dict:
+        engine = self.driver.engine
+        return {"command": command, "model": self.driver.eargs.model,
+                "model_source": {"kind": engine.source.kind, "path": str(engine.source.path)},
+                "dtype": str(self.dtype).removeprefix("torch."), "device": str(engine.device),
+                "num_threads": torch.get_num_threads(), "machine": self.machine}
+
+    def kvserve_summary(self, run: EngineRun) -> dict:
+        s = summarize(run)
+        s["dtype"] = str(self.dtype).removeprefix("torch.")
+        s.update(achieved(run.extra["model_gflop"] * 1e9, run.elapsed_s, self.machine, self.dtype))
+        return s
+
+    def run_peers(self, body: Callable[[object], dict]) -> tuple[dict[str, dict], dict[str, str]]:
+        """Call ``body(peer)`` for each requested peer (after its warm-up); returns the
+        results by peer name and the reasons of those skipped."""
+        results: dict[str, dict] = {}
+        skipped: dict[str, str] = {}
+        for name in self.opts.peers:
+            peer = None
+            try:
+                peer = open_peer(name, self.peer_ctx)
+                peer.warmup()
+                results[name] = body(peer)
+            except PeerUnavailable as exc:
+                skipped[name] = str(exc)
+                print(f"kvserve bench: skipping {name}: {exc}", file=sys.stderr)
+            except Exception as exc:  # a broken peer must not lose kvserve's figures
+                logger.exception("peer %s failed", name)
+                skipped[name] = f"failed: {exc!r}"
+            finally:
+                if peer is not None:
+                    peer.close()
+        self.peer_ctx.close()
+        return results, skipped
+
+
+def summarize(run: EngineRun, reference: Optional[EngineRun] = None) -> dict:
+    s = run.summary()
+    s["per_request"] = [{"prompt_len": r.prompt_len, "output_len": r.num_output_tokens,
+                         "ttft_ms": r.ttft * 1e3 if r.ttft is not None else None,
+                         "tpot_ms": r.tpot * 1e3 if r.tpot is not None else None}
+                        for r in run.requests]
+    if reference is not None:
+        s["greedy_agreement_with_kvserve"] = greedy_agreement(reference, run)
+    return s

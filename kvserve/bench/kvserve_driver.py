@@ -1,0 +1,108 @@
+"""Drives kvserve's LLMEngine over a workload, step by step, recording what the benchmark
+reports: per-token timestamps, peak KV blocks, prefix-cache hits, preemptions and the
+tokens actually computed (for FLOP accounting)."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from torch.profiler import record_function
+from tqdm import tqdm
+
+from kvserve.bench.machine import ModelFlops
+from kvserve.bench.timing import EngineRun, RequestTiming
+from kvserve.bench.workloads import Workload, WorkloadSpec, build_workload
+from kvserve.config import EngineArgs
+from kvserve.engine import LLMEngine
+from kvserve.request import SamplingParams
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+
+
+class KvserveDriver:
+    name = "kvserve"
+
+    def __init__(self, eargs: EngineArgs, engine: Optional[LLMEngine] = None) -> None:
+        self.eargs = eargs
+        self.engine = engine or LLMEngine(eargs)
+        self.flops = ModelFlops.from_config(self.engine.model_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def warmup(self) -> None:
+        """A short run so first-call costs (allocations, kernel selection) stay out of the
+        measurement; its blocks are then dropped from the prefix cache."""
+        spec = WorkloadSpec("warmup", "", num_requests=2, prompt_len=(16, 48), output_len=4,
+                            seed=12345)
+        self.run(build_workload(spec, self.vocab_size), progress=False)
+        self.engine.kv_manager.reset_prefix_cache()
+
+    def run(self, workload: Workload, progress: bool = True, desc: str = "kvserve") -> EngineRun:
+        eng = self.engine
+        kv, counters = eng.kv_manager, eng.counters
+        queries0, hits0 = kv.prefix_cache_queries, kv.prefix_cache_hits
+        preempt0 = eng.scheduler.num_preemptions
+        prefill0, decode0 = counters.prefill_time_s, counters.decode_time_s
+        generated0 = counters.generation_tokens
+
+        started = time.perf_counter()
+        timings: dict[str, RequestTiming] = {}
+        order: list[str] = []
+        for prompt, n_out in zip(workload.prompts, workload.output_lens):
+            rid = eng.add_request(None, prompt, greedy(n_out))
+            timings[rid] = RequestTiming(prompt_len=len(prompt), start=started)
+            order.append(rid)
+
+        pending = set(order)
+        peak_blocks = kv.num_used_blocks
+        computed_tokens = steps = 0
+        bar = tqdm(total=workload.total_output_tokens, desc=desc, unit="tok", disable=not progress,
+                   leave=False)
+        while pending:
+            steps_before = counters.steps
+            with record_function("engine.step"):
+                outputs = eng.step()
+            now = time.perf_counter()
+            peak_blocks = max(peak_blocks, kv.num_used_blocks)
+            if counters.steps > steps_before:
+                last = counters.step_history[-1]
+                computed_tokens += last.num_prefill_tokens + last.num_decode_tokens
+                steps += 1
+            for out in outputs:
+                timing = timings.get(out.request_id)
+                if timing is None:
+                    continue
+                delta = out.outputs[0].delta_token_ids
+                timing.add_tokens(delta, now)
+                bar.update(len(delta))
+                if out.finished:
+                    pending.discard(out.request_id)
+            if pending and not eng.has_unfinished_requests():
+                raise RuntimeError(f"kvserve went idle with requests unfinished: {sorted(pending)}")
+        finished = time.perf_counter()
+        bar.close()
+
+        queries = kv.prefix_cache_queries - queries0
+        sampled = counters.generation_tokens - generated0
+        extra = {
+            "peak_kv_blocks_used": peak_blocks,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_block_size": kv.block_size,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hit_rate": (kv.prefix_cache_hits - hits0) / queries if queries else 0.0,
+            "num_preemptions": eng.scheduler.num_preemptions - preempt0,
+            "num_steps": steps,
+            "prefill_step_time_s": counters.prefill_time_s - prefill0,
+            "decode_step_time_s": counters.decode_time_s - decode0,
+            "computed_tokens": computed_tokens,
+            "sampled_tokens": sampled,
+            "model_gflop": self.flops.flops(computed_tokens, sampled) / 1e9,
+        }
+        return EngineRun(self.name, [timings[r] for r in order], started, finished, extra)
+
+    def close(self) -> None:
+        self.engine = None

@@ -1,0 +1,86 @@
+"""The machine's own limit (a plain matmul) and the FLOPs a model run actually needed.
+
+A decode or prefill figure means little on its own on a shared, noisy machine; as a fraction
+of what ``torch.matmul`` reaches in the same run it says how much headroom is left.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import ModelConfig
+
+
+def matmul_gflops(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0,
+                  device: str = "cpu") -> float:
+    """Sustained GFLOP/s of a square ``size`` matmul at the current torch thread count."""
+    dev = torch.device(device)
+    a = torch.randn(size, size, dtype=dtype, device=dev)
+    b = torch.randn(size, size, dtype=dtype, device=dev)
+    out = torch.empty(size, size, dtype=dtype, device=dev)
+    for _ in range(2):  # first calls pick kernels and warm caches
+        torch.matmul(a, b, out=out)
+    _sync(dev)
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        torch.matmul(a, b, out=out)
+        n += 1
+        if n % 4 == 0:
+            _sync(dev)
+            if time.perf_counter() - t0 >= seconds:
+                break
+    elapsed = time.perf_counter() - t0
+    return 2.0 * size ** 3 * n / elapsed / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def machine_limit(size: int = 1024, seconds: float = 1.0, device: str = "cpu") -> dict:
+    return {
+        "matmul_size": size,
+        "num_threads": torch.get_num_threads(),
+        "gflops": {"bfloat16": matmul_gflops(torch.bfloat16, size, seconds, device),
+                   "float32": matmul_gflops(torch.float32, size, seconds, device)},
+    }
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Matmul weights of a decoder: the ones every token multiplies (the non-embedding
+    parameters) and the LM head, which only sampled positions need."""
+
+    non_embedding_params: int
+    lm_head_params: int
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "ModelFlops":
+        # Counted from the architecture, not from module parameters, so quantized or fused
+        # weight layouts count the same. Norm weights are negligible and left out.
+        h, hd = cfg.hidden_size, cfg.head_dim
+        attn = h * cfg.num_attention_heads * hd * 2 + h * cfg.num_key_value_heads * hd * 2
+        mlp = 3 * h * cfg.intermediate_size  # gate, up, down (SwiGLU and GeGLU alike)
+        return cls(cfg.num_hidden_layers * (attn + mlp), cfg.vocab_size * h)
+
+    def flops(self, computed_tokens: int, sampled_tokens: int) -> float:
+        """2 x weights x tokens (one multiply-add per weight per token); attention scores
+        are left out, so this is a floor on the work done."""
+        return 2.0 * (self.non_embedding_params * computed_tokens
+                      + self.lm_head_params * sampled_tokens)
+
+
+def achieved(flops: float, elapsed_s: float, limit: dict, dtype: torch.dtype) -> dict:
+    """Achieved GFLOP/s and its fraction of the matmul limit in the engine's dtype and of the
+    machine's best dtype."""
+    gflops = flops / max(elapsed_s, 1e-9) / 1e9
+    by_dtype = limit["gflops"]
+    own = by_dtype.get(str(dtype).removeprefix("torch."))
+    best = max(by_dtype.values())
+    return {"gflop": flops / 1e9, "achieved_gflops": gflops,
+            "fraction_of_matmul_limit_same_dtype": gflops / own if own else None,
+            "fraction_of_best_matmul_limit": gflops / best if best else None}

@@ -1,0 +1,114 @@
+"""The engines kvserve is compared with, by name, as ``--compare`` spells them.
+
+    hf            = hf-fp32-seq, hf-fp32-batch     (HF transformers generate)
+    hf-bf16       = hf-bf16-seq, hf-bf16-batch
+    llamacpp      = llamacpp-seq, llamacpp-batch   (llama-cpp-python, optional extra)
+    kvserve-noprefix                               (kvserve with prefix caching off)
+
+Every peer has ``warmup()``, ``run(workload, progress) -> EngineRun`` and ``close()``. A peer
+that cannot run here (package absent, no GGUF file) is skipped with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kvserve.config import ConfigError, EngineArgs
+
+ALIASES = {
+    "hf": ["hf-fp32-seq", "hf-fp32-batch"],
+    "hf-fp32": ["hf-fp32-seq", "hf-fp32-batch"],
+    "hf-bf16": ["hf-bf16-seq", "hf-bf16-batch"],
+    "hf-seq": ["hf-fp32-seq"],
+    "hf-batch": ["hf-fp32-batch"],
+    "llamacpp": ["llamacpp-seq", "llamacpp-batch"],
+    "llama.cpp": ["llamacpp-seq", "llamacpp-batch"],
+}
+PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
+              "llamacpp-seq", "llamacpp-batch", "kvserve-noprefix"]
+_HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class PeerUnavailable(Exception):
+    """This peer cannot run here; the message says why."""
+
+
+def expand_peer_names(spec: Optional[str], sequential_only: bool = False) -> list[str]:
+    """``"hf,llamacpp"`` -> concrete peer names, in order, without duplicates. A single
+    stream has nothing to batch, so ``sequential_only`` drops the batched modes of aliases."""
+    names: list[str] = []
+    for item in (spec or "").split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        expanded = ALIASES.get(item, [item])
+        if sequential_only and item in ALIASES:
+            expanded = [n for n in expanded if not n.endswith("-batch")]
+        for name in expanded:
+            if name not in PEER_NAMES:
+                raise ConfigError(f"unknown peer {item!r}; choose from "
+                                  f"{', '.join(list(ALIASES) + PEER_NAMES)}")
+            if name not in names:
+                names.append(name)
+    return names
+
+
+@dataclass
+class PeerContext:
+    """What peers need to run the same model as kvserve: its source, the thread count and
+    the engine arguments; loaded HF models are shared between a dtype's two modes."""
+
+    source_kind: str  # "gguf" | "hf_dir" | anything else (e.g. a random-weight test model)
+    source_path: str
+    num_threads: int
+    eargs: EngineArgs
+    hf_batch_size: Optional[int] = None  # None: the whole workload in one static batch
+    _hf_models: dict = field(default_factory=dict)
+
+    def hf_model(self, dtype_name: str):
+        if self.source_kind not in ("gguf", "hf_dir"):
+            raise PeerUnavailable(f"HF transformers needs a GGUF file or an HF directory, "
+                                  f"not a {self.source_kind} model")
+        if dtype_name not in self._hf_models:
+            from kvserve.bench.hf_peer import load_hf_model
+            self._hf_models[dtype_name] = load_hf_model(self.source_path, self.source_kind,
+                                                        _HF_DTYPES[dtype_name])
+        return self._hf_models[dtype_name]
+
+    def close(self) -> None:
+        self._hf_models.clear()
+
+
+def open_peer(name: str, ctx: PeerContext):
+    """Build (and load) one peer; raises PeerUnavailable with the reason it cannot run."""
+    if name.startswith("hf-"):
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise PeerUnavailable("transformers is not installed") from None
+        from kvserve.bench.hf_peer import HFPeer
+
+        _, dtype_name, mode = name.split("-")
+        batch_size = None if mode == "seq" else (ctx.hf_batch_size or 0)
+        return HFPeer(ctx.hf_model(dtype_name), dtype_name, batch_size)
+    if name.startswith("llamacpp-"):
+        from kvserve.bench import llamacpp_peer
+
+        if llamacpp_peer.import_llama_cpp() is None:
+            raise PeerUnavailable("llama-cpp-python is not installed "
+                                  "(pip install 'kvserve[llamacpp]')")
+        if ctx.source_kind != "gguf":
+            raise PeerUnavailable(f"llama.cpp needs a GGUF file, not a {ctx.source_kind} model")
+        if name == "llamacpp-seq":
+            return llamacpp_peer.LlamaCppSequential(ctx.source_path, ctx.num_threads)
+        return llamacpp_peer.LlamaCppBatched(ctx.source_path, ctx.num_threads)
+    if name == "kvserve-noprefix":
+        from kvserve.bench.kvserve_driver import KvserveDriver
+
+        driver = KvserveDriver(dataclasses.replace(ctx.eargs, enable_prefix_caching=False))
+        driver.name = name
+        return driver
+    raise ConfigError(f"unknown peer {name!r}")

@@ -1,0 +1,224 @@
+"""Ratios against peers, the printed summaries, and the README results table.
+
+Ratios are always kvserve / peer: above 1 is better for a throughput, below 1 is better for
+a latency. "Best" is the best peer on that metric (highest throughput, lowest latency).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from typing import Callable, Optional
+
+Getter = Callable[[dict], Optional[float]]
+
+
+def _dist(key: str, stat: str = "mean") -> Getter:
+    return lambda s: (s.get(key) or {}).get(stat)
+
+
+# (label, getter, higher is better)
+THROUGHPUT_METRICS: list[tuple[str, Getter, bool]] = [
+    ("output_tokens_per_s", lambda s: s.get("output_tokens_per_s"), True),
+    ("ttft_mean_ms", _dist("ttft_ms"), False),
+    ("tpot_mean_ms", _dist("tpot_ms"), False),
+]
+LATENCY_METRICS: list[tuple[str, Getter, bool]] = [
+    ("ttft_mean_ms", _dist("ttft_ms"), False),
+    ("tpot_mean_ms", _dist("tpot_ms"), False),
+    ("output_tokens_per_s", lambda s: s.get("output_tokens_per_s"), True),
+]
+
+
+def compute_ratios(ours: dict, peers: dict[str, dict],
+                   metrics: list[tuple[str, Getter, bool]]) -> dict:
+    """{"vs": {peer: {metric: ours/peer}}, "vs_best": {metric: {"peer", "ratio", "value"}}}"""
+    vs: dict[str, dict] = {}
+    best: dict[str, dict] = {}
+    for label, get, higher in metrics:
+        mine = get(ours)
+        candidates = [(name, get(s)) for name, s in peers.items() if get(s)]
+        for name, value in candidates:
+            vs.setdefault(name, {})[label] = mine / value if mine is not None else None
+        if candidates:
+            name, value = (max if higher else min)(candidates, key=lambda nv: nv[1])
+            best[label] = {"peer": name, "value": value,
+                           "ratio": mine / value if mine is not None else None}
+    return {"vs": vs, "vs_best": best}
+
+
+# ---------------------------------------------------------------------------------- printing
+def _f(value: Optional[float], fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _triple(dist: Optional[dict]) -> str:
+    dist = dist or {}
+    return "/".join(_f(dist.get(k), "{:.1f}") for k in ("mean", "p50", "p99"))
+
+
+def engine_table(rows: dict[str, dict]) -> str:
+    head = (f"{'engine':<18} {'req/s':>7} {'out tok/s':>10} {'total tok/s':>11}  "
+            f"{'TTFT mean/p50/p99 ms':>22}  {'TPOT mean/p50/p99 ms':>22}")
+    lines = [head, "-" * len(head)]
+    for name, s in rows.items():
+        lines.append(f"{name:<18} {_f(s.get('requests_per_s'), '{:.2f}'):>7} "
+                     f"{_f(s.get('output_tokens_per_s')):>10} {_f(s.get('total_tokens_per_s')):>11}  "
+                     f"{_triple(s.get('ttft_ms')):>22}  {_triple(s.get('tpot_ms')):>22}")
+    return "\n".join(lines)
+
+
+def ratio_lines(ratios: dict) -> str:
+    if not ratios.get("vs"):
+        return ""
+    labels = list(ratios["vs_best"]) or list(next(iter(ratios["vs"].values())))
+    head = f"{'kvserve / peer':<18} " + " ".join(f"{label:>20}" for label in labels)
+    lines = [head]
+    for name, by_metric in ratios["vs"].items():
+        lines.append(f"{name:<18} " + " ".join(f"{_f(by_metric.get(m), '{:.2f}x'):>20}"
+                                               for m in labels))
+    lines.append(f"{'best peer':<18} " + " ".join(
+        f"{_f(ratios['vs_best'][m]['ratio'], '{:.2f}x') + ' ' + ratios['vs_best'][m]['peer']:>20}"
+        if m in ratios["vs_best"] else f"{'-':>20}" for m in labels))
+    lines.append("(throughput: above 1x is kvserve ahead; latency: below 1x is kvserve ahead)")
+    return "\n".join(lines)
+
+
+def machine_line(machine: Optional[dict]) -> str:
+    if not machine:
+        return ""
+    g = machine["gflops"]
+    return (f"machine limit (torch.matmul {machine['matmul_size']}^3, {machine['num_threads']} "
+            f"threads): bf16 {g['bfloat16']:.1f} GFLOP/s, fp32 {g['float32']:.1f} GFLOP/s")
+
+
+def kvserve_line(s: dict) -> str:
+    parts = []
+    if "peak_kv_blocks_used" in s:
+        parts.append(f"peak KV blocks {s['peak_kv_blocks_used']}/{s['kv_blocks_total']}")
+        parts.append(f"prefix-cache hit rate {100 * s['prefix_cache_hit_rate']:.1f} %")
+        parts.append(f"preemptions {s['num_preemptions']}")
+    if s.get("achieved_gflops") is not None:
+        own = s.get("fraction_of_matmul_limit_same_dtype")
+        best = s.get("fraction_of_best_matmul_limit")
+        parts.append(f"achieved {s['achieved_gflops']:.1f} GFLOP/s = {_f(own and 100 * own)} % of "
+                     f"the {s.get('dtype', '?')} matmul limit ({_f(best and 100 * best)} % of the best)")
+    return "kvserve: " + ", ".join(parts) if parts else ""
+
+
+def print_summary(result: dict, file=None) -> None:
+    file = file or sys.stdout
+    w = result.get("workload", {})
+    print(f"\n== {result['command']}: {w.get('name', '')} — {w.get('description', '')}", file=file)
+    iters = f" x {w['num_iters']} iterations" if w.get("num_iters", 1) > 1 else ""
+    print(f"   model {result.get('model')} ({result.get('dtype')}, {result.get('num_threads')} threads): "
+          f"{w.get('total_prompt_tokens')} prompt + {w.get('total_output_tokens')} output tokens"
+          f"{iters}", file=file)
+    for line in (machine_line(result.get("machine")),
+                 engine_table({"kvserve": result["kvserve"], **result.get("peers", {})}),
+                 kvserve_line(result["kvserve"]),
+                 ratio_lines(result.get("ratios", {}))):
+        if line:
+            print(line, file=file)
+    for name, s in result.get("peers", {}).items():
+        if s.get("greedy_agreement_with_kvserve") is not None:
+            print(f"  {name}: greedy tokens agree with kvserve on "
+                  f"{100 * s['greedy_agreement_with_kvserve']:.0f} % of outputs (prefix match)",
+                  file=file)
+    for name, reason in result.get("skipped_peers", {}).items():
+        print(f"  skipped {name}: {reason}", file=file)
+    sweep = result.get("prefill_sweep")
+    if sweep:
+        print("prefill (batch 1, one output token): tokens/s by prompt length", file=file)
+        engines = ["kvserve"] + [p for p in result.get("peers", {})]
+        print(f"  {'prompt len':>10} " + " ".join(f"{e:>16}" for e in engines), file=file)
+        for row in sweep:
+            print(f"  {row['prompt_len']:>10} " + " ".join(
+                f"{_f(row.get(e, {}).get('prefill_tokens_per_s')):>16}" for e in engines), file=file)
+
+
+def write_json(result: dict, path: Optional[str]) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+
+
+# ------------------------------------------------------------------------- README table
+_BEGIN, _END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def _peer_cell(s: Optional[dict], with_latency: bool) -> str:
+    if not s:
+        return "—"
+    cell = f"{s['output_tokens_per_s']:.1f} tok/s"
+    if with_latency:
+        cell += f"; TTFT {_f(_dist('ttft_ms')(s), '{:.0f}')} ms, TPOT {_f(_dist('tpot_ms')(s))} ms"
+    return cell
+
+
+def markdown_table(results: list[dict]) -> str:
+    """One row per result file: kvserve and each peer's output tok/s (TTFT/TPOT for single
+    streams), and kvserve / best peer."""
+    peers = []
+    for r in results:
+        for name in r.get("peers", {}):
+            if name not in peers:
+                peers.append(name)
+    head = ["workload", "kvserve"] + peers + ["kvserve / best peer (out tok/s)", "kvserve % of matmul limit"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in results:
+        w = r["workload"]
+        single = w.get("num_requests") == 1
+        ours = r["kvserve"]
+        best = r.get("ratios", {}).get("vs_best", {}).get("output_tokens_per_s")
+        frac = ours.get("fraction_of_best_matmul_limit")
+        row = [f"{w['name']} ({r['command']})", _peer_cell(ours, True)]
+        row += [_peer_cell(r.get("peers", {}).get(p), single) for p in peers]
+        row.append(f"{best['ratio']:.2f}x vs {best['peer']}" if best and best.get("ratio") else "—")
+        row.append(f"{100 * frac:.1f} %" if frac else "—")
+        lines.append("| " + " | ".join(row) + " |")
+    machine = next((r["machine"] for r in results if r.get("machine")), None)
+    if machine:
+        lines.append("")
+        lines.append(machine_line(machine) + ".")
+    return "\n".join(lines)
+
+
+def update_readme(readme: str, table: str) -> None:
+    with open(readme, encoding="utf-8") as f:
+        text = f.read()
+    if _BEGIN not in text or _END not in text:
+        raise SystemExit(f"{readme}: no {_BEGIN} ... {_END} markers")
+    head, rest = text.split(_BEGIN, 1)
+    _, tail = rest.split(_END, 1)
+    with open(readme, "w", encoding="utf-8") as f:
+        f.write(f"{head}{_BEGIN}\n{table}\n{_END}{tail}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the results table from bench JSON files")
+    parser.add_argument("results", nargs="+", help="JSON files (or directories of them)")
+    parser.add_argument("--update-readme", default=None, help="README with results markers")
+    ns = parser.parse_args(argv)
+    paths = []
+    for p in ns.results:
+        paths += sorted(glob.glob(os.path.join(p, "*.json"))) if os.path.isdir(p) else [p]
+    results = []
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            r = json.load(f)
+        if r.get("command") in ("throughput", "latency"):
+            results.append(r)
+    table = markdown_table(results)
+    if ns.update_readme:
+        update_readme(ns.update_readme, table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

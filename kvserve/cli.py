@@ -1,0 +1,254 @@
+"""kvserve command line: serve | generate | chat | bench | profile."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Optional
+
+from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs
+from kvserve.request import RequestRejected, SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="short name (smollm2-135m-instruct, gemma-3-270m, tiny-llama, tiny-gemma3), "
+                        "a .gguf file, or an HF directory with config.json + *.safetensors")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
+                   help="KV cache budget in bytes (suffixes K, M, G allowed); default from free memory")
+    g.add_argument("--num-blocks", type=int, default=None, help="explicit KV block count")
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _parse_bytes(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMG" else text
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from None
+
+
+def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
+    args = EngineArgs(
+        model=ns.model, dtype=ns.dtype, device=ns.device, block_size=ns.block_size,
+        kv_cache_memory=ns.kv_cache_memory, num_blocks=ns.num_blocks,
+        max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
+        max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching,
+        enable_chunked_prefill=not ns.no_chunked_prefill, num_threads=ns.num_threads,
+        seed=ns.seed,
+    )
+    return dataclasses.replace(args, **overrides)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                          top_k=ns.top_k, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
+                          seed=ns.sampling_seed, stop=list(ns.stop), ignore_eos=ns.ignore_eos)
+
+
+# ---------------------------------------------------------------------- generate / chat
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+
+    params = sampling_params_from(ns)
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    print(llm.engine.describe_kv_cache(), file=sys.stderr)
+    if ns.input:
+        return _generate_batch(llm, ns, params)
+    if not ns.prompt:
+        raise ConfigError("give a prompt, or --input prompts.jsonl")
+    prompt = llm.chat_prompt_ids([{"role": "user", "content": ns.prompt}]) if ns.chat else ns.prompt
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.outputs[0].delta_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    m = out.metrics
+    if m is not None and m.ttft is not None:
+        tpot = f", TPOT {m.tpot * 1000:.1f} ms" if m.tpot else ""
+        print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, "
+              f"finish={out.outputs[0].finish_reason}, TTFT {m.ttft * 1000:.0f} ms{tpot}]",
+              file=sys.stderr)
+    return 0
+
+
+def _read_jsonl_prompts(path: str) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+            if isinstance(row, str):
+                row = {"prompt": row}
+            if not isinstance(row, dict) or not ({"prompt", "messages", "prompt_token_ids"} & row.keys()):
+                raise ConfigError(f"{path}:{lineno}: expected an object with 'prompt', "
+                                  f"'messages' or 'prompt_token_ids'")
+            rows.append(row)
+    return rows
+
+
+def _generate_batch(llm, ns: argparse.Namespace, default_params: SamplingParams) -> int:
+    rows = _read_jsonl_prompts(ns.input)
+    prompts, params = [], []
+    for row in rows:
+        if "messages" in row:
+            prompts.append(llm.chat_prompt_ids(row["messages"]))
+        elif "prompt_token_ids" in row:
+            prompts.append(list(row["prompt_token_ids"]))
+        else:
+            prompts.append(row["prompt"])
+        p = dataclasses.replace(default_params)
+        for key in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                    "ignore_eos", "n"):
+            if key in row:
+                setattr(p, key, row[key])
+        p.__post_init__()
+        params.append(p)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for r in outputs for o in r.outputs)
+    out_f = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout
+    try:
+        for row, r in zip(rows, outputs):
+            record = {"id": row.get("id", r.request_id), "prompt": row.get("prompt"),
+                      "outputs": [{"text": o.text, "token_ids": o.token_ids,
+                                   "finish_reason": o.finish_reason} for o in r.outputs],
+                      "num_prompt_tokens": len(r.prompt_token_ids)}
+            out_f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    finally:
+        if out_f is not sys.stdout:
+            out_f.close()
+    print(f"{len(outputs)} requests, {n_out} output tokens in {elapsed:.1f} s "
+          f"({n_out / elapsed:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+
+    params = sampling_params_from(ns)
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    if not llm.tokenizer.has_chat_template:
+        raise ConfigError(f"model {ns.model} has no chat template; use `kvserve generate`")
+    messages: list[dict] = []
+    if ns.system:
+        messages.append({"role": "system", "content": ns.system})
+    print("kvserve chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for out in llm.stream(llm.chat_prompt_ids(messages), params):
+            delta = out.outputs[0].delta_text
+            reply += delta
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+# ---------------------------------------------------------------------- serve / bench / profile
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from kvserve.server.app import run_server
+
+    eargs = engine_args_from(ns, max_waiting_requests=ns.max_waiting_requests)
+    run_server(eargs, host=ns.host, port=ns.port, api_key=ns.api_key,
+               served_model_name=ns.served_model_name, log_level=ns.log_level)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-waiting-requests", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="generate from a prompt (streams) or a JSONL file of prompts")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("prompt", nargs="?", default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--input", default=None, help="JSONL: {prompt | messages | prompt_token_ids, ...}")
+    p.add_argument("--output", default=None, help="JSONL output (default stdout)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("--system", default=None)
+    p.set_defaults(func=cmd_chat)
+
+    try:
+        from kvserve.bench.cli import add_bench_parsers
+    except ImportError:
+        add_bench_parsers = None
+    if add_bench_parsers is not None:
+        add_bench_parsers(sub, add_engine_args, engine_args_from)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ConfigError, RequestRejected) as exc:
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""LLMEngine: add_request / step / abort. One step = schedule -> build batch -> forward ->
+sample -> update. The scheduler -> runner contract is the explicit ``SchedulerOutput``."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from torch.profiler import record_function
+
+from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
+from kvserve.kv_manager import KVCacheManager
+from kvserve.loader import load_model
+from kvserve.loader.resolve import ModelSource, resolve_model
+from kvserve.output_processor import OutputProcessor
+from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected, RequestStatus,
+                             SamplingParams)
+from kvserve.runner import ModelRunner
+from kvserve.sampler import make_generator
+from kvserve.scheduler import Scheduler
+from kvserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvserve")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    # fp32 keeps numerical parity with HF by default; reduced precision is opt-in.
+    return torch.float32
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    if source.kind == "gguf":
+        return Tokenizer.from_gguf(source.path)
+    if source.kind == "hf_dir":
+        return Tokenizer.from_pretrained(source.path)
+    # The random-weight test models share SmolLM2's vocabulary (49152 tokens).
+    return Tokenizer.from_gguf(resolve_model(DEFAULT_MODEL).path)
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """A KV budget that leaves the rest of the machine alone: a quarter of available host
+    memory capped at 2 GiB on CPU; half of free device memory on CUDA."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.5)
+    try:
+        import psutil
+        available = psutil.virtual_memory().available
+    except ImportError:  # psutil is optional
+        available = 8 << 30
+    return int(min(2 << 30, available // 4))
+
+
+@dataclass
+class StepStats:
+    """What one engine step did; the profiler and metrics read these."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_seqs: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    rejected_requests: int = 0
+    steps: int = 0
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    step_history: list[StepStats] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, args: Optional[EngineArgs] = None, **kwargs) -> None:
+        args = args or EngineArgs(**kwargs)
+        args.validate()
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.device = torch.device(args.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' asked for but torch sees no CUDA device")
+        self.dtype = resolve_dtype(args.dtype, self.device)
+
+        t0 = time.perf_counter()
+        self.source = resolve_model(args.model)
+        self.model, self.model_config = load_model(self.source, dtype=self.dtype, device=self.device)
+        self.tokenizer = load_tokenizer(self.source)
+        self.load_time_s = time.perf_counter() - t0
+        cfg: ModelConfig = self.model_config
+        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids))
+
+        cache = args.cache_config()
+        kv_bytes_per_token = cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        bytes_per_block = kv_bytes_per_token * cache.block_size
+        if cache.num_gpu_blocks is not None:
+            num_blocks = cache.num_gpu_blocks
+        else:
+            budget = cache.kv_cache_memory or default_kv_cache_memory(self.device)
+            num_blocks = budget // bytes_per_block
+            # No point holding more than max_num_seqs full contexts.
+            max_useful = args.max_num_seqs * -(-self.max_model_len // cache.block_size) + 1
+            num_blocks = min(num_blocks, max_useful)
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_memory is too small for one block ({bytes_per_block} bytes)")
+        self.num_blocks = num_blocks
+        self.kv_cache_bytes = num_blocks * bytes_per_block
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token = "
+                    "2 x %d layers x %d kv heads x %d head dim x %d bytes)",
+                    num_blocks, cache.block_size, num_blocks * cache.block_size,
+                    self.kv_cache_bytes / 2**20, kv_bytes_per_token, cfg.num_hidden_layers,
+                    cfg.num_key_value_heads, cfg.head_dim, torch.finfo(self.dtype).bits // 8)
+
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, args.max_num_batched_tokens, args.max_num_seqs,
+                                   self.max_model_len, args.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, cache.block_size, self.device,
+                                  kv_dtype=self.dtype)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.counters = EngineCounters()
+        self._request_counter = itertools.count()
+        self._pending_finished: set[str] = set()
+
+    # ------------------------------------------------------------------ requests
+    def describe_kv_cache(self) -> str:
+        cfg = self.model_config
+        return (f"KV cache: {self.num_blocks} blocks x {self.args.block_size} tokens = "
+                f"{self.num_blocks * self.args.block_size} tokens, "
+                f"{self.kv_cache_bytes / 2**20:.1f} MiB "
+                f"(2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} kv heads x "
+                f"{cfg.head_dim} head dim x {torch.finfo(self.dtype).bits // 8} bytes per token)")
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._request_counter)}"
+
+    def tokenize_prompt(self, prompt: Union[str, list[int]]) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestRejected("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise RequestRejected("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
+        return None, token_ids
+
+    def add_request(self, request_id: Optional[str], prompt: Union[str, list[int]],
+                    params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> str:
+        """Queue a request; raises RequestRejected (with the reason) if it can never be served."""
+        params = params or SamplingParams()
+        request_id = request_id or self.new_request_id()
+        try:
+            params.validate(self.model_config.vocab_size)
+            if request_id in self.output_processor:
+                raise RequestRejected(f"request id {request_id!r} is already in use")
+            if (self.args.max_waiting_requests is not None
+                    and self.scheduler.num_waiting >= self.args.max_waiting_requests):
+                raise EngineBusy(f"too many waiting requests "
+                                 f"(max_waiting_requests={self.args.max_waiting_requests})")
+            prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+            arrival = arrival_time if arrival_time is not None else time.monotonic()
+            children = []
+            for i in range(params.n):
+                child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+                child = Request(request_id=child_id, prompt_token_ids=prompt_ids,
+                                sampling_params=params, eos_token_ids=self.eos_token_ids,
+                                arrival_time=arrival,
+                                prefix_leader=children[0] if children else None)
+                if params.seed is not None:
+                    # Siblings get distinct streams derived from the one seed.
+                    child.generator = make_generator(params.seed + i, self.device)
+                children.append(child)
+            self.scheduler.check_fits(children[0])
+        except RequestRejected:
+            self.counters.rejected_requests += 1
+            raise
+        for child in children:
+            self.scheduler.add_request(child)
+        self.output_processor.add_group(request_id, prompt_text, prompt_ids, children)
+        self.counters.prompt_tokens += len(prompt_ids)
+        return request_id
+
+    def abort_request(self, request_ids: Union[str, list[str]]) -> None:
+        """Abort now: blocks of every child are freed before this returns."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            child_ids = self.output_processor.child_ids(rid)
+            if not child_ids:
+                continue
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for cid in child_ids:
+                _, seq = self.output_processor.seq_by_request_id[cid]
+                self.output_processor.mark_finished(seq.request)
+            self.counters.aborted_requests += 1
+            self._pending_finished.update(child_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.num_unfinished > 0 or self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        with record_function("scheduler.schedule"):
+            sched = self.scheduler.schedule()
+        touched: set[str] = set(self._pending_finished)
+        self._pending_finished.clear()
+        stats = StepStats()
+        if not sched.is_empty:
+            runner_out = self.runner.execute(sched)
+            stats.num_prefill_tokens = runner_out.num_prefill_tokens
+            stats.num_decode_tokens = runner_out.num_decode_tokens
+            stats.num_seqs = len(sched.chunks)
+            with record_function("scheduler.update"):
+                updated = self.scheduler.update_from_output(sched, runner_out.sampled)
+            stop_string_hits = []
+            with record_function("detokenizer"):
+                for req in updated:
+                    if self.output_processor.process_new_token(req, runner_out.logprobs.get(req.request_id)):
+                        if req.is_finished:  # the stop string came with the last allowed token
+                            req.status = RequestStatus.FINISHED_STOPPED
+                        else:
+                            stop_string_hits.append(req.request_id)
+                    touched.add(req.request_id)
+            if stop_string_hits:
+                self.scheduler.finish_requests(stop_string_hits, RequestStatus.FINISHED_STOPPED)
+            self.counters.generation_tokens += len(runner_out.sampled)
+        with record_function("detokenizer"):
+            outputs = self.output_processor.outputs_for(touched)
+        self.counters.finished_requests += sum(1 for o in outputs if o.finished)
+        stats.duration_s = time.perf_counter() - t0
+        if not sched.is_empty:
+            self.counters.steps += 1
+            if stats.num_prefill_tokens:
+                self.counters.prefill_time_s += stats.duration_s
+            else:
+                self.counters.decode_time_s += stats.duration_s
+            self.counters.step_history.append(stats)
+            if len(self.counters.step_history) > 100_000:
+                del self.counters.step_history[:50_000]
+        return outputs
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        kv = self.kv_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_usage": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.counters.prompt_tokens,
+            "generation_tokens": self.counters.generation_tokens,
+            "aborted_requests": self.counters.aborted_requests,
+            "rejected_requests": self.counters.rejected_requests,
+        }

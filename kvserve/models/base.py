@@ -1,0 +1,92 @@
+"""What every kvserve causal LM shares: the runner-facing forward and weight loading.
+
+Subclasses build ``self.model`` (``embed_tokens``, ``layers``, ``norm``, returning pre-norm
+hidden states) and ``self.lm_head``, and declare their fused projections in
+``packed_modules``: fused name -> the upstream (HF) names it concatenates, in row order.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Iterable, Optional
+
+import torch
+from torch import nn
+
+from kvserve.attention import AttentionMetadata
+from kvserve.config import ConfigError, ModelConfig
+
+
+class PagedCausalLM(nn.Module):
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    config: ModelConfig
+    model: nn.Module
+    lm_head: nn.Linear
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, tokens of several sequences flattened
+        positions: torch.Tensor,  # [T] int64
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # one per layer, see attention.py layout
+        logits_indices: torch.Tensor,  # [S'] int64 rows of T whose logits are wanted
+    ) -> torch.Tensor:  # [S', vocab] float32
+        hidden = self.model(input_ids, positions, attn_metadata, kv_caches)
+        # Only the rows that will be sampled reach the final norm and the (vocab-wide) head.
+        hidden = self.model.norm(hidden.index_select(0, logits_indices))
+        logits = self.lm_head(hidden).float()
+        cap: Optional[float] = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _packed_target(self, name: str) -> tuple[str, int, int]:
+        """(parameter name, shard index, shard count) for an upstream weight name."""
+        for fused, parts in self.packed_modules.items():
+            for i, part in enumerate(parts):
+                if f".{part}." in name:
+                    return name.replace(f".{part}.", f".{fused}."), i, len(parts)
+        return name, 0, 1
+
+    def _assign(self, name: str, tensor: torch.Tensor) -> None:
+        module_name, attr = name.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        expected = getattr(module, attr).shape
+        if tuple(tensor.shape) != tuple(expected):
+            raise ConfigError(f"weight '{name}' has shape {tuple(tensor.shape)}, the model expects {tuple(expected)}")
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Assign upstream-named weights (already on the target device/dtype), concatenating
+        the shards of fused projections. Every parameter must be covered exactly."""
+        params = {name for name, _ in self.named_parameters()}
+        if self.config.tie_word_embeddings:
+            params.discard("lm_head.weight")
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            target, index, count = self._packed_target(name)
+            if target not in params:
+                raise ConfigError(f"unexpected weight '{name}' for {type(self).__name__}")
+            if count == 1:
+                self._assign(target, tensor)
+                loaded.add(target)
+                continue
+            parts = shards.setdefault(target, {})
+            parts[index] = tensor
+            if len(parts) == count:
+                self._assign(target, torch.cat([parts[i] for i in range(count)], dim=0))
+                loaded.add(target)
+                del shards[target]
+        missing = sorted(params - loaded)
+        if missing:
+            raise ConfigError(f"checkpoint lacks {len(missing)} weight(s), e.g. '{missing[0]}'")
+        self.tie_weights()

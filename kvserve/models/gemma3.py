@@ -1,0 +1,105 @@
+"""Gemma 3 (text) decoder on the paged KV cache.
+
+Differences from LLaMA: sliding-window (local) layers interleaved with global ones, each
+kind with its own rope base (rope scaling applies to global layers only); RMSNorm on q and
+k per head (QK-norm); ``(1 + w)`` RMSNorms, also after attention and after the MLP; GeGLU
+(tanh-approximated GELU); embeddings scaled by ``sqrt(hidden_size)``; attention scale
+``query_pre_attn_scalar ** -0.5``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.attention import AttentionMetadata, get_attention_backend
+from kvserve.config import ModelConfig
+from kvserve.models.base import PagedCausalLM
+from kvserve.models.layers import GemmaRMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from kvserve.models.llama import GatedMLP
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.is_sliding = config.is_sliding(layer_idx)
+        self.sliding_window = config.sliding_window if self.is_sliding else None
+        self.softcap = config.attn_logit_softcapping
+        self.attention = get_attention_backend(attn_backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window, self.softcap)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+        super().__init__()
+        dim, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(dim, eps)
+        self.self_attn = Gemma3Attention(config, layer_idx, attn_backend)
+        self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+        self.mlp = GatedMLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+
+    def forward(self, hidden: torch.Tensor, rope: dict[bool, tuple[torch.Tensor, torch.Tensor]],
+                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope[self.self_attn.is_sliding]
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata, kv_cache)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: str) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, "cpu")  # rejects bad scaling now
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        cfg = self.config
+        hidden = self.embed_tokens(input_ids)
+        # HF rounds the scale to the weights' dtype before multiplying; so do we (matters in bf16).
+        hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5, dtype=hidden.dtype).item()
+        device = positions.device
+        local_base = cfg.rope_local_base_freq or cfg.rope_theta
+        rope = {
+            False: rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device),
+                                hidden.dtype),
+            True: rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, local_base, None, device), hidden.dtype),
+        }
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, rope, attn_metadata, kv_cache)
+        return hidden  # pre-norm: the caller norms only the rows it needs logits for
+
+
+class Gemma3ForCausalLM(PagedCausalLM):
+    def __init__(self, config: ModelConfig, attn_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config, attn_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()

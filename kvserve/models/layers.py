@@ -1,0 +1,91 @@
+"""Building blocks shared by the model files: norms, rotary embeddings, linear helpers.
+
+Numerics follow HF transformers (the parity reference): norms compute in float32, rope
+tables are built in float32 from the same ``inv_freq`` formula and cast to the activations'
+dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from kvserve.config import ConfigError
+
+
+class RMSNorm(nn.Module):
+    """LLaMA RMSNorm: ``w * normalize(x)``, the product taken in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma RMSNorm: ``normalize(x) * (1 + w)`` in float32, then cast (zero-initialised w)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict], device: torch.device) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32), with optional rope scaling:
+    ``linear`` (positions / factor), ``llama3`` (HF's frequency-band rescale) or
+    ``freq_factors`` (llama.cpp's per-frequency divisors, from a GGUF ``rope_freqs`` tensor)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32, device=device)
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ConfigError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[T, head_dim]`` for the given positions (only the step's tokens)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` (HF ``rotate_half`` convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,109 @@
+"""LLaMA-family decoder on the paged KV cache: SmolLM2, Llama 2/3, Mistral, Qwen2.
+
+GQA, optional q/k/v bias (Qwen2 biases q/k/v but not o), rope scaling (linear, llama3,
+GGUF frequency factors), optional uniform sliding window (Mistral). Parameter names follow
+HF's ``LlamaForCausalLM`` except the fused ``qkv_proj`` / ``gate_up_proj``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention import AttentionMetadata, get_attention_backend
+from kvserve.config import ModelConfig
+from kvserve.models.base import PagedCausalLM
+from kvserve.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        o_bias = config.attention_bias and config.architecture != "qwen2"
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = config.sliding_window if config.is_sliding(layer_idx) else None
+        self.attention = get_attention_backend(attn_backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, attn_backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: str) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, "cpu")  # rejects bad scaling now
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cfg = self.config
+        # Rope tables for this step's positions only (a few hundred floats), shared by all layers.
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, positions.device)
+        cos, sin = rope_cos_sin(positions, inv_freq, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, attn_metadata, kv_cache)
+        return hidden  # pre-norm: the caller norms only the rows it needs logits for
+
+
+class LlamaForCausalLM(PagedCausalLM):
+    def __init__(self, config: ModelConfig, attn_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()

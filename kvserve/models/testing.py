@@ -1,0 +1,124 @@
+"""Tiny random-weight models for fast tests, and bridges to HF transformers for parity checks.
+
+The tiny models use SmolLM2's 49152-token vocabulary so the real SmolLM2 tokenizer can
+drive them (bos 1, eos 2).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.config import ConfigError, ModelConfig
+from kvserve.models.base import PagedCausalLM
+from kvserve.models.layers import GemmaRMSNorm, RMSNorm
+from kvserve.models.registry import get_model_class
+
+TINY_ARCHITECTURES = ("llama", "gemma3")
+
+
+def tiny_config(arch: str) -> ModelConfig:
+    common: dict[str, Any] = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2],
+    )
+    if arch == "llama":
+        return ModelConfig(architecture="llama", num_hidden_layers=2, rms_norm_eps=1e-5,
+                           rope_theta=10000.0, hidden_act="silu", name="tiny-llama", **common)
+    if arch == "gemma3":
+        return ModelConfig(
+            architecture="gemma3", num_hidden_layers=4, rms_norm_eps=1e-6, rope_theta=1e6,
+            rope_local_base_freq=1e4, hidden_act="gelu_pytorch_tanh", sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=16.0, name="tiny-gemma3", **common,
+        )
+    raise ConfigError(f"no tiny model for architecture '{arch}' (have: {', '.join(TINY_ARCHITECTURES)})")
+
+
+@torch.no_grad()
+def build_random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> PagedCausalLM:
+    """A model with deterministic random weights, scaled so activations and logits stay O(1)
+    to O(10) (peaked enough that greedy decoding is not decided by rounding noise)."""
+    model = get_model_class(config.architecture)(config)
+    gen = torch.Generator().manual_seed(seed)
+    norm_modules = {name for name, m in model.named_modules() if isinstance(m, (RMSNorm, GemmaRMSNorm))}
+    gemma_norms = {name for name, m in model.named_modules() if isinstance(m, GemmaRMSNorm)}
+    for name, param in model.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        noise = torch.randn(param.shape, generator=gen)
+        if owner in norm_modules:
+            value = 0.1 * noise if owner in gemma_norms else 1.0 + 0.1 * noise
+        elif name.endswith("bias"):
+            value = 0.1 * noise
+        elif param.dim() == 2 and "embed_tokens" not in name:
+            value = noise / math.sqrt(param.shape[1])
+        else:
+            value = noise
+        param.copy_(value)
+    model.requires_grad_(False)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def unfused_state_dict(model: PagedCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under upstream (HF) names: fused projections split back."""
+    out: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+    for name, tensor in model.state_dict().items():
+        module_name, attr = name.rsplit(".", 1)
+        fused = module_name.rsplit(".", 1)[-1]
+        if fused not in model.packed_modules:
+            out[name] = tensor
+            continue
+        parent = module_name.rsplit(".", 1)[0]
+        parts = model.packed_modules[fused]
+        sizes = _shard_sizes(modules[parent], fused, tensor.shape[0], len(parts))
+        for part, piece in zip(parts, tensor.split(sizes, dim=0)):
+            out[f"{parent}.{part}.{attr}"] = piece.clone()
+    if model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _shard_sizes(parent: nn.Module, fused: str, rows: int, count: int) -> list[int]:
+    if fused == "qkv_proj":
+        return list(parent.split_sizes)
+    return [rows // count] * count
+
+
+def to_hf_config(config: ModelConfig) -> Any:
+    """An HF transformers config describing the same architecture (for reference models)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
+    )
+    if config.rope_scaling:
+        common["rope_scaling"] = dict(config.rope_scaling)
+    if config.architecture == "gemma3":
+        return Gemma3TextConfig(
+            rope_local_base_freq=config.rope_local_base_freq, sliding_window=config.sliding_window,
+            layer_types=list(config.layer_types), query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar),
+            hidden_activation=config.hidden_act, final_logit_softcapping=config.final_logit_softcapping,
+            attn_logit_softcapping=config.attn_logit_softcapping, attention_bias=config.attention_bias,
+            **common,
+        )
+    if config.architecture == "qwen2":
+        return Qwen2Config(hidden_act=config.hidden_act, **common)
+    if config.architecture == "mistral":
+        return MistralConfig(hidden_act=config.hidden_act, sliding_window=config.sliding_window, **common)
+    return LlamaConfig(hidden_act=config.hidden_act, attention_bias=config.attention_bias,
+                       mlp_bias=config.mlp_bias, **common)
+
+
+def _int_if_whole(x: Any) -> Any:
+    return int(x) if isinstance(x, float) and x.is_integer() else x

@@ -1,0 +1,151 @@
+"""Model runner: turns a SchedulerOutput into tensors, runs the model and the sampler.
+
+Device-agnostic: everything is built on the host with numpy and moved to ``device`` in one
+copy per tensor, so the same code serves CPU and CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from kvserve.attention import AttentionMetadata, allocate_kv_caches
+from kvserve.batch import SchedulerOutput
+from kvserve.config import ModelConfig
+from kvserve.request import Logprob, Request
+from kvserve.sampler import Sampler, build_sampling_metadata
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled_requests: list[Request]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+def token_slice(request: Request, start: int, end: int) -> list[int]:
+    """``request.all_token_ids[start:end]`` without concatenating the whole history."""
+    prompt = request.prompt_token_ids
+    n_prompt = len(prompt)
+    if end <= n_prompt:
+        return prompt[start:end]
+    if start >= n_prompt:
+        return request.output_token_ids[start - n_prompt:end - n_prompt]
+    return prompt[start:] + request.output_token_ids[:end - n_prompt]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, kv_dtype, device)
+        self.sampler = Sampler()
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
+        block_size = self.block_size
+        n_tokens = sched.total_num_scheduled_tokens
+        input_ids = np.empty(n_tokens, dtype=np.int64)
+        positions = np.empty(n_tokens, dtype=np.int64)
+        slot_mapping = np.empty(n_tokens, dtype=np.int64)
+        max_blocks = max(len(c.block_ids) for c in sched.chunks)
+        block_tables = np.zeros((len(sched.chunks), max_blocks), dtype=np.int32)
+        query_start_loc = [0]
+        context_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled_requests: list[Request] = []
+        n_prefill = n_decode = 0
+
+        offset = 0
+        for row, chunk in enumerate(sched.chunks):
+            req = chunk.request
+            start = req.num_computed_tokens
+            n = chunk.num_new_tokens
+            end = start + n
+            input_ids[offset:offset + n] = token_slice(req, start, end)
+            pos = np.arange(start, end, dtype=np.int64)
+            positions[offset:offset + n] = pos
+            table = np.asarray(chunk.block_ids, dtype=np.int64)
+            block_tables[row, :len(table)] = table
+            slot_mapping[offset:offset + n] = table[pos // block_size] * block_size + pos % block_size
+            offset += n
+            query_start_loc.append(offset)
+            context_lens.append(start)
+            seq_lens.append(end)
+            if chunk.needs_sample:
+                logits_indices.append(offset - 1)
+                sampled_requests.append(req)
+            if chunk.is_prefill:
+                n_prefill += n
+            else:
+                n_decode += n
+
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+            seq_lens=seq_lens,
+            block_size=block_size,
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+        )
+        return ModelInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn_metadata=attn,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sampled_requests=sampled_requests,
+            num_prefill_tokens=n_prefill,
+            num_decode_tokens=n_decode,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        with record_function("runner.prepare_inputs"):
+            inputs = self.prepare_inputs(sched)
+        label = "model.forward.decode" if inputs.num_prefill_tokens == 0 else "model.forward.prefill"
+        with record_function(label):
+            logits = self.model(
+                inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches,
+                inputs.logits_indices,
+            )
+        out = RunnerOutput(num_prefill_tokens=inputs.num_prefill_tokens,
+                           num_decode_tokens=inputs.num_decode_tokens)
+        if not inputs.sampled_requests:
+            return out
+        with record_function("sampler"):
+            md = build_sampling_metadata(inputs.sampled_requests, logits.shape[-1], logits.device)
+            sampler_out = self.sampler(logits, md)
+            token_ids = sampler_out.sampled_token_ids.tolist()
+        for i, req in enumerate(inputs.sampled_requests):
+            out.sampled[req.request_id] = token_ids[i]
+            if sampler_out.logprobs is not None and sampler_out.logprobs[i] is not None:
+                out.logprobs[req.request_id] = sampler_out.logprobs[i]
+        return out

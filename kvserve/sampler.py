@@ -1,0 +1,335 @@
+"""Batched sampling on the device: one call turns a step's logits into one token per row.
+
+Processing order (vLLM's, which follows HF's): logit_bias, min_tokens blocking, penalties
+(repetition, frequency, presence); greedy rows then take the argmax; random rows go through
+temperature, top-k, top-p, min-p and an exponential race. Logprobs come from the raw logits.
+
+``SamplingMetadata`` is rebuilt every step from the batch's requests. It only carries tensors
+for features some row actually uses, so a batch of plain greedy requests costs one argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from kvserve.request import Logprob, Request
+
+# Temperatures below this are treated as greedy: dividing by them would overflow the logits
+# and the resulting distribution is an argmax anyway.
+_GREEDY_TEMPERATURE = 1e-5
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A per-request RNG on ``device``; a request sampled with it is reproducible whatever
+    else shares its batch."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling state for one step (row i is the i-th request handed to the builder).
+
+    A field is None when no row uses the feature; the flags say the same for cheap branching.
+    """
+
+    num_rows: int
+    all_greedy: bool
+    all_random: bool
+    # [S] bool, True for greedy rows; only when the batch mixes greedy and random rows.
+    greedy_mask: Optional[torch.Tensor]
+    # [S, 1] float; greedy rows hold 1.0 so the division is harmless. None when all greedy.
+    temperature: Optional[torch.Tensor]
+    top_k: Optional[torch.Tensor]  # [S, 1] int64, disabled rows hold the vocab size
+    top_p: Optional[torch.Tensor]  # [S, 1] float, disabled rows hold 1.0
+    min_p: Optional[torch.Tensor]  # [S, 1] float, disabled rows hold 0.0
+    # Sparse (row indices, token ids, values) triples, applied with one index_put.
+    logit_bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # (row indices, token ids) forced to -inf: EOS and stop tokens before min_tokens is reached.
+    min_tokens_blocked: Optional[tuple[torch.Tensor, torch.Tensor]]
+    # Penalties: per-row parameters [S, 1] with neutral values for rows that use none.
+    repetition_penalty: Optional[torch.Tensor]
+    frequency_penalty: Optional[torch.Tensor]
+    presence_penalty: Optional[torch.Tensor]
+    prompt_mask: Optional[torch.Tensor]  # [S, V] bool: token occurs in the prompt
+    output_counts: Optional[torch.Tensor]  # [S, V] float: occurrences in the output so far
+    # Rows with their own RNG: row index -> torch.Generator. Other random rows share one draw.
+    generators: dict[int, torch.Generator]
+    # Per-row number of logprob alternatives (None: row did not ask); None if no row asked.
+    num_logprobs: Optional[list[Optional[int]]]
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.output_counts is None
+
+    @property
+    def no_top_k(self) -> bool:
+        return self.top_k is None
+
+    @property
+    def no_top_p(self) -> bool:
+        return self.top_p is None
+
+    @property
+    def no_min_p(self) -> bool:
+        return self.min_p is None
+
+    @property
+    def max_num_logprobs(self) -> Optional[int]:
+        if self.num_logprobs is None:
+            return None
+        return max(n for n in self.num_logprobs if n is not None)
+
+
+def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
+                            device: torch.device | str) -> SamplingMetadata:
+    """Gather the batch's sampling parameters into device tensors (runs once per step)."""
+    num_rows = len(requests)
+    params = [r.sampling_params for r in requests]
+    greedy = [p.temperature < _GREEDY_TEMPERATURE for p in params]
+    all_greedy = all(greedy)
+    all_random = not any(greedy)
+
+    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+    greedy_mask = temperature = top_k = top_p = min_p = None
+    generators: dict[int, torch.Generator] = {}
+    if not all_greedy:
+        if not all_random:
+            greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+        temperature = column([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+                             torch.float32)
+        # Greedy rows ignore the filters; neutral values keep the batched ops uniform.
+        if any(not g and 0 < p.top_k < vocab_size for g, p in zip(greedy, params)):
+            top_k = column([p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size
+                            for g, p in zip(greedy, params)], torch.int64)
+        if any(not g and p.top_p < 1.0 for g, p in zip(greedy, params)):
+            top_p = column([1.0 if g else p.top_p for g, p in zip(greedy, params)], torch.float32)
+        if any(not g and p.min_p > 0.0 for g, p in zip(greedy, params)):
+            min_p = column([0.0 if g else p.min_p for g, p in zip(greedy, params)], torch.float32)
+        for i, (g, req) in enumerate(zip(greedy, requests)):
+            if g:
+                continue
+            if req.generator is None and req.sampling_params.seed is not None:
+                # Safety net for requests built without one; the request keeps it so the
+                # stream continues across steps.
+                req.generator = make_generator(req.sampling_params.seed, device)
+            if req.generator is not None:
+                generators[i] = req.generator
+
+    logit_bias = None
+    if any(p.logit_bias for p in params):
+        rows, toks, vals = [], [], []
+        for i, p in enumerate(params):
+            for tok, bias in (p.logit_bias or {}).items():
+                rows.append(i)
+                toks.append(int(tok))
+                vals.append(float(bias))
+        logit_bias = (torch.tensor(rows, dtype=torch.int64, device=device),
+                      torch.tensor(toks, dtype=torch.int64, device=device),
+                      torch.tensor(vals, dtype=torch.float32, device=device))
+
+    min_tokens_blocked = None
+    if any(r.num_output_tokens < p.min_tokens for r, p in zip(requests, params)):
+        rows, toks = [], []
+        for i, (r, p) in enumerate(zip(requests, params)):
+            if r.num_output_tokens >= p.min_tokens:
+                continue
+            # With ignore_eos the EOS token does not end the request, so it needs no blocking.
+            blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            blocked = {t for t in blocked if 0 <= t < vocab_size}
+            rows.extend([i] * len(blocked))
+            toks.extend(sorted(blocked))
+        if rows:
+            min_tokens_blocked = (torch.tensor(rows, dtype=torch.int64, device=device),
+                                  torch.tensor(toks, dtype=torch.int64, device=device))
+
+    repetition = frequency = presence = prompt_mask = output_counts = None
+    uses_rep = [p.repetition_penalty != 1.0 for p in params]
+    uses_freq_pres = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
+    if any(uses_rep) or any(uses_freq_pres):
+        repetition = column([p.repetition_penalty for p in params], torch.float32)
+        frequency = column([p.frequency_penalty for p in params], torch.float32)
+        presence = column([p.presence_penalty for p in params], torch.float32)
+        output_counts = _token_counts(
+            [r.output_token_ids if (rep or fp) else [] for r, rep, fp
+             in zip(requests, uses_rep, uses_freq_pres)], vocab_size, device)
+        if any(uses_rep):
+            prompt_mask = _token_counts(
+                [r.prompt_token_ids if rep else [] for r, rep in zip(requests, uses_rep)],
+                vocab_size, device) > 0
+
+    num_logprobs = None
+    if any(p.logprobs is not None for p in params):
+        num_logprobs = [p.logprobs for p in params]
+
+    return SamplingMetadata(
+        num_rows=num_rows, all_greedy=all_greedy, all_random=all_random,
+        greedy_mask=greedy_mask, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, logit_bias=logit_bias, min_tokens_blocked=min_tokens_blocked,
+        repetition_penalty=repetition, frequency_penalty=frequency, presence_penalty=presence,
+        prompt_mask=prompt_mask, output_counts=output_counts, generators=generators,
+        num_logprobs=num_logprobs)
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """[S, V] float counts of each token per row, from ragged lists (one scatter_add)."""
+    num_rows = len(token_lists)
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    if width:
+        # Padding points at an extra column that is dropped afterwards.
+        padded = torch.full((num_rows, width), vocab_size, dtype=torch.int64)
+        for i, toks in enumerate(token_lists):
+            if toks:
+                padded[i, :len(toks)] = torch.tensor(toks, dtype=torch.int64)
+        padded = padded.to(device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [S] int64, on the logits' device
+    # Per row: {token_id: Logprob} with the sampled token and the top-N alternatives;
+    # None for rows that did not ask. The whole list is None when no row asked.
+    logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+
+
+class Sampler:
+    """Stateless: all per-request state lives in the metadata (and the requests' generators)."""
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (logits.shape, md.num_rows)
+        logits = logits.float()
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if md.num_logprobs is not None else None)
+
+        logits = self.apply_logits_processors(logits, md)
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self.sample_random(logits, md)
+            if md.greedy_mask is not None:
+                sampled = torch.where(md.greedy_mask, logits.argmax(dim=-1), sampled)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = self.gather_logprobs(raw_logprobs, sampled, md)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """logit_bias, min_tokens blocking, then penalties. Never modifies the input tensor."""
+        if md.logit_bias is not None:
+            rows, toks, vals = md.logit_bias
+            logits = logits.index_put((rows, toks), vals, accumulate=True)
+        if md.min_tokens_blocked is not None:
+            rows, toks = md.min_tokens_blocked
+            logits = logits.index_put((rows, toks), logits.new_full(rows.shape, float("-inf")))
+        if md.output_counts is not None:
+            logits = apply_penalties(logits, md)
+        return logits
+
+    @staticmethod
+    def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then one exponential race per row."""
+        assert md.temperature is not None
+        logits = logits / md.temperature
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if md.min_p is not None:
+            # Relative to the top token, which top-k/top-p never remove: the kept set is the
+            # same whether min-p is applied before or after them.
+            threshold = md.min_p * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return exponential_race(probs, md.generators)
+
+    @staticmethod
+    def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor,
+                        md: SamplingMetadata) -> list[Optional[dict[int, Logprob]]]:
+        """The sampled token's logprob and rank plus the top-N alternatives, per asking row."""
+        assert md.num_logprobs is not None
+        max_n = md.max_num_logprobs or 0
+        top_lp: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))  # [S, 1]
+        # Rank 1 is the most likely token; ties share the better rank.
+        ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+        if max_n > 0:
+            top_lp, top_ids = logprobs.topk(max_n, dim=-1)
+            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        sampled_ids, sampled_lp, ranks = sampled.tolist(), sampled_lp.squeeze(1).tolist(), ranks.tolist()
+
+        result: list[Optional[dict[int, Logprob]]] = []
+        for i, n in enumerate(md.num_logprobs):
+            if n is None:
+                result.append(None)
+                continue
+            entry = {sampled_ids[i]: Logprob(sampled_ids[i], sampled_lp[i], ranks[i])}
+            for j in range(n):
+                tok = top_ids[i][j]
+                if tok not in entry:
+                    entry[tok] = Logprob(tok, top_lp[i][j], j + 1)
+            result.append(entry)
+        return result
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition (HF/vLLM: seen tokens' logits divided if positive, multiplied if negative;
+    seen = prompt or output), then OpenAI's frequency and presence penalties on output tokens."""
+    assert md.output_counts is not None
+    counts = md.output_counts
+    if md.prompt_mask is not None:
+        seen = md.prompt_mask | (counts > 0)
+        penalty = md.repetition_penalty
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    logits = logits - md.frequency_penalty * counts
+    logits = logits - md.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mask tokens outside the top-k, then outside the top-p nucleus of what is left.
+
+    One descending sort for the whole batch. Top-k keeps exactly k tokens; top-p keeps the
+    smallest prefix whose probability (renormalised after top-k) reaches p, always at least
+    the top token.
+    """
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        remove |= positions >= top_k
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    if top_p is not None:
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        remove |= mass_before >= top_p
+    # Scatter the mask back to vocabulary order so that sampling (and a seeded row's random
+    # draw) does not depend on how the sort ordered ties.
+    remove = torch.empty_like(remove).scatter_(1, sorted_idx, remove)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row: argmax(p / q) with q ~ Exp(1) picks token i with probability
+    p_i. Seeded rows draw q from their own generator (one draw per step, that row only);
+    the others share one batched draw from the device's default generator."""
+    num_rows = probs.shape[0]
+    q = torch.empty_like(probs)
+    if len(generators) < num_rows:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)

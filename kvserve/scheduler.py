@@ -1,0 +1,245 @@
+"""The compute scheduler: decides which tokens of which requests run in the next step.
+
+Torch-free. One rule covers prefill, chunked prefill, prefix-cache hits and decode: each
+request's ``num_computed_tokens`` catches up with its ``num_tokens``, within a per-step
+token budget. Running requests go first, in order; waiting ones are admitted after, in
+arrival order. ``allocate_slots`` returning None is the single trigger for preemption
+(by recompute: the newest running request gives all its blocks back and starts over,
+mostly from the prefix cache).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterable, Optional
+
+from kvserve.batch import ScheduledChunk, SchedulerOutput
+from kvserve.kv_manager import KVCacheManager
+from kvserve.request import Request, RequestRejected, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1, max_model_len >= 2")
+        self.kv_manager = kv_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self._requests.get(request_id)
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def check_fits(self, request: Request) -> None:
+        """Raise RequestRejected if ``request`` could never run to completion."""
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise RequestRejected("the prompt is empty: at least one token is needed")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            if num_prompt >= self.max_model_len:
+                raise RequestRejected(
+                    f"the prompt has {num_prompt} tokens, which leaves no room to generate within "
+                    f"the maximum context length of {self.max_model_len} tokens")
+            total = self.max_model_len
+        else:
+            total = num_prompt + max_tokens
+            if total > self.max_model_len:
+                raise RequestRejected(
+                    f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
+                    f"more than the maximum context length of {self.max_model_len} tokens")
+        # The last sampled token is never fed back, so it needs no KV slot.
+        kv = self.kv_manager
+        blocks_needed = kv.num_blocks_for(total - 1)
+        if blocks_needed > kv.num_blocks:
+            raise RequestRejected(
+                f"the request needs up to {total - 1} tokens of KV cache ({blocks_needed} blocks of "
+                f"{kv.block_size}), more than the whole cache holds ({kv.num_blocks} blocks, "
+                f"{kv.num_blocks * kv.block_size} tokens); lower max_tokens or the prompt length")
+        if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
+            raise RequestRejected(
+                f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) with chunked prefill disabled")
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Does not advance ``num_computed_tokens`` past the cache hits."""
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        # After a preemption the victims head the waiting queue and cannot fit yet, and
+        # admission is first come first served: nobody jumps in to thrash the cache.
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            block_ids = self.kv_manager.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    if i == 0:
+                        raise AssertionError(
+                            f"request {request.request_id} cannot get blocks with the whole cache to "
+                            "itself; check_fits should have rejected it")
+                    return budget
+                block_ids = self.kv_manager.allocate_slots(request, num_new)
+            out.chunks.append(ScheduledChunk(request, num_new, block_ids))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        deferred: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self._waits_for_leader(request):
+                deferred.append(self.waiting.popleft())
+                continue
+            hit_block_ids, num_hit = self.kv_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget:
+                # Without chunked prefill a prompt runs whole, in a later step with more room.
+                # A preempted request's recompute can outgrow any step; that one is chunked.
+                if not self.enable_chunked_prefill and num_new <= self.max_num_batched_tokens:
+                    break
+                num_new = budget
+            block_ids = self.kv_manager.allocate_slots(request, num_new, hit_block_ids, num_hit)
+            if block_ids is None:
+                if not self.running:
+                    raise AssertionError(
+                        f"request {request.request_id} cannot get blocks with the whole cache free; "
+                        "check_fits should have rejected it")
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, num_new, block_ids))
+            budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
+
+    def _waits_for_leader(self, request: Request) -> bool:
+        """An ``n > 1`` sibling waits until its leader's prompt KV is in the prefix cache."""
+        leader = request.prefix_leader
+        return (leader is not None and not leader.is_finished
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance each scheduled request; append sampled tokens; finish and free stopped ones.
+
+        Returns the requests that got a new token, finished or not.
+        """
+        with_new_token: list[Request] = []
+        any_finished = False
+        for chunk in scheduler_output.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            needs_sample = chunk.needs_sample
+            request.num_computed_tokens += chunk.num_new_tokens
+            if not needs_sample:
+                continue
+            request.output_token_ids.append(sampled[request.request_id])
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            status = self._check_stop(request)
+            if status is not None:
+                self._finish(request, status)
+                any_finished = True
+            with_new_token.append(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return with_new_token
+
+    def _check_stop(self, request: Request) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish waiting or running requests now (abort, stop string); unknown ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                finished.append(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.kv_manager.free(request)
+        del self._requests[request.request_id]

@@ -1,0 +1,170 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, API-key check, and ``run_server``."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import secrets
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.server.chat import create_chat_completion
+from kvserve.server.completions import create_completion
+from kvserve.server.errors import bad_request, error_body, install_error_handlers
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                     CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                     DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
+                                     TokenizeRequest, TokenizeResponse)
+from kvserve.server.serving import ServingContext, check_text
+from kvserve.server.streams import AdmissionGate
+
+logger = logging.getLogger("kvserve")
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500)}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+class APIKeyMiddleware:
+    """Bearer-token check on /v1/*, answered before the body is read (so a client without
+    the key learns that first, whatever it sent). Plain ASGI: it must not wrap ``receive``,
+    which streaming responses use to notice a client going away."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") \
+                or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self._expected):
+            return await self.app(scope, receive, send)
+        message = ("missing API key: send it as 'Authorization: Bearer <key>'" if not given
+                   else "incorrect API key")
+        response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+def create_app(async_engine, served_model_name: str, api_key: Optional[str] = None,
+               max_waiting_requests: Optional[int] = None):
+    """The ASGI app serving ``async_engine`` (an AsyncLLMEngine) under ``served_model_name``.
+    The engine loop is started with the app; stopping it is the caller's business, since
+    several apps may share one engine."""
+    metrics = ServerMetrics(async_engine.stats)
+    gate = None
+    if max_waiting_requests is not None:
+        gate = AdmissionGate(max_waiting_requests,
+                             engine_waiting=lambda: async_engine.stats()["num_waiting"])
+    ctx = ServingContext(async_engine, served_model_name, metrics, gate)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        yield
+
+    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API of the kvserve inference engine.")
+    app.state.ctx = ctx
+    install_error_handlers(app, on_server_rejection=metrics.count_server_rejection,
+                           counted_paths=GENERATION_PATHS)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return JSONResponse(error_body("the engine loop is not running", type="server_error"),
+                                status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        # Reading engine stats takes the engine lock: keep that off the event loop.
+        body = await asyncio.to_thread(metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+    async def get_model(model: str) -> ModelCard:
+        ctx.check_model(model)
+        return ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**_ERRORS, 200: {"content": _SSE}})
+    async def completions(body: CompletionRequest, raw_request: Request):
+        return await create_completion(ctx, body, raw_request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**_ERRORS, 200: {"content": _SSE}})
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
+        return await create_chat_completion(ctx, body, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages")
+        if body.prompt is not None:
+            check_text(body.prompt, "prompt")
+            tokens = await ctx.in_engine(lambda engine: engine.tokenizer.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens))
+        else:
+            tokens = await ctx.chat_prompt_ids(body.messages, body.add_generation_prompt)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(body.model)
+        return DetokenizeResponse(prompt=await ctx.decode(body.tokens))
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_server(eargs, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
+               served_model_name: Optional[str] = None, log_level: str = "info") -> None:
+    """Build the engine from ``eargs`` (EngineArgs) and serve it until interrupted."""
+    import uvicorn
+
+    from kvserve.async_engine import AsyncLLMEngine
+    from kvserve.engine import LLMEngine
+
+    logger.setLevel(log_level.upper())
+    engine = LLMEngine(eargs)
+    logger.info("loaded %s in %.1f s; %s", eargs.model, engine.load_time_s,
+                engine.describe_kv_cache())
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+    try:
+        app = create_app(async_engine, served_model_name or eargs.model, api_key=api_key,
+                         max_waiting_requests=eargs.max_waiting_requests)
+        if not api_key and not _is_loopback(host):
+            logger.warning("serving on %s without --api-key: anyone who can reach this port "
+                           "can use the model", host)
+        logger.info("serving %s on http://%s:%d/v1 (OpenAPI spec at /openapi.json)",
+                    served_model_name or eargs.model, host, port)
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(),
+                    timeout_graceful_shutdown=5)
+    finally:
+        async_engine.shutdown()
+
+
+__all__ = ["create_app", "run_server"]

@@ -1,0 +1,59 @@
+"""The engine's per-token logprobs ({token_id: Logprob}: the sampled token plus the top
+alternatives) in OpenAI's two shapes: completions (parallel lists) and chat (a list of
+token objects)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from kvserve.request import Logprob
+from kvserve.server.protocol import (ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs,
+                                     TopLogprob)
+from kvserve.server.token_text import TokenText
+
+# JSON has no -inf; OpenAI and vLLM clip to this.
+_MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB
+
+
+def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+    return ranked[:num_top]
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num_top: int,
+                        token_text: TokenText, text_offset: int = 0) -> tuple[CompletionLogprobs, int]:
+    """``text_offset``: where the first of these tokens starts in the returned text.
+    Returns the logprobs and the offset just past the last token (for the next stream chunk)."""
+    out = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries):
+        text = token_text.text(token_id)
+        chosen: Optional[Logprob] = entry.get(token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(_finite(chosen.logprob) if chosen else None)
+        top = {token_text.text(t): _finite(lp.logprob) for t, lp in _top(entry, num_top)}
+        if chosen is not None:
+            top.setdefault(text, _finite(chosen.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
+        # Offsets count characters of the text; a token holding part of a character adds none.
+        text_offset += len(token_text.token_bytes(token_id).decode("utf-8", errors="ignore"))
+    return out, text_offset
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num_top: int,
+                  token_text: TokenText) -> ChatChoiceLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry.get(token_id)
+        content.append(ChatTokenLogprob(
+            token=token_text.text(token_id),
+            logprob=_finite(chosen.logprob) if chosen else _MIN_LOGPROB,
+            bytes=list(token_text.token_bytes(token_id)),
+            top_logprobs=[TopLogprob(token=token_text.text(t), logprob=_finite(lp.logprob),
+                                     bytes=list(token_text.token_bytes(t)))
+                          for t, lp in _top(entry, num_top)]))
+    return ChatChoiceLogprobs(content=content)

@@ -1,0 +1,258 @@
+"""Pydantic schemas of the OpenAI-compatible API: field names and shapes as OpenAI's, plus
+kvserve's extra sampling fields (top_k, min_p, repetition_penalty, ...)."""
+from __future__ import annotations
+
+import time
+from typing import ClassVar, Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from kvserve.request import SamplingParams
+
+# OpenAI's own limits for these.
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "default";
+    OpenAI clients send explicit nulls."""
+
+    model: Optional[str] = None
+    n: Optional[int] = Field(None, ge=1, le=MAX_N)
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**63)  # int64, as OpenAI
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    user: Optional[str] = None
+    # kvserve / vLLM extras
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    min_tokens: Optional[int] = Field(None, ge=0)
+    ignore_eos: Optional[bool] = False
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
+
+    def base_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """SamplingParams for this request; raises ValueError naming a bad logit_bias key."""
+        bias = None
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    bias[int(key)] = float(value)
+                except ValueError:
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+                if not -100.0 <= value <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        stop = self.stop if isinstance(self.stop, list) else ([self.stop] if self.stop else [])
+
+        def pick(value, default):
+            return default if value is None else value
+
+        return SamplingParams(
+            n=pick(self.n, 1), temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0), logit_bias=bias, seed=self.seed,
+            max_tokens=max_tokens, min_tokens=pick(self.min_tokens, 0),
+            ignore_eos=bool(self.ignore_eos), stop=[s for s in stop if s],
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output), logprobs=logprobs,
+            skip_special_tokens=pick(self.skip_special_tokens, True))
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Optional[str] = None
+
+    # OpenAI's default for the legacy completions endpoint.
+    DEFAULT_MAX_TOKENS: ClassVar[int] = 16
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self.base_sampling_params(max_tokens, self.logprobs)
+
+
+class ContentPart(BaseModel, extra="allow"):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel, extra="allow"):
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    add_generation_prompt: Optional[bool] = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        # None: generate up to the context, as OpenAI's chat endpoint does.
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.base_sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(BaseModel):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "kvserve"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

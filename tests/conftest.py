@@ -1,0 +1,46 @@
+"""Shared fixtures. Every engine built through ``engine_factory`` is checked after each test:
+zero KV blocks in use, zero running or waiting requests (nothing leaks, nothing hangs)."""
+from __future__ import annotations
+
+import os
+import weakref
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+
+_live_engines: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def track_engine(engine) -> None:
+    _live_engines.add(engine)
+
+
+@pytest.fixture(scope="session")
+def llm_factory():
+    """Build (and cache per argument set) an LLM; engines are shared across tests."""
+    from kvserve.llm import LLM
+
+    cache: dict = {}
+
+    def make(**kwargs) -> LLM:
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            llm = LLM(**kwargs)
+            track_engine(llm.engine)
+            cache[key] = llm
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _engines_left_idle():
+    yield
+    for engine in list(_live_engines):
+        assert not engine.scheduler.has_unfinished_requests(), "requests left in the scheduler"
+        assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+        assert engine.kv_manager.num_used_blocks == 0, (
+            f"{engine.kv_manager.num_used_blocks} KV blocks still in use after the test")
+        assert engine.output_processor.num_unfinished == 0

@@ -1,0 +1,155 @@
+"""Engine-level invariants: greedy output does not change with batching, chunked prefill,
+preemption or prefix-cache hits (real models, fp32); abort frees blocks at once."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.request import RequestRejected
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _token_prompts(llm, long_len: int) -> list[list[int]]:
+    tok = llm.tokenizer
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+        "Prefill and decode are two computational paradigms joined by the KV cache. Explain:",
+    ]
+    prompts = [tok.encode(t) for t in texts]
+    rng = random.Random(0)
+    filler = tok.encode(" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "cache", "block",
+                                             "token", "river", "stone", "light"])
+                                 for _ in range(long_len)))
+    prompts.append(filler[:long_len])
+    return prompts
+
+
+def _greedy_tokens(llm, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+MODELS = [
+    # (model, long prompt length: beyond Gemma's 512-token window for the sliding layers)
+    pytest.param("smollm2-135m-instruct", 200, id="smollm2"),
+    pytest.param("gemma-3-270m", 600, id="gemma3"),
+]
+
+
+@pytest.mark.parametrize("model,long_len", MODELS)
+def test_greedy_invariance(llm_factory, model, long_len):
+    base = llm_factory(model=model, dtype="float32")
+    prompts = _token_prompts(base, long_len)
+    alone = [_greedy_tokens(base, [p])[0] for p in prompts]
+    assert all(len(t) == GREEDY.max_tokens for t in alone)
+
+    # All prompts in one batch.
+    assert _greedy_tokens(base, prompts) == alone
+
+    # A second run hits the prefix cache (every full prompt block is cached by now).
+    hits_before = base.engine.kv_manager.prefix_cache_hits
+    assert _greedy_tokens(base, prompts) == alone
+    assert base.engine.kv_manager.prefix_cache_hits > hits_before
+
+    # A tiny token budget forces chunked prefill, mixed with decodes of the others.
+    chunked = llm_factory(model=model, dtype="float32", max_num_batched_tokens=32,
+                          enable_prefix_caching=False)
+    assert _greedy_tokens(chunked, prompts) == alone
+
+    # A tiny KV budget forces preemption (by recompute).
+    longest_blocks = -(-(max(len(p) for p in prompts) + GREEDY.max_tokens) // 16)
+    small = llm_factory(model=model, dtype="float32", num_blocks=longest_blocks + 4,
+                        enable_prefix_caching=False)
+    assert _greedy_tokens(small, prompts) == alone
+    assert small.engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_sharing_allocates_shared_blocks_once(llm_factory):
+    llm = llm_factory(model="tiny-llama")
+    rng = random.Random(1)
+    prefix = [rng.randrange(100, 40000) for _ in range(48)]  # three full blocks
+    prompts = [prefix + [rng.randrange(100, 40000) for _ in range(5)] for _ in range(8)]
+    reference = llm_factory(model="tiny-llama", enable_prefix_caching=False)
+    expected = _greedy_tokens(reference, prompts)
+
+    engine = llm.engine
+    queries0, hits0 = engine.kv_manager.prefix_cache_queries, engine.kv_manager.prefix_cache_hits
+    for p in prompts:
+        engine.add_request(None, p, GREEDY)
+    engine.step()  # all eight prefills in one step
+    # 3 shared prefix blocks once + one partial block each.
+    assert engine.kv_manager.num_used_blocks == 3 + 8
+    assert engine.kv_manager.prefix_cache_hits - hits0 == 7 * 48
+    assert engine.kv_manager.prefix_cache_queries - queries0 >= 8 * 48
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    assert [outs[k] for k in sorted(outs, key=lambda r: int(r.split("-")[1]))] == expected
+
+
+def test_abort_mid_decode_frees_blocks_in_same_step(llm_factory):
+    llm = llm_factory(model="tiny-llama")
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(None, [100 + i] * (20 + i), params) for i in range(3)]
+    for _ in range(5):
+        engine.step()
+    used_before = engine.kv_manager.num_used_blocks
+    victim_blocks = len(engine.kv_manager.get_block_ids(ids[1]))
+    assert victim_blocks > 0
+    engine.abort_request(ids[1])
+    assert engine.kv_manager.num_used_blocks == used_before - victim_blocks
+    assert engine.kv_manager.get_block_ids(ids[1]) == []
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.outputs[0]
+    assert finished[ids[1]].finish_reason == "abort"
+    assert len(finished[ids[0]].token_ids) == 40 and len(finished[ids[2]].token_ids) == 40
+
+
+def test_rejects_requests_that_can_never_fit(llm_factory):
+    llm = llm_factory(model="tiny-llama", num_blocks=8, max_model_len=512)
+    with pytest.raises(RequestRejected, match="max_model_len|context"):
+        llm.generate([[5] * 500], SamplingParams(max_tokens=100))
+    with pytest.raises(RequestRejected, match="block|KV|cache"):
+        llm.generate([[5] * 200], SamplingParams(max_tokens=10))
+    with pytest.raises(RequestRejected, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=10))
+    # The engine is still fine afterwards.
+    assert len(llm.generate([[5] * 20], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+def test_n_siblings_and_seed_reproducibility(llm_factory):
+    llm = llm_factory(model="tiny-llama")
+    prompt = list(range(200, 240))
+    params = SamplingParams(temperature=1.0, top_p=0.9, n=3, seed=1234, max_tokens=10, ignore_eos=True)
+    out1 = llm.generate([prompt], params)[0]
+    assert [o.index for o in out1.outputs] == [0, 1, 2]
+    # Same seed, other requests in the batch: same tokens.
+    noise = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    out2 = llm.generate([[7] * 30, prompt, [9] * 50], [noise, params, noise])[1]
+    assert [o.token_ids for o in out1.outputs] == [o.token_ids for o in out2.outputs]
+
+
+def test_stop_string_and_stream_deltas(llm_factory):
+    llm = llm_factory(model="smollm2-135m-instruct", dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(["The capital of France is"], params)[0].outputs[0].text
+    streamed = "".join(o.outputs[0].delta_text for o in llm.stream("The capital of France is", params))
+    assert streamed == full
+    words = full.split()
+    assert len(words) >= 3
+    stop = " " + words[2]
+    cut = llm.generate(["The capital of France is"],
+                       SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert cut.outputs[0].finish_reason == "stop"
+    assert cut.outputs[0].stop_reason == stop
+    assert cut.outputs[0].text == full[:full.index(stop)]
