@@ -142,7 +142,10 @@ def _build_decode_plan(md: AttentionMetadata, window: Optional[int]) -> Optional
     nb = max(-(-n // bs) - fb for n, fb in zip(seq_lens, first_blocks))
 
     first_block_t = torch.tensor(first_blocks, dtype=torch.int64, device=device)
-    cols = (first_block_t[:, None] + torch.arange(nb, device=device)).clamp_(max=md.block_tables.shape[1] - 1)
+    # Padding columns repeat the sequence's own last block rather than the table's padding:
+    # a sequence never touches blocks it does not own (masked or not; NaN * 0 is NaN).
+    last_block_t = torch.tensor([-(-n // bs) - 1 for n in seq_lens], dtype=torch.int64, device=device)
+    cols = torch.minimum(first_block_t[:, None] + torch.arange(nb, device=device), last_block_t[:, None])
     tables = md.block_tables if len(seqs) == md.num_seqs else md.block_tables[torch.tensor(seqs, device=device)]
     block_ids = tables.long().gather(1, cols).reshape(-1)
     key_pos = first_block_t[:, None] * bs + torch.arange(nb * bs, device=device)

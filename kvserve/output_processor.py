@@ -26,12 +26,16 @@ class SequenceState:
     logprobs: Optional[list[dict[int, Logprob]]] = None
     cumulative_logprob: Optional[float] = None
     stopped_by_string: bool = False
+    flushed: bool = False
 
     def visible_text(self) -> str:
         """Text that is safe to show: stop-string truncated, or held back while a stop string
         could still be forming at its end."""
         if self.stopped_by_string:
             return self.text
+        if self.request.is_finished and not self.flushed:
+            self.detokenizer.finish()  # a character cut by the last token still shows
+            self.flushed = True
         full = self.detokenizer.text
         if self.request.is_finished or self.stop_matcher is None:
             return full
@@ -100,8 +104,9 @@ class OutputProcessor:
             matcher = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                        if params.stop else None)
             seq = SequenceState(index=i, request=req,
-                                detokenizer=IncrementalDetokenizer(self.tokenizer,
-                                                                   params.skip_special_tokens),
+                                detokenizer=IncrementalDetokenizer(
+                                    self.tokenizer, params.skip_special_tokens,
+                                    prompt_token_ids=prompt_token_ids),
                                 stop_matcher=matcher,
                                 logprobs=[] if params.logprobs is not None else None,
                                 cumulative_logprob=0.0 if params.logprobs is not None else None)

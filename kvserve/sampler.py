@@ -2,7 +2,8 @@
 
 Processing order (vLLM's, which follows HF's): logit_bias, min_tokens blocking, penalties
 (repetition, frequency, presence); greedy rows then take the argmax; random rows go through
-temperature, top-k, top-p, min-p and an exponential race. Logprobs come from the raw logits.
+temperature, top-k, top-p, min-p and an exponential race (argmax of p / q, q ~ Exp(1)).
+Logprobs come from the raw logits.
 
 ``SamplingMetadata`` is rebuilt every step from the batch's requests. It only carries tensors
 for features some row actually uses, so a batch of plain greedy requests costs one argmax.
@@ -159,9 +160,9 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
             [r.output_token_ids if (rep or fp) else [] for r, rep, fp
              in zip(requests, uses_rep, uses_freq_pres)], vocab_size, device)
         if any(uses_rep):
-            prompt_mask = _token_counts(
+            prompt_mask = _token_mask(
                 [r.prompt_token_ids if rep else [] for r, rep in zip(requests, uses_rep)],
-                vocab_size, device) > 0
+                vocab_size, device)
 
     num_logprobs = None
     if any(p.logprobs is not None for p in params):
@@ -176,21 +177,35 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
         num_logprobs=num_logprobs)
 
 
+def _padded_ids(token_lists: list[list[int]], vocab_size: int,
+                device: torch.device | str) -> Optional[torch.Tensor]:
+    """Ragged lists as one [S, W] tensor; padding points at an extra column (vocab_size)
+    that is dropped after scattering."""
+    width = max((len(t) for t in token_lists), default=0)
+    if not width:
+        return None
+    return torch.tensor([toks + [vocab_size] * (width - len(toks)) for toks in token_lists],
+                        dtype=torch.int64).to(device)
+
+
 def _token_counts(token_lists: list[list[int]], vocab_size: int,
                   device: torch.device | str) -> torch.Tensor:
-    """[S, V] float counts of each token per row, from ragged lists (one scatter_add)."""
-    num_rows = len(token_lists)
-    width = max((len(t) for t in token_lists), default=0)
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
-    if width:
-        # Padding points at an extra column that is dropped afterwards.
-        padded = torch.full((num_rows, width), vocab_size, dtype=torch.int64)
-        for i, toks in enumerate(token_lists):
-            if toks:
-                padded[i, :len(toks)] = torch.tensor(toks, dtype=torch.int64)
-        padded = padded.to(device)
+    """[S, V] float: how often each token occurs in each row's list (one scatter_add)."""
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
+    padded = _padded_ids(token_lists, vocab_size, device)
+    if padded is not None:
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def _token_mask(token_lists: list[list[int]], vocab_size: int,
+                device: torch.device | str) -> torch.Tensor:
+    """[S, V] bool: whether each token occurs in each row's list."""
+    mask = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.bool, device=device)
+    padded = _padded_ids(token_lists, vocab_size, device)
+    if padded is not None:
+        mask.scatter_(1, padded, True)
+    return mask[:, :vocab_size]
 
 
 @dataclass
@@ -259,13 +274,15 @@ class Sampler:
         max_n = md.max_num_logprobs or 0
         top_lp: list[list[float]] = []
         top_ids: list[list[int]] = []
-        sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))  # [S, 1]
+        chosen = logprobs.gather(1, sampled.unsqueeze(1))  # [S, 1]
         # Rank 1 is the most likely token; ties share the better rank.
-        ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+        chosen_rank = (logprobs > chosen).sum(dim=-1) + 1
         if max_n > 0:
-            top_lp, top_ids = logprobs.topk(max_n, dim=-1)
-            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        sampled_ids, sampled_lp, ranks = sampled.tolist(), sampled_lp.squeeze(1).tolist(), ranks.tolist()
+            values, indices = logprobs.topk(max_n, dim=-1)
+            top_lp, top_ids = values.tolist(), indices.tolist()
+        sampled_ids = sampled.tolist()
+        sampled_lp = chosen.squeeze(1).tolist()
+        ranks = chosen_rank.tolist()
 
         result: list[Optional[dict[int, Logprob]]] = []
         for i, n in enumerate(md.num_logprobs):
@@ -300,36 +317,92 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """Mask tokens outside the top-k, then outside the top-p nucleus of what is left.
 
-    One descending sort for the whole batch. Top-k keeps exactly k tokens; top-p keeps the
-    smallest prefix whose probability (renormalised after top-k) reaches p, always at least
-    the top token.
+    Top-k keeps exactly k tokens; top-p keeps the smallest prefix (by probability) whose
+    mass, renormalised after top-k, reaches p, and always the top token. Rows that use
+    neither are returned unchanged.
+
+    On the GPU this is one sort of the batch. On the CPU a full sort is the most expensive
+    thing in sampling (hundreds of ms for 64 rows of 49k tokens) while the kept set is
+    usually a few hundred tokens, so the work is done on the top candidates (one topk) and
+    only rows whose nucleus reaches past them are sorted in full. Both paths are exact.
     """
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    positions = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    vocab = logits.shape[-1]
+    num_candidates = vocab
+    if logits.device.type == "cpu":
+        # .item() is a host sync, free on the CPU.
+        max_k = int(torch.where(top_k < vocab, top_k, 0).max().item()) if top_k is not None else 0
+        every_row_top_k = top_k is not None and bool((top_k < vocab).all())
+        # With a top-k on every row nothing outside the max_k best can be kept.
+        wanted = max_k if top_p is None or every_row_top_k else max(max_k, _CPU_TOP_P_CANDIDATES)
+        num_candidates = min(vocab, wanted)
+    filtered, covered = _filter_candidates(logits, top_k, top_p, num_candidates)
+    if covered is not None and not bool(covered.all()):
+        rows = (~covered).nonzero().squeeze(1)
+        full, _ = _filter_candidates(logits[rows], None if top_k is None else top_k[rows],
+                                     top_p[rows], vocab)
+        filtered[rows] = full
+    active = torch.zeros(logits.shape[0], 1, dtype=torch.bool, device=logits.device)
+    if top_k is not None:
+        active |= top_k < vocab
+    if top_p is not None:
+        active |= top_p < 1.0
+    return torch.where(active, filtered, logits)
+
+
+# Candidates examined for top-p on the CPU before falling back to a full sort of a row.
+_CPU_TOP_P_CANDIDATES = 1024
+
+
+def _filter_candidates(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                       top_p: Optional[torch.Tensor], num_candidates: int
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Top-k/top-p over the ``num_candidates`` best tokens of each row (all of them: a sort).
+
+    Returns the filtered logits (-inf outside the kept set) and, when candidates are fewer
+    than the vocabulary and top-p is used, which rows had their nucleus inside the
+    candidates (the others' results are not valid). Every row's top-k must be at most
+    ``num_candidates`` or disabled (= vocabulary size).
+    """
+    vocab = logits.shape[-1]
+    if num_candidates < vocab:
+        cand_logits, cand_idx = logits.topk(num_candidates, dim=-1)  # sorted, descending
+    else:
+        cand_logits, cand_idx = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(num_candidates, device=logits.device).unsqueeze(0)
+    remove = torch.zeros_like(cand_logits, dtype=torch.bool)
     if top_k is not None:
         remove |= positions >= top_k
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        cand_logits = cand_logits.masked_fill(remove, float("-inf"))
+    covered = None
     if top_p is not None:
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        remove |= mass_before >= top_p
-    # Scatter the mask back to vocabulary order so that sampling (and a seeded row's random
-    # draw) does not depend on how the sort ordered ties.
-    remove = torch.empty_like(remove).scatter_(1, sorted_idx, remove)
-    return logits.masked_fill(remove, float("-inf"))
+        # Normalise over everything top-k left: the candidates when top-k cut inside them,
+        # else the whole row.
+        log_norm = cand_logits.logsumexp(dim=-1, keepdim=True)
+        if num_candidates < vocab:
+            cut_inside = top_k < vocab if top_k is not None else torch.zeros_like(log_norm, dtype=torch.bool)
+            log_norm = torch.where(cut_inside, log_norm, logits.logsumexp(dim=-1, keepdim=True))
+        probs = torch.exp(cand_logits - log_norm)
+        cumulative = probs.cumsum(dim=-1)
+        # Rows with top_p == 1 keep everything (rounding could otherwise cut a tiny tail).
+        remove |= ((cumulative - probs) >= top_p) & (top_p < 1.0)
+        if num_candidates < vocab:
+            covered = ((cumulative[:, -1:] >= top_p) | (top_p >= 1.0)).squeeze(1)
+    kept = cand_logits.masked_fill(remove, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter_(1, cand_idx, kept)
+    return filtered, covered
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Sample one token per row: argmax(p / q) with q ~ Exp(1) picks token i with probability
-    p_i. Seeded rows draw q from their own generator (one draw per step, that row only);
-    the others share one batched draw from the device's default generator."""
+    p_i. Seeded rows draw from their own generator (one draw per step, that row only); the
+    others share one batched draw from the device's default generator."""
     num_rows = probs.shape[0]
-    q = torch.empty_like(probs)
+    uniform = torch.empty_like(probs)
     if len(generators) < num_rows:
-        q.exponential_()
+        uniform.uniform_()
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    # exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
+        uniform[row].uniform_(generator=generator)
+    # q = -log(u) is Exp(1) and much cheaper on the CPU than exponential_(). u == 0 gives
+    # q == inf, i.e. p / q == 0: that token simply loses; q is never 0, so no NaN.
+    q = uniform.log_().neg_()
     return (probs / q).argmax(dim=-1)

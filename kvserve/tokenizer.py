@@ -145,7 +145,10 @@ def _load_hf_dir(directory: Path, **kwargs):
 def _convert_gguf_tokenizer(gguf_path: Path, target: Path) -> None:
     """Convert with transformers and save to ``target`` atomically (rename of a finished
     directory), so concurrent processes never see half a cache entry."""
-    hf = _load_hf_dir(gguf_path.parent, gguf_file=gguf_path.name)
+    try:
+        hf = _load_hf_dir(gguf_path.parent, gguf_file=gguf_path.name)
+    except Exception as e:  # not a GGUF, or a tokenizer type transformers cannot convert
+        raise ConfigError(f"cannot build a tokenizer from {gguf_path}: {e}") from e
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:

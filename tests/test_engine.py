@@ -60,9 +60,15 @@ def test_greedy_invariance(llm_factory, model, long_len):
                           enable_prefix_caching=False)
     assert _greedy_tokens(chunked, prompts) == alone
 
-    # A tiny KV budget forces preemption (by recompute).
-    longest_blocks = -(-(max(len(p) for p in prompts) + GREEDY.max_tokens) // 16)
-    small = llm_factory(model=model, dtype="float32", num_blocks=longest_blocks + 4,
+    # A tiny KV budget forces preemption (by recompute): room for every prompt at once, not
+    # for their growth during decode.
+    def blocks(n: int) -> int:
+        return -(-n // 16)
+    longest_blocks = blocks(max(len(p) for p in prompts) + GREEDY.max_tokens)
+    prompt_blocks = sum(blocks(len(p)) for p in prompts)
+    assert sum(blocks(len(p) + GREEDY.max_tokens) for p in prompts) > prompt_blocks
+    small = llm_factory(model=model, dtype="float32",
+                        num_blocks=max(longest_blocks, prompt_blocks),
                         enable_prefix_caching=False)
     assert _greedy_tokens(small, prompts) == alone
     assert small.engine.scheduler.num_preemptions > 0

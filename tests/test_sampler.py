@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvserve.request import Request, SamplingParams
-from kvserve.sampler import Sampler, build_sampling_metadata, make_generator
+import kvserve.sampler as sampler_module
+from kvserve.sampler import Sampler, apply_top_k_top_p, build_sampling_metadata, make_generator
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 _ids = itertools.count()
@@ -285,3 +286,29 @@ def test_top_p_keeps_at_least_the_top_token_and_top_k_is_exact():
     for params in (dict(top_p=0.1), dict(top_k=1), dict(min_p=1.0)):
         tokens = sample(logits, [make_request(temperature=1.0, **params) for _ in range(200)])
         assert (tokens.sampled_token_ids == 0).all(), params
+
+
+def test_top_k_top_p_candidate_path_is_exact(monkeypatch):
+    """The CPU path filters on the top candidates and sorts in full only rows whose nucleus
+    reaches past them; kept sets must equal the plain reference row by row."""
+    gen = torch.Generator().manual_seed(6)
+    rows, vocab = 48, 3000
+    # From flat to peaked rows, so that some nuclei fit in the candidates and some do not.
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.2, 8.0, rows).unsqueeze(1)
+    top_k = torch.tensor([[vocab, 5, 200, vocab, vocab, 40][i % 6] for i in range(rows)]).unsqueeze(1)
+    top_p = torch.tensor([[0.5, 0.9, 0.99, 1.0, 0.7][i % 5] for i in range(rows)]).unsqueeze(1)
+    monkeypatch.setattr(sampler_module, "_CPU_TOP_P_CANDIDATES", 64)
+    _, covered = sampler_module._filter_candidates(logits, None, top_p, 64)
+    assert covered.any() and not covered.all(), "both the fast path and the fallback must run"
+
+    for k, p in [(top_k, None), (None, top_p), (top_k, top_p)]:
+        out = apply_top_k_top_p(logits, k, p)
+        for i in range(rows):
+            ref = logits[i].double()
+            if k is not None and k[i, 0] < vocab:
+                ref = ref_top_k(ref, int(k[i, 0]))
+            if p is not None and p[i, 0] < 1.0:
+                ref = ref_top_p(ref, float(p[i, 0]))
+            kept = torch.isfinite(out[i])
+            assert torch.equal(kept, torch.isfinite(ref)), (i, kept.sum(), torch.isfinite(ref).sum())
+            assert torch.equal(out[i][kept], logits[i][kept])

@@ -146,9 +146,30 @@ def test_gguf_conversion_is_cached(tmp_path, monkeypatch, smol_hf):
         assert cached.encode(text) == first.encode(text) == smol_hf.encode(text)
 
 
+def test_from_pretrained_dir_reads_generation_config_and_template_errors(tmp_path, smol):
+    import json
+
+    from kvserve.request import RequestRejected
+
+    smol.hf.save_pretrained(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    tok = Tokenizer.from_pretrained(str(tmp_path))
+    assert tok.eos_token_ids == [2, 7, 0]
+    assert tok.encode(TEXTS[2]) == smol.encode(TEXTS[2])
+    assert tok.apply_chat_template(CHAT) == smol.apply_chat_template(CHAT)
+    # A template that rejects the conversation is the request's fault, not a crash.
+    (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(RequestRejected, match="roles must alternate"):
+        Tokenizer.from_pretrained(str(tmp_path)).apply_chat_template(CHAT)
+
+
 def test_missing_gguf_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         Tokenizer.from_gguf(str(tmp_path / "nope.gguf"))
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ConfigError, match="cannot build a tokenizer"):
+        Tokenizer.from_gguf(str(bogus), cache_dir=tmp_path / "cache")
 
 
 # ---- incremental detokenizer --------------------------------------------------------------

@@ -32,7 +32,7 @@ class TimingStreamer:
         pass
 
 
-def load_hf_model(path: str, kind: str, dtype: torch.dtype):
+def load_hf_model(path: str, kind: str, dtype: torch.dtype, device: str = "cpu"):
     """``kind`` is "gguf" (transformers dequantizes the file) or "hf_dir"."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
@@ -42,7 +42,7 @@ def load_hf_model(path: str, kind: str, dtype: torch.dtype):
                                                      gguf_file=os.path.basename(path), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 class HFPeer:
@@ -67,10 +67,11 @@ class HFPeer:
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         streamer = TimingStreamer()
-        out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+        dev = self.model.device
+        out = self.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new,
                                   min_new_tokens=max_new, do_sample=False, streamer=streamer,
                                   pad_token_id=self.pad_token_id)
-        return out[:, width:], streamer.step_times
+        return out[:, width:].cpu(), streamer.step_times
 
     def warmup(self) -> None:
         self._generate([[1000 + i for i in range(16)]] * (1 if self.batch_size is None else 2), 2)

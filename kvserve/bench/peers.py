@@ -75,7 +75,7 @@ class PeerContext:
         if dtype_name not in self._hf_models:
             from kvserve.bench.hf_peer import load_hf_model
             self._hf_models[dtype_name] = load_hf_model(self.source_path, self.source_kind,
-                                                        _HF_DTYPES[dtype_name])
+                                                        _HF_DTYPES[dtype_name], self.eargs.device)
         return self._hf_models[dtype_name]
 
     def close(self) -> None:

@@ -74,14 +74,14 @@ def ratio_lines(ratios: dict) -> str:
     if not ratios.get("vs"):
         return ""
     labels = list(ratios["vs_best"]) or list(next(iter(ratios["vs"].values())))
-    head = f"{'kvserve / peer':<18} " + " ".join(f"{label:>20}" for label in labels)
+    head = f"{'kvserve / peer':<18} " + " ".join(f"{label:>28}" for label in labels)
     lines = [head]
     for name, by_metric in ratios["vs"].items():
-        lines.append(f"{name:<18} " + " ".join(f"{_f(by_metric.get(m), '{:.2f}x'):>20}"
+        lines.append(f"{name:<18} " + " ".join(f"{_f(by_metric.get(m), '{:.2f}x'):>28}"
                                                for m in labels))
     lines.append(f"{'best peer':<18} " + " ".join(
-        f"{_f(ratios['vs_best'][m]['ratio'], '{:.2f}x') + ' ' + ratios['vs_best'][m]['peer']:>20}"
-        if m in ratios["vs_best"] else f"{'-':>20}" for m in labels))
+        f"{_f(ratios['vs_best'][m]['ratio'], '{:.2f}x') + ' (' + ratios['vs_best'][m]['peer'] + ')':>28}"
+        if m in ratios["vs_best"] else f"{'-':>28}" for m in labels))
     lines.append("(throughput: above 1x is kvserve ahead; latency: below 1x is kvserve ahead)")
     return "\n".join(lines)
 
@@ -148,74 +148,111 @@ def write_json(result: dict, path: Optional[str]) -> None:
 
 
 # ------------------------------------------------------------------------- README table
-_BEGIN, _END = "<!-- results:begin -->", "<!-- results:end -->"
+def _markers(key: str) -> tuple[str, str]:
+    suffix = f" {key}" if key else ""
+    return f"<!-- results:begin{suffix} -->", f"<!-- results:end{suffix} -->"
 
 
-def _peer_cell(s: Optional[dict], with_latency: bool) -> str:
+def _cell(s: Optional[dict]) -> str:
     if not s:
         return "—"
-    cell = f"{s['output_tokens_per_s']:.1f} tok/s"
-    if with_latency:
-        cell += f"; TTFT {_f(_dist('ttft_ms')(s), '{:.0f}')} ms, TPOT {_f(_dist('tpot_ms')(s))} ms"
-    return cell
+    return (f"{s['output_tokens_per_s']:.1f} tok/s · TTFT {_f(_dist('ttft_ms')(s), '{:.0f}')} ms · "
+            f"TPOT {_f(_dist('tpot_ms')(s))} ms")
+
+
+def _vs_best(r: dict, metric: str) -> str:
+    best = r.get("ratios", {}).get("vs_best", {}).get(metric)
+    return f"{best['ratio']:.2f}x ({best['peer']})" if best and best.get("ratio") else "—"
 
 
 def markdown_table(results: list[dict]) -> str:
-    """One row per result file: kvserve and each peer's output tok/s (TTFT/TPOT for single
-    streams), and kvserve / best peer."""
-    peers = []
+    """One row per bench result: kvserve and each peer (output tok/s, mean TTFT and TPOT),
+    kvserve / best peer on each, and kvserve's share of the machine's matmul limit."""
+    peers: list[str] = []
     for r in results:
         for name in r.get("peers", {}):
             if name not in peers:
                 peers.append(name)
-    head = ["workload", "kvserve"] + peers + ["kvserve / best peer (out tok/s)", "kvserve % of matmul limit"]
+    head = (["workload", "kvserve"] + peers
+            + ["out tok/s vs best", "TTFT vs best", "TPOT vs best", "kvserve % of matmul limit"])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in results:
         w = r["workload"]
-        single = w.get("num_requests") == 1
-        ours = r["kvserve"]
-        best = r.get("ratios", {}).get("vs_best", {}).get("output_tokens_per_s")
-        frac = ours.get("fraction_of_best_matmul_limit")
-        row = [f"{w['name']} ({r['command']})", _peer_cell(ours, True)]
-        row += [_peer_cell(r.get("peers", {}).get(p), single) for p in peers]
-        row.append(f"{best['ratio']:.2f}x vs {best['peer']}" if best and best.get("ratio") else "—")
-        row.append(f"{100 * frac:.1f} %" if frac else "—")
+        frac = r["kvserve"].get("fraction_of_best_matmul_limit")
+        row = [f"{w['name']} ({r['command']})", _cell(r["kvserve"])]
+        row += [_cell(r.get("peers", {}).get(p)) for p in peers]
+        row += [_vs_best(r, "output_tokens_per_s"), _vs_best(r, "ttft_mean_ms"),
+                _vs_best(r, "tpot_mean_ms"), f"{100 * frac:.1f} %" if frac else "—"]
         lines.append("| " + " | ".join(row) + " |")
+    for r in results:
+        sweep = r.get("prefill_sweep")
+        if sweep:
+            engines = ["kvserve"] + list(r.get("peers", {}))
+            lines += ["", f"Prefill tokens/s at batch 1 ({r['workload']['name']} run):", "",
+                      "| prompt len | " + " | ".join(engines) + " |", "|" + " --- |" * (len(engines) + 1)]
+            for row in sweep:
+                lines.append(f"| {row['prompt_len']} | " + " | ".join(
+                    _f(row.get(e, {}).get("prefill_tokens_per_s")) for e in engines) + " |")
     machine = next((r["machine"] for r in results if r.get("machine")), None)
     if machine:
-        lines.append("")
-        lines.append(machine_line(machine) + ".")
+        lines += ["", machine_line(machine) + "."]
     return "\n".join(lines)
 
 
-def update_readme(readme: str, table: str) -> None:
+def profile_table(result: dict) -> str:
+    wall = result["wall_s"]
+    lines = [f"Profile of {result['workload']['name']} ({result['model']}, {result['dtype']}, "
+             f"{result['num_threads']} threads), wall {wall:.2f} s under the profiler:", "",
+             "| category | time s | % of wall |", "| --- | --- | --- |"]
+    for name, sec in result["categories_s"].items():
+        label = name.strip() if not name.startswith("  ") else "&nbsp;&nbsp;" + name.strip()
+        lines.append(f"| {label} | {sec:.3f} | {100 * sec / wall:.1f} % |")
+    lines += ["", "Top aten ops by self CPU time: " + ", ".join(
+        f"{row['op']} {row['self_cpu_s']:.2f} s" for row in result["top_ops"][:6]) + "."]
+    return "\n".join(lines)
+
+
+def update_readme(readme: str, table: str, key: str = "") -> None:
+    begin, end = _markers(key)
     with open(readme, encoding="utf-8") as f:
         text = f.read()
-    if _BEGIN not in text or _END not in text:
-        raise SystemExit(f"{readme}: no {_BEGIN} ... {_END} markers")
-    head, rest = text.split(_BEGIN, 1)
-    _, tail = rest.split(_END, 1)
+    if begin not in text or end not in text:
+        raise SystemExit(f"{readme}: no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
     with open(readme, "w", encoding="utf-8") as f:
-        f.write(f"{head}{_BEGIN}\n{table}\n{_END}{tail}")
+        f.write(f"{head}{begin}\n{table}\n{end}{tail}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Build the results table from bench JSON files")
     parser.add_argument("results", nargs="+", help="JSON files (or directories of them)")
     parser.add_argument("--update-readme", default=None, help="README with results markers")
+    parser.add_argument("--key", default="", help="marker key: <!-- results:begin KEY -->")
     ns = parser.parse_args(argv)
     paths = []
     for p in ns.results:
         paths += sorted(glob.glob(os.path.join(p, "*.json"))) if os.path.isdir(p) else [p]
-    results = []
+    paths = [p for p in paths if not p.endswith(".trace.json")]  # Chrome traces: large, not results
+    benches, profiles = [], []
     for p in paths:
         with open(p, encoding="utf-8") as f:
-            r = json.load(f)
+            try:
+                r = json.load(f)
+            except json.JSONDecodeError:
+                continue
+        if not isinstance(r, dict):
+            continue
         if r.get("command") in ("throughput", "latency"):
-            results.append(r)
-    table = markdown_table(results)
+            benches.append(r)
+        elif r.get("command") == "profile":
+            profiles.append(r)
+    benches.sort(key=lambda r: r["workload"]["name"])
+    parts = [markdown_table(benches)] if benches else []
+    parts += [profile_table(r) for r in profiles]
+    table = "\n\n".join(parts)
     if ns.update_readme:
-        update_readme(ns.update_readme, table)
+        update_readme(ns.update_readme, table, ns.key)
     print(table)
     return 0
 

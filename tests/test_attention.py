@@ -1,0 +1,178 @@
+"""Paged attention vs a dense reference (float64 softmax over explicitly gathered keys).
+
+Random q/k/v; several sequences on shuffled blocks (block_size 4, so many blocks each);
+cached context written beforehand; prefill, chunked prefill, decode, mixed steps; GQA;
+sliding windows that do not divide the block size; logit soft-capping.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Optional
+
+import pytest
+import torch
+
+from kvserve.attention import (
+    allocate_kv_caches, build_attention_metadata, get_attention_backend, paged_attention, write_kv_cache,
+)
+from kvserve.config import ConfigError
+from kvserve.models.testing import tiny_config
+
+H, KVH, D = 4, 2, 16
+BLOCK = 4
+SCALE = D ** -0.5
+
+
+def dense_reference(q, k, v, q_positions, window: Optional[int], softcap: Optional[float]):
+    """q [n, H, D] at q_positions; k/v [L, KVH, D] for positions 0..L-1 -> [n, H, D]."""
+    k = k.double().repeat_interleave(H // KVH, dim=1)
+    v = v.double().repeat_interleave(H // KVH, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * SCALE
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row, i in enumerate(q_positions):
+        visible = [j for j in range(k.shape[0]) if j <= i and (window is None or i - j < window)]
+        weights = torch.softmax(scores[:, row, visible], dim=-1)
+        out[row] = torch.einsum("hk,khd->hd", weights, v[visible])
+    return out
+
+
+class Case:
+    """Sequences with ``context_lens`` tokens already cached and ``query_lens`` new ones."""
+
+    def __init__(self, context_lens, query_lens, seed=0, spare_blocks=3):
+        gen = torch.Generator().manual_seed(seed)
+        self.context_lens, self.query_lens = list(context_lens), list(query_lens)
+        self.total = [c + q for c, q in zip(context_lens, query_lens)]
+        self.k = [torch.randn(n, KVH, D, generator=gen) for n in self.total]
+        self.v = [torch.randn(n, KVH, D, generator=gen) for n in self.total]
+        self.q = [torch.randn(q, H, D, generator=gen) for q in query_lens]
+        need = [-(-n // BLOCK) for n in self.total]
+        ids = list(range(sum(need) + spare_blocks))
+        random.Random(seed).shuffle(ids)
+        self.tables = []
+        for n in need:
+            self.tables.append(ids[:n])
+            ids = ids[n:]
+        # Garbage (finite) everywhere: a wrong slot or block shows up as a wrong answer.
+        self.cache = torch.randn(2, sum(need) + spare_blocks, BLOCK, KVH, D, generator=gen)
+        self.md = build_attention_metadata(self.tables, self.context_lens, self.query_lens, BLOCK)
+        ctx_md = build_attention_metadata(self.tables, [0] * len(self.total), self.context_lens, BLOCK)
+        write_kv_cache(torch.cat([k[:c] for k, c in zip(self.k, context_lens)]),
+                       torch.cat([v[:c] for v, c in zip(self.v, context_lens)]), self.cache, ctx_md.slot_mapping)
+
+    def run(self, window=None, softcap=None):
+        new_k = torch.cat([k[c:] for k, c in zip(self.k, self.context_lens)])
+        new_v = torch.cat([v[c:] for v, c in zip(self.v, self.context_lens)])
+        return paged_attention(torch.cat(self.q), new_k, new_v, self.cache, self.md, SCALE, window, softcap)
+
+    def reference(self, window=None, softcap=None):
+        return torch.cat([
+            dense_reference(q, k, v, range(c, n), window, softcap)
+            for q, k, v, c, n in zip(self.q, self.k, self.v, self.context_lens, self.total)
+        ]).float()
+
+
+CASES = {
+    "prefill": ([0, 0, 0], [9, 1, 17]),
+    "prefill_with_context": ([5, 12, 3], [7, 9, 4]),
+    "decode": ([0, 8, 15, 30], [1, 1, 1, 1]),
+    "mixed": ([7, 0, 20, 3], [1, 11, 1, 6]),
+}
+
+
+@pytest.mark.parametrize("window", [None, 5, 3, 64], ids=["full", "window5", "window3", "window64"])
+@pytest.mark.parametrize("softcap", [None, 20.0], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_dense_reference(case, window, softcap):
+    c = Case(*CASES[case], seed=list(CASES).index(case))
+    out = c.run(window, softcap)
+    assert out.shape == (sum(c.query_lens), H, D)
+    assert (out - c.reference(window, softcap)).abs().max() < 1e-5
+
+
+def test_new_keys_and_values_land_in_their_slots():
+    c = Case([3, 0], [6, 2])
+    c.run()
+    for s, table in enumerate(c.tables):
+        for pos in range(c.total[s]):
+            block, offset = table[pos // BLOCK], pos % BLOCK
+            assert torch.equal(c.cache[0, block, offset], c.k[s][pos])
+            assert torch.equal(c.cache[1, block, offset], c.v[s][pos])
+
+
+def test_chunked_prefill_equals_one_shot():
+    """Chunks written by earlier steps are read back by later ones."""
+    n, window = 23, 6
+    whole = Case([0], [n], seed=5)
+    expected = whole.run(window)
+    chunked = Case([0], [n], seed=5)
+    outs = []
+    for a, b in [(0, 5), (5, 6), (6, 19), (19, 23)]:
+        md = build_attention_metadata(chunked.tables, [a], [b - a], BLOCK)
+        outs.append(paged_attention(chunked.q[0][a:b], chunked.k[0][a:b], chunked.v[0][a:b], chunked.cache,
+                                    md, SCALE, window))
+    assert (torch.cat(outs) - expected).abs().max() < 1e-5
+
+
+def test_sliding_decode_never_reads_blocks_outside_the_window():
+    """Blocks wholly before the window can be reclaimed later: poison them, nothing changes."""
+    window = 5
+    c = Case([0, 26, 13], [1, 1, 1], seed=9)
+    for table, length in zip(c.tables, c.total):
+        first_visible = max(0, length - window)
+        for block in table[: first_visible // BLOCK]:
+            c.cache[:, block] = float("nan")
+    out = c.run(window)
+    assert torch.isfinite(out).all()
+    assert (out - c.reference(window)).abs().max() < 1e-5
+
+
+def test_sliding_prefill_with_context_never_reads_blocks_outside_the_window():
+    window = 4
+    c = Case([17], [3], seed=2)
+    for block in c.tables[0][: (17 - window + 1) // BLOCK]:
+        c.cache[:, block] = float("nan")
+    out = c.run(window)
+    assert torch.isfinite(out).all()
+    assert (out - c.reference(window)).abs().max() < 1e-5
+
+
+def test_derived_tensors_are_built_once_per_step_and_window():
+    c = Case(*CASES["mixed"])
+    c.run(None)
+    c.run(5)
+    plans = dict(c.md.derived)
+    c.run(None)
+    assert set(plans) == {("torch.decode", None), ("torch.decode", 5)}
+    assert all(c.md.derived[key] is plan for key, plan in plans.items())
+
+
+def test_allocate_kv_caches_layout():
+    cfg = tiny_config("gemma3")
+    caches = allocate_kv_caches(cfg, num_blocks=7, block_size=16, dtype=torch.bfloat16, device="cpu")
+    assert len(caches) == cfg.num_hidden_layers
+    assert caches[0].shape == (2, 7, 16, cfg.num_key_value_heads, cfg.head_dim)
+    assert caches[0].dtype == torch.bfloat16 and not caches[0].any()
+
+
+def test_backend_table():
+    assert get_attention_backend("torch") is paged_attention
+    with pytest.raises(ConfigError, match="unknown attention backend 'nope'"):
+        get_attention_backend("nope")
+
+
+def test_bfloat16_close_to_reference():
+    c = Case(*CASES["mixed"], seed=4)
+    c.cache = c.cache.bfloat16()
+    c.k = [k.bfloat16() for k in c.k]
+    c.v = [v.bfloat16() for v in c.v]
+    c.q = [q.bfloat16() for q in c.q]
+    ctx_md = build_attention_metadata(c.tables, [0] * len(c.total), c.context_lens, BLOCK)
+    write_kv_cache(torch.cat([k[:n] for k, n in zip(c.k, c.context_lens)]),
+                   torch.cat([v[:n] for v, n in zip(c.v, c.context_lens)]), c.cache, ctx_md.slot_mapping)
+    out = c.run(5)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - c.reference(5)).abs().max() < 3e-2 * math.sqrt(D) / 4
