@@ -123,6 +123,7 @@ def test_hf_dir_without_config(tmp_path):
 
 
 def test_smollm2_config():
+    assert resolve_model().name == SMOLLM2  # the default model
     cfg = config_from_gguf(open_gguf(resolve_model(SMOLLM2).path))
     assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 30, 576, 1536)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)

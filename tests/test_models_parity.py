@@ -214,10 +214,10 @@ def test_chunked_prefill_equals_one_shot(arch):
     assert _max_diff(logits, one_shot) < 1e-4
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "gemma3_text"])
 def test_hf_safetensors_dir_matches_hf(tmp_path, model_type):
     """An HF directory written by transformers itself (random tiny weights) loads and agrees."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -225,6 +225,8 @@ def test_hf_safetensors_dir_matches_hf(tmp_path, model_type):
         hf_config = LlamaConfig(tie_word_embeddings=False, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32}, **common)
+    elif model_type == "mistral":
+        hf_config = MistralConfig(sliding_window=6, **common)  # every layer windowed
     elif model_type == "qwen2":
         hf_config = Qwen2Config(tie_word_embeddings=True, **common)
     else:

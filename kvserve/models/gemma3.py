@@ -82,8 +82,9 @@ class Gemma3Model(nn.Module):
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         cfg = self.config
         hidden = self.embed_tokens(input_ids)
-        # HF rounds the scale to the weights' dtype before multiplying; so do we (matters in bf16).
-        hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5, dtype=hidden.dtype).item()
+        # HF rounds the scale to float32 and then to the weights' dtype before multiplying; so
+        # do we (in bf16, sqrt(640) becomes 25.25). A host-side scalar: no device sync.
+        hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5).to(hidden.dtype).item()
         device = positions.device
         local_base = cfg.rope_local_base_freq or cfg.rope_theta
         rope = {
