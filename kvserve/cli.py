@@ -31,6 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--quantization", default=None, choices=["none", "bf16", "int8", "int4"],
+                   help="weight format of the linear layers (activations stay in --dtype); "
+                        "int4 reuses GGUF Q4_1 blocks; default with --dtype auto on a CPU with "
+                        "AVX512-BF16: bf16")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -51,7 +55,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching,
         enable_chunked_prefill=not ns.no_chunked_prefill, num_threads=ns.num_threads,
-        seed=ns.seed,
+        seed=ns.seed, quantization=ns.quantization,
     )
     return dataclasses.replace(args, **overrides)
 

@@ -114,6 +114,9 @@ class EngineArgs:
     max_waiting_requests: Optional[int] = None
     seed: int = 0
     num_threads: Optional[int] = None
+    # Linear-layer weight format: None (same as dtype) | "bf16" | "int8" | "int4" (CPU).
+    # With dtype "auto" on a CPU with fast bf16: float32 activations and bf16 weights.
+    quantization: Optional[str] = None
 
     def cache_config(self) -> CacheConfig:
         cfg = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -127,6 +130,8 @@ class EngineArgs:
             raise ConfigError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.quantization not in (None, "none", "bf16", "int8", "int4"):
+            raise ConfigError(f"unknown quantization {self.quantization!r}; use bf16, int8 or int4")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads must be >= 1")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:

@@ -29,11 +29,28 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    # fp32 keeps numerical parity with HF by default; reduced precision is opt-in.
-    return torch.float32
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run at about twice the fp32 rate."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(dtype: str, quantization: Optional[str],
+                      device: torch.device) -> tuple[torch.dtype, Optional[str]]:
+    """(activation dtype, linear weight format). ``auto`` on a CPU with fast bf16 keeps fp32
+    activations and stores the linear weights in bf16: bf16 speed, near-fp32 accuracy."""
+    quantization = None if quantization in (None, "none") else quantization
+    if dtype != "auto":
+        return _DTYPES[dtype], quantization
+    if device.type == "cuda":
+        return (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16), quantization
+    if quantization is None and cpu_has_fast_bf16():
+        quantization = "bf16"
+    return torch.float32, quantization
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
@@ -92,11 +109,12 @@ class LLMEngine:
         self.device = torch.device(args.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked for but torch sees no CUDA device")
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.dtype, self.weight_format = resolve_precision(args.dtype, args.quantization, self.device)
 
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
-        self.model, self.model_config = load_model(self.source, dtype=self.dtype, device=self.device)
+        self.model, self.model_config = load_model(self.source, dtype=self.dtype, device=self.device,
+                                                   quantization=self.weight_format)
         self.tokenizer = load_tokenizer(self.source)
         self.load_time_s = time.perf_counter() - t0
         cfg: ModelConfig = self.model_config

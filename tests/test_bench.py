@@ -100,6 +100,12 @@ def test_ratios_against_each_peer_and_the_best():
     assert r["vs_best"]["output_tokens_per_s"] == {"peer": "b", "value": 60.0, "ratio": 2.0}
     assert r["vs_best"]["ttft_mean_ms"]["peer"] == "a" and r["vs_best"]["ttft_mean_ms"]["ratio"] == 0.5
     assert r["vs_best"]["tpot_mean_ms"] == {"peer": "b", "value": 8.0, "ratio": 1.25}
+    # A sequential peer's latency (clock started at its own turn) is not the best to beat
+    # for requests that all arrived at once; its own ratio is still reported.
+    peers["seq"] = {"output_tokens_per_s": 10.0, "ttft_ms": {"mean": 5.0},
+                    "tpot_ms": {"mean": 1.0}, "ttft_measured_from": "own turn"}
+    r = compute_ratios(ours, peers, THROUGHPUT_METRICS)
+    assert r["vs"]["seq"]["ttft_mean_ms"] == 10.0 and r["vs_best"]["ttft_mean_ms"]["peer"] == "a"
 
 
 def test_peer_names():

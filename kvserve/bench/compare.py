@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from kvserve.bench.kvserve_driver import KvserveDriver
-from kvserve.bench.machine import achieved, machine_limit
+from kvserve.bench.machine import achieved, machine_limit, machine_load
 from kvserve.bench.peers import PeerContext, PeerUnavailable, open_peer
 from kvserve.bench.timing import EngineRun, greedy_agreement
 from kvserve.config import EngineArgs
@@ -45,7 +45,8 @@ class BenchSession:
         return {"command": command, "model": self.driver.eargs.model,
                 "model_source": {"kind": engine.source.kind, "path": str(engine.source.path)},
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(engine.device),
-                "num_threads": torch.get_num_threads(), "machine": self.machine}
+                "num_threads": torch.get_num_threads(), "machine": self.machine,
+                "load_average": machine_load()}
 
     def kvserve_summary(self, run: EngineRun) -> dict:
         s = summarize(run)

@@ -89,6 +89,7 @@ class KvserveDriver:
         queries = kv.prefix_cache_queries - queries0
         sampled = counters.generation_tokens - generated0
         extra = {
+            "ttft_measured_from": "submission",
             "peak_kv_blocks_used": peak_blocks,
             "kv_blocks_total": kv.num_blocks,
             "kv_block_size": kv.block_size,

@@ -6,7 +6,7 @@ from typing import Optional
 
 from kvserve.bench.compare import BenchSession, CompareOptions, summarize
 from kvserve.bench.machine import achieved
-from kvserve.bench.report import LATENCY_METRICS, compute_ratios
+from kvserve.bench.report import compute_ratios, result_ratios
 from kvserve.bench.timing import EngineRun
 from kvserve.bench.workloads import Workload, WorkloadSpec, build_workload
 from kvserve.config import EngineArgs
@@ -61,6 +61,7 @@ def run_latency(eargs: EngineArgs, spec: WorkloadSpec, num_iters: int = 1,
     ours, our_sweep = _measure(driver, streams, sweep, opts.progress)
     runs = {"kvserve": ours}
     kvserve = summarize(ours)
+    kvserve["ttft_measured_from"] = "own turn"  # one request at a time: nothing queues
     kvserve["dtype"] = str(session.dtype).removeprefix("torch.")
     kvserve.update(achieved(ours.extra["model_gflop"] * 1e9, ours.extra["busy_s"],
                             session.machine, session.dtype))
@@ -82,8 +83,8 @@ def run_latency(eargs: EngineArgs, spec: WorkloadSpec, num_iters: int = 1,
     result = {**session.header("latency"), "workload": workload,
               "kvserve": kvserve, "peers": peers, "skipped_peers": skipped,
               "prefill_sweep": [rows[n] for n in lengths],
-              "prefill_lengths_skipped": skipped_lengths,
-              "ratios": compute_ratios(kvserve, peers, LATENCY_METRICS)}
+              "prefill_lengths_skipped": skipped_lengths}
+    result["ratios"] = result_ratios(result)
     for row in result["prefill_sweep"]:
         peer_rows = {p: row[p] for p in peers if p in row}
         row["ratios"] = compute_ratios(

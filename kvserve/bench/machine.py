@@ -5,8 +5,10 @@ of what ``torch.matmul`` reaches in the same run it says how much headroom is le
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -48,6 +50,16 @@ def machine_limit(size: int = 1024, seconds: float = 1.0, device: str = "cpu") -
         "gflops": {"bfloat16": matmul_gflops(torch.bfloat16, size, seconds, device),
                    "float32": matmul_gflops(torch.float32, size, seconds, device)},
     }
+
+
+def machine_load() -> Optional[dict]:
+    """1-minute load average against the core count: other work on the machine skews every
+    figure (torch's thread pool suffers more from it than llama.cpp's)."""
+    try:
+        load1 = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
+    return {"load_1min": load1, "cpu_count": os.cpu_count()}
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,13 @@ LATENCY_METRICS: list[tuple[str, Getter, bool]] = [
 
 def compute_ratios(ours: dict, peers: dict[str, dict],
                    metrics: list[tuple[str, Getter, bool]]) -> dict:
-    """{"vs": {peer: {metric: ours/peer}}, "vs_best": {metric: {"peer", "ratio", "value"}}}"""
+    """{"vs": {peer: {metric: ours/peer}}, "vs_best": {metric: {"peer", "ratio", "value"}}}
+
+    A latency is only comparable between engines that start the clock at the same moment:
+    kvserve's offline requests are timed from submission, a sequential peer's from its own
+    turn. So "best" on a latency metric is picked among peers timed like kvserve; the
+    per-peer ratios are all kept."""
+    ours_from = ours.get("ttft_measured_from", "submission")
     vs: dict[str, dict] = {}
     best: dict[str, dict] = {}
     for label, get, higher in metrics:
@@ -42,11 +48,20 @@ def compute_ratios(ours: dict, peers: dict[str, dict],
         candidates = [(name, get(s)) for name, s in peers.items() if get(s)]
         for name, value in candidates:
             vs.setdefault(name, {})[label] = mine / value if mine is not None else None
+        if not higher:
+            candidates = [(name, v) for name, v in candidates
+                          if peers[name].get("ttft_measured_from", "submission") == ours_from]
         if candidates:
             name, value = (max if higher else min)(candidates, key=lambda nv: nv[1])
             best[label] = {"peer": name, "value": value,
                            "ratio": mine / value if mine is not None else None}
     return {"vs": vs, "vs_best": best}
+
+
+def result_ratios(result: dict) -> dict:
+    """The ratios of a throughput or latency result, from its summaries."""
+    metrics = LATENCY_METRICS if result["command"] == "latency" else THROUGHPUT_METRICS
+    return compute_ratios(result["kvserve"], result.get("peers", {}), metrics)
 
 
 # ---------------------------------------------------------------------------------- printing
@@ -116,6 +131,10 @@ def print_summary(result: dict, file=None) -> None:
     print(f"   model {result.get('model')} ({result.get('dtype')}, {result.get('num_threads')} threads): "
           f"{w.get('total_prompt_tokens')} prompt + {w.get('total_output_tokens')} output tokens"
           f"{iters}", file=file)
+    load = result.get("load_average")
+    if load and load["load_1min"] > 0.5 * (load["cpu_count"] or 1):
+        print(f"   note: machine busy at the start (load {load['load_1min']:.1f} on "
+              f"{load['cpu_count']} cores): other work skews these figures", file=file)
     for line in (machine_line(result.get("machine")),
                  engine_table({"kvserve": result["kvserve"], **result.get("peers", {})}),
                  kvserve_line(result["kvserve"]),
@@ -161,7 +180,7 @@ def _cell(s: Optional[dict]) -> str:
 
 
 def _vs_best(r: dict, metric: str) -> str:
-    best = r.get("ratios", {}).get("vs_best", {}).get(metric)
+    best = result_ratios(r)["vs_best"].get(metric)
     return f"{best['ratio']:.2f}x ({best['peer']})" if best and best.get("ratio") else "—"
 
 
@@ -196,6 +215,11 @@ def markdown_table(results: list[dict]) -> str:
     machine = next((r["machine"] for r in results if r.get("machine")), None)
     if machine:
         lines += ["", machine_line(machine) + "."]
+    loads = [f"{r['workload']['name']} {r['load_average']['load_1min']:.1f}" for r in results
+             if r.get("load_average")]
+    if loads:
+        lines += ["", "1-minute load average when each run started (other work on the machine): "
+                  + ", ".join(loads) + "."]
     return "\n".join(lines)
 
 

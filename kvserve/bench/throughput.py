@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from kvserve.bench.compare import BenchSession, CompareOptions, summarize
-from kvserve.bench.report import THROUGHPUT_METRICS, compute_ratios
+from kvserve.bench.report import result_ratios
 from kvserve.bench.timing import EngineRun
 from kvserve.bench.workloads import Workload
 from kvserve.config import EngineArgs
@@ -31,6 +31,6 @@ def run_throughput(eargs: EngineArgs, make_workload: WorkloadFactory,
     kvserve = session.kvserve_summary(ours)
     peers, skipped = session.run_peers(body)
     result = {**session.header("throughput"), "workload": workload.describe(),
-              "kvserve": kvserve, "peers": peers, "skipped_peers": skipped,
-              "ratios": compute_ratios(kvserve, peers, THROUGHPUT_METRICS)}
+              "kvserve": kvserve, "peers": peers, "skipped_peers": skipped}
+    result["ratios"] = result_ratios(result)
     return result, runs

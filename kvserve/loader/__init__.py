@@ -27,7 +27,25 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[nn.Module, ModelConfig]:
+               device: torch.device | str = "cpu",
+               quantization: str | None = None) -> tuple[nn.Module, ModelConfig]:
+    """Build the model; ``quantization`` ("bf16" | "int8" | "int4") stores the linear layers'
+    weights in that format (activations stay in ``dtype``), reusing the GGUF's Q4_1 blocks
+    for int4 where there are any."""
+    model, config = _load_float_model(source, dtype, device)
+    if quantization:
+        from kvserve.quant import convert_linear_layers
+
+        raw = None
+        if source.kind == "gguf" and quantization == "int4":
+            from kvserve.loader.gguf import quantized_weights
+            raw = quantized_weights(open_gguf(source.path), config)
+        convert_linear_layers(model, quantization, raw)
+    return model, config
+
+
+def _load_float_model(source: ModelSource, dtype: torch.dtype,
+                      device: torch.device | str) -> tuple[nn.Module, ModelConfig]:
     if source.kind == "tiny":
         from kvserve.loader.resolve import TINY_MODELS
         from kvserve.models.testing import build_random_model, tiny_config

@@ -1,0 +1,63 @@
+"""Reduced-precision weight formats against the fp32 reference on the real models.
+
+The bar: on a fixed text (teacher forcing, every position), top-1 agreement with the fp32
+model on at least 98 % of positions and perplexity within 1 % of fp32's.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.attention import allocate_kv_caches, build_attention_metadata
+from kvserve.engine import load_tokenizer
+from kvserve.loader import load_model, resolve_model
+
+TEXT = (Path(__file__).parent / "data" / "tolerance_text.txt").read_text()
+MIN_TOP1_AGREEMENT = 0.98
+MAX_PERPLEXITY_RATIO_DELTA = 0.01
+
+
+def _all_position_logits(model, config, token_ids: list[int]) -> torch.Tensor:
+    n = len(token_ids)
+    num_blocks = -(-n // 16)
+    kv = allocate_kv_caches(config, num_blocks, 16, torch.float32, "cpu")
+    md = build_attention_metadata([list(range(num_blocks))], [0], [n], 16)
+    with torch.inference_mode():
+        return model(torch.tensor(token_ids), torch.arange(n), md, kv, torch.arange(n - 1)).float()
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma-3-270m"])
+def reference(request):
+    source = resolve_model(request.param)
+    ids = load_tokenizer(source).encode(TEXT)
+    model, config = load_model(source, dtype=torch.float32)
+    logits = _all_position_logits(model, config, ids)
+    return source, ids, logits
+
+
+def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
+
+
+# int8 is symmetric per output channel (the only layout torch's int8 CPU kernel takes): one
+# scale for a whole row of Q4_1 groups of very different ranges. Measured on this text: SmolLM2
+# 97.4 % top-1 (+0.9 % perplexity), Gemma 3 97.8 % (+0.4 %); on DESIGN.md's text SmolLM2 drops
+# to 94.7 % and +1.3 %. It misses the bar; the test stays, strict, so that a better int8 scheme
+# shows up as an XPASS.
+INT8_MISSES_BAR = pytest.mark.xfail(strict=True, reason="per-channel int8 misses the 98 % / 1 % bar")
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "int4", pytest.param("int8", marks=INT8_MISSES_BAR)])
+def test_weight_format_tolerance(reference, weight_format):
+    source, ids, ref_logits = reference
+    model, config = load_model(source, dtype=torch.float32, quantization=weight_format)
+    logits = _all_position_logits(model, config, ids)
+    agreement = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    ppl, ref_ppl = _perplexity(logits, ids), _perplexity(ref_logits, ids)
+    print(f"\n{source.name} {weight_format}: top-1 agreement {agreement:.4f}, "
+          f"perplexity {ppl:.3f} vs fp32 {ref_ppl:.3f} ({ppl / ref_ppl - 1:+.4f})")
+    assert agreement >= MIN_TOP1_AGREEMENT
+    assert abs(ppl / ref_ppl - 1) <= MAX_PERPLEXITY_RATIO_DELTA
