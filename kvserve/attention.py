@@ -1,8 +1,10 @@
 """Paged attention: per-step metadata and the backends that read/write the paged KV cache.
 
-KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+KV cache layout, one tensor per layer: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
 (index 0 = keys, 1 = values). Token ``i`` of a sequence lives in slot
-``block_table[i // block_size] * block_size + i % block_size``.
+``block_table[i // block_size] * block_size + i % block_size`` of every head. Heads come
+first so that gathering a sequence's blocks yields ``[heads, tokens, head_dim]`` matrices that
+the attention matmuls read in place, with no transposing copy.
 """
 from __future__ import annotations
 
@@ -87,20 +89,20 @@ def build_attention_metadata(
 def allocate_kv_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+    """One ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` tensor per layer.
 
     Zero-filled, not ``empty``: padded block-table entries and masked keys are still read,
     and uninitialised memory could hold NaNs, which survive a zero attention weight.
     """
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ``[T, KVH, D]`` at their flat slots."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
 
 # --------------------------------------------------------------------------------------
@@ -120,6 +122,7 @@ class _DecodePlan:
     block_ids: torch.Tensor  # [Sd * nb] int64, flattened
     num_blocks: int  # nb, blocks gathered per sequence
     key_mask: torch.Tensor  # [Sd, 1, 1, nb * block_size] bool: key visible
+    key_bias: torch.Tensor  # the same as an additive float32 mask: 0 visible, -inf hidden
 
 
 def _decode_plan(md: AttentionMetadata, window: Optional[int]) -> Optional[_DecodePlan]:
@@ -155,7 +158,10 @@ def _build_decode_plan(md: AttentionMetadata, window: Optional[int]) -> Optional
     rows = None
     if len(seqs) != md.num_seqs:
         rows = torch.tensor([md.query_start_loc[s] for s in seqs], dtype=torch.int64, device=device)
-    return _DecodePlan(rows=rows, block_ids=block_ids, num_blocks=nb, key_mask=key_mask)
+    # [Sd, 1, L] broadcasts over the [KVH, Sd, G, L] scores.
+    key_bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=device).masked_fill_(
+        ~key_mask, float("-inf")).view(len(seqs), 1, -1)
+    return _DecodePlan(rows=rows, block_ids=block_ids, num_blocks=nb, key_mask=key_mask, key_bias=key_bias)
 
 
 def _attend(
@@ -189,14 +195,21 @@ def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float, logit_softcap: Optional[float]
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[-2]
-    # Gather every sequence's visible blocks into one padded [Sd, KVH, L, D] tensor.
-    keys = kv_cache[0].index_select(0, plan.block_ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = kv_cache[1].index_select(0, plan.block_ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    num_kv_heads = kv_cache.shape[1]
+    # Every sequence's visible blocks, padded to the longest: [KVH, Sd, L, D], read in place.
+    keys = kv_cache[0].index_select(1, plan.block_ids).view(num_kv_heads, num_seqs, -1, head_dim)
+    values = kv_cache[1].index_select(1, plan.block_ids).view(num_kv_heads, num_seqs, -1, head_dim)
     # The query heads sharing a KV head become that head's "query rows": GQA without copying K/V.
-    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = _attend(grouped, keys.to(q.dtype), values.to(q.dtype), plan.key_mask, scale, logit_softcap)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    group = num_heads // num_kv_heads
+    grouped = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).to(keys.dtype)
+    # One query per sequence: two small batched matmuls in the cache's dtype beat SDPA's
+    # flash kernel here (it is built for long query blocks); scores and softmax stay fp32.
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # [KVH, Sd, G, L]
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    probs = (scores + plan.key_bias).softmax(dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [KVH, Sd, G, D]
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def _prefill_attention(
@@ -218,16 +231,16 @@ def _prefill_attention(
         keys, values, first_key = k.transpose(0, 1), v.transpose(0, 1), 0
     else:
         bs = md.block_size
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
         # First key any of these queries can see; blocks before it are not read.
         first_visible = max(0, context - window + 1) if window else 0
         first_block = first_visible // bs
         block_ids = md.block_tables[seq, first_block:(seq_len - 1) // bs + 1].long()
         first_key = first_block * bs
         num_keys = seq_len - first_key
-        keys = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_keys]
-        values = kv_cache[1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_keys]
-        keys, values = keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype)
+        keys = kv_cache[0].index_select(1, block_ids).view(num_kv_heads, -1, head_dim)[:, :num_keys]
+        values = kv_cache[1].index_select(1, block_ids).view(num_kv_heads, -1, head_dim)[:, :num_keys]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
 
     mask = None
     is_causal = context == 0 and window is None

@@ -31,6 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--quantization", default=None, choices=["none", "bf16", "int8", "int4"],
                    help="weight format of the linear layers (activations stay in --dtype); "
                         "int4 reuses GGUF Q4_1 blocks; default with --dtype auto on a CPU with "
@@ -55,7 +56,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching,
         enable_chunked_prefill=not ns.no_chunked_prefill, num_threads=ns.num_threads,
-        seed=ns.seed, quantization=ns.quantization,
+        seed=ns.seed, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
     )
     return dataclasses.replace(args, **overrides)
 

@@ -117,6 +117,9 @@ class EngineArgs:
     # Linear-layer weight format: None (same as dtype) | "bf16" | "int8" | "int4" (CPU).
     # With dtype "auto" on a CPU with fast bf16: float32 activations and bf16 weights.
     quantization: Optional[str] = None
+    # KV cache dtype: auto = bfloat16 when the linear weights are reduced (bf16/int8/int4),
+    # else the activation dtype.
+    kv_cache_dtype: str = "auto"
 
     def cache_config(self) -> CacheConfig:
         cfg = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -132,6 +135,8 @@ class EngineArgs:
             raise ConfigError("max_model_len must be >= 2")
         if self.quantization not in (None, "none", "bf16", "int8", "int4"):
             raise ConfigError(f"unknown quantization {self.quantization!r}; use bf16, int8 or int4")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads must be >= 1")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:

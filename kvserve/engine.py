@@ -110,6 +110,10 @@ class LLMEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked for but torch sees no CUDA device")
         self.dtype, self.weight_format = resolve_precision(args.dtype, args.quantization, self.device)
+        if args.kv_cache_dtype != "auto":
+            self.kv_dtype = _DTYPES[args.kv_cache_dtype]
+        else:
+            self.kv_dtype = torch.bfloat16 if self.weight_format else self.dtype
 
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
@@ -123,7 +127,7 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids))
 
         cache = args.cache_config()
-        kv_bytes_per_token = cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        kv_bytes_per_token = cfg.kv_bytes_per_token(torch.finfo(self.kv_dtype).bits // 8)
         bytes_per_block = kv_bytes_per_token * cache.block_size
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
@@ -141,13 +145,13 @@ class LLMEngine:
                     "2 x %d layers x %d kv heads x %d head dim x %d bytes)",
                     num_blocks, cache.block_size, num_blocks * cache.block_size,
                     self.kv_cache_bytes / 2**20, kv_bytes_per_token, cfg.num_hidden_layers,
-                    cfg.num_key_value_heads, cfg.head_dim, torch.finfo(self.dtype).bits // 8)
+                    cfg.num_key_value_heads, cfg.head_dim, torch.finfo(self.kv_dtype).bits // 8)
 
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_batched_tokens, args.max_num_seqs,
                                    self.max_model_len, args.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, cfg, num_blocks, cache.block_size, self.device,
-                                  kv_dtype=self.dtype)
+                                  kv_dtype=self.kv_dtype)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
@@ -160,7 +164,9 @@ class LLMEngine:
                 f"{self.num_blocks * self.args.block_size} tokens, "
                 f"{self.kv_cache_bytes / 2**20:.1f} MiB "
                 f"(2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} kv heads x "
-                f"{cfg.head_dim} head dim x {torch.finfo(self.dtype).bits // 8} bytes per token)")
+                f"{cfg.head_dim} head dim x {torch.finfo(self.kv_dtype).bits // 8} bytes per token); "
+                f"activations {str(self.dtype).removeprefix('torch.')}, linear weights "
+                f"{self.weight_format or str(self.dtype).removeprefix('torch.')}")
 
     def new_request_id(self) -> str:
         return f"req-{next(self._request_counter)}"

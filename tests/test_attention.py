@@ -57,7 +57,7 @@ class Case:
             self.tables.append(ids[:n])
             ids = ids[n:]
         # Garbage (finite) everywhere: a wrong slot or block shows up as a wrong answer.
-        self.cache = torch.randn(2, sum(need) + spare_blocks, BLOCK, KVH, D, generator=gen)
+        self.cache = torch.randn(2, KVH, sum(need) + spare_blocks, BLOCK, D, generator=gen)
         self.md = build_attention_metadata(self.tables, self.context_lens, self.query_lens, BLOCK)
         ctx_md = build_attention_metadata(self.tables, [0] * len(self.total), self.context_lens, BLOCK)
         write_kv_cache(torch.cat([k[:c] for k, c in zip(self.k, context_lens)]),
@@ -99,8 +99,8 @@ def test_new_keys_and_values_land_in_their_slots():
     for s, table in enumerate(c.tables):
         for pos in range(c.total[s]):
             block, offset = table[pos // BLOCK], pos % BLOCK
-            assert torch.equal(c.cache[0, block, offset], c.k[s][pos])
-            assert torch.equal(c.cache[1, block, offset], c.v[s][pos])
+            assert torch.equal(c.cache[0, :, block, offset], c.k[s][pos])
+            assert torch.equal(c.cache[1, :, block, offset], c.v[s][pos])
 
 
 def test_chunked_prefill_equals_one_shot():
@@ -124,7 +124,7 @@ def test_sliding_decode_never_reads_blocks_outside_the_window():
     for table, length in zip(c.tables, c.total):
         first_visible = max(0, length - window)
         for block in table[: first_visible // BLOCK]:
-            c.cache[:, block] = float("nan")
+            c.cache[:, :, block] = float("nan")
     out = c.run(window)
     assert torch.isfinite(out).all()
     assert (out - c.reference(window)).abs().max() < 1e-5
@@ -134,7 +134,7 @@ def test_sliding_prefill_with_context_never_reads_blocks_outside_the_window():
     window = 4
     c = Case([17], [3], seed=2)
     for block in c.tables[0][: (17 - window + 1) // BLOCK]:
-        c.cache[:, block] = float("nan")
+        c.cache[:, :, block] = float("nan")
     out = c.run(window)
     assert torch.isfinite(out).all()
     assert (out - c.reference(window)).abs().max() < 1e-5
@@ -154,7 +154,7 @@ def test_allocate_kv_caches_layout():
     cfg = tiny_config("gemma3")
     caches = allocate_kv_caches(cfg, num_blocks=7, block_size=16, dtype=torch.bfloat16, device="cpu")
     assert len(caches) == cfg.num_hidden_layers
-    assert caches[0].shape == (2, 7, 16, cfg.num_key_value_heads, cfg.head_dim)
+    assert caches[0].shape == (2, cfg.num_key_value_heads, 7, 16, cfg.head_dim)
     assert caches[0].dtype == torch.bfloat16 and not caches[0].any()
 
 
