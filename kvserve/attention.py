@@ -125,24 +125,50 @@ class _DecodePlan:
     key_bias: torch.Tensor  # the same as an additive float32 mask: 0 visible, -inf hidden
 
 
-def _decode_plan(md: AttentionMetadata, window: Optional[int]) -> Optional[_DecodePlan]:
+# Decode sequences are padded to the longest of their group; a sequence joins a new group
+# when padding it to the group's length would waste more than this share of the gather.
+_MAX_PADDING_WASTE = 0.4
+
+
+def _decode_plans(md: AttentionMetadata, window: Optional[int]) -> list[_DecodePlan]:
     key = ("torch.decode", window)
     if key not in md.derived:
-        md.derived[key] = _build_decode_plan(md, window)
+        md.derived[key] = _build_decode_plans(md, window)
     return md.derived[key]
 
 
-def _build_decode_plan(md: AttentionMetadata, window: Optional[int]) -> Optional[_DecodePlan]:
+def _visible_blocks(md: AttentionMetadata, seq: int, window: Optional[int]) -> tuple[int, int]:
+    """(first key a decode query of ``seq`` sees, number of blocks holding its visible keys)."""
+    n = md.seq_lens[seq]
+    # The query sits at position n - 1; a window of W shows it keys n - W .. n - 1.
+    first_key = max(0, n - window) if window else 0
+    return first_key, -(-n // md.block_size) - first_key // md.block_size
+
+
+def _build_decode_plans(md: AttentionMetadata, window: Optional[int]) -> list[_DecodePlan]:
+    """Group the decode sequences by how many blocks they read, longest first, so that a few
+    long contexts don't make every short one gather (and attend over) padding."""
     seqs = [s for s, n in enumerate(md.query_lens) if n == 1]
     if not seqs:
-        return None
+        return []
+    nblocks = {s: _visible_blocks(md, s, window)[1] for s in seqs}
+    groups: list[list[int]] = []
+    for s in sorted(seqs, key=lambda s: -nblocks[s]):
+        if not groups or nblocks[s] < (1 - _MAX_PADDING_WASTE) * nblocks[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(s)
+    if len(groups) == 1:
+        groups = [seqs]  # keep step order: with no prefill rows, no scatter is needed
+    return [_build_decode_plan(md, window, g) for g in groups]
+
+
+def _build_decode_plan(md: AttentionMetadata, window: Optional[int], seqs: list[int]) -> _DecodePlan:
     bs = md.block_size
     device = md.block_tables.device
     seq_lens = [md.seq_lens[s] for s in seqs]
-    # The query sits at position seq_len - 1; a window of W shows it keys seq_len - W .. seq_len - 1.
-    first_keys = [max(0, n - window) if window else 0 for n in seq_lens]
+    first_keys = [_visible_blocks(md, s, window)[0] for s in seqs]
     first_blocks = [f // bs for f in first_keys]
-    nb = max(-(-n // bs) - fb for n, fb in zip(seq_lens, first_blocks))
+    nb = max(_visible_blocks(md, s, window)[1] for s in seqs)
 
     first_block_t = torch.tensor(first_blocks, dtype=torch.int64, device=device)
     # Padding columns repeat the sequence's own last block rather than the table's padding:
@@ -156,7 +182,7 @@ def _build_decode_plan(md: AttentionMetadata, window: Optional[int]) -> Optional
     hi = torch.tensor(seq_lens, device=device)[:, None]
     key_mask = ((key_pos >= lo) & (key_pos < hi))[:, None, None, :]
     rows = None
-    if len(seqs) != md.num_seqs:
+    if seqs != list(range(md.num_seqs)):
         rows = torch.tensor([md.query_start_loc[s] for s in seqs], dtype=torch.int64, device=device)
     # [Sd, 1, L] broadcasts over the [KVH, Sd, G, L] scores.
     key_bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=device).masked_fill_(
@@ -226,9 +252,12 @@ def _prefill_attention(
     context = md.context_lens[seq]
     seq_len = md.seq_lens[seq]
     device = q.device
+    # Attention runs in the cache's dtype: with a bf16 cache the keys were rounded on the way
+    # in anyway, and the flash kernel runs about twice as fast in bf16.
+    out_dtype, q = q.dtype, q.to(kv_cache.dtype)
     if context == 0:
         # Nothing cached before this chunk: its own keys are all there is to see.
-        keys, values, first_key = k.transpose(0, 1), v.transpose(0, 1), 0
+        keys, values, first_key = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), 0
     else:
         bs = md.block_size
         num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
@@ -252,7 +281,7 @@ def _prefill_attention(
         if window:
             mask &= (q_pos - k_pos) < window
     out = _attend(q.transpose(0, 1)[None], keys[None], values[None], mask, scale, logit_softcap, is_causal)
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(out_dtype)
 
 
 def paged_attention(
@@ -278,14 +307,14 @@ def paged_attention(
     with record_function("attention"):
         md = attn_metadata
         write_kv_cache(k, v, kv_cache, md.slot_mapping)
-        decode = _decode_plan(md, sliding_window)
-        if decode is not None and decode.rows is None:
-            return _decode_attention(q, kv_cache, decode, scale, logit_softcap)
+        plans = _decode_plans(md, sliding_window)
+        if len(plans) == 1 and plans[0].rows is None:
+            return _decode_attention(q, kv_cache, plans[0], scale, logit_softcap)
 
         out = torch.empty_like(q)
-        if decode is not None:
-            out.index_copy_(0, decode.rows, _decode_attention(q.index_select(0, decode.rows), kv_cache, decode,
-                                                              scale, logit_softcap))
+        for plan in plans:
+            out.index_copy_(0, plan.rows, _decode_attention(q.index_select(0, plan.rows), kv_cache, plan,
+                                                            scale, logit_softcap))
         qsl = md.query_start_loc
         for seq, n in enumerate(md.query_lens):
             if n > 1:
