@@ -11,21 +11,22 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 MODEL=${MODEL:-smollm2-135m-instruct}
 EXTRA=${EXTRA:-}          # more engine flags, e.g. "--dtype bfloat16"
+REPEATS=${REPEATS:-2}     # round-robin passes; each engine keeps its best
 OUT=benchmarks/results/$MODEL
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 
-bench() { "$PY" -m kvserve.cli "$@" --model "$MODEL" $EXTRA; }
+bench() { "$PY" -m kvserve.cli "$@" --model "$MODEL" $EXTRA --no-progress; }
 
 # W1 mixed offline: every peer, sequential and batched.
-bench bench throughput --workload W1 --compare hf,llamacpp --json "$OUT/W1.json" --plot "$OUT/W1.png"
+bench bench throughput --workload W1 --compare hf,llamacpp --repeats "$REPEATS" --json "$OUT/W1.json" --plot "$OUT/W1.png"
 # W2 decode-heavy: HF sequential would take ~10 minutes here and is dominated by HF batched.
-bench bench throughput --workload W2 --compare hf-fp32-batch,llamacpp --json "$OUT/W2.json" --plot "$OUT/W2.png"
+bench bench throughput --workload W2 --compare hf-fp32-batch,llamacpp --repeats "$REPEATS" --json "$OUT/W2.json" --plot "$OUT/W2.png"
 # W3 single stream + prefill sweep: sequential peers (nothing to batch).
-bench bench latency --workload W3 --compare hf,llamacpp --json "$OUT/W3.json" --plot "$OUT/W3.png"
-# W4 shared prefix: kvserve with and without prefix caching, and the batched peers.
-bench bench throughput --workload W4 --compare kvserve-noprefix,hf-fp32-batch,llamacpp-batch \
-    --json "$OUT/W4.json" --plot "$OUT/W4.png"
+bench bench latency --workload W3 --compare hf,llamacpp --repeats "$REPEATS" --json "$OUT/W3.json" --plot "$OUT/W3.png"
+# W4 shared prefix: kvserve with and without prefix caching, and the best batched peer.
+bench bench throughput --workload W4 --compare kvserve-noprefix,llamacpp-batch \
+    --repeats "$REPEATS" --json "$OUT/W4.json" --plot "$OUT/W4.png"
 # Where W1's time goes.
 bench profile --workload W1 --trace "$OUT/W1-profile.trace.json" --json "$OUT/W1-profile.json"
 

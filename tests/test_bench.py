@@ -167,7 +167,8 @@ def test_bench_throughput_end_to_end(tmp_path, capsys):
     out, plot = tmp_path / "tp.json", tmp_path / "tp.png"
     rc = kvserve_main(["bench", "throughput", *TINY, "--workload", "W4", "--num-requests", "3",
                        "--shared-prefix-len", "48", "--prompt-len", "8", "--output-len", "4",
-                       "--compare", "kvserve-noprefix,hf", "--json", str(out), "--plot", str(plot)])
+                       "--compare", "kvserve-noprefix,hf", "--repeats", "2", "--json", str(out),
+                       "--plot", str(plot)])
     assert rc == 0
     printed = capsys.readouterr()
     assert "kvserve / peer" in printed.out and "skipped hf-fp32-seq" in printed.out
@@ -186,6 +187,10 @@ def test_bench_throughput_end_to_end(tmp_path, capsys):
     assert k["prefix_cache_hit_rate"] > 0.3 and 3 <= k["peak_kv_blocks_used"] <= k["kv_blocks_total"]
     assert k["computed_tokens"] < 3 * 56 + 12  # cached prompt tokens are not recomputed
     assert set(r["machine"]["gflops"]) == {"bfloat16", "float32"}
+    # Two round-robin passes; the best is kept, and the repeat is not served by the first
+    # pass's cached blocks.
+    assert r["repeats"] == 2 and len(k["output_tokens_per_s_each_repeat"]) == 2
+    assert k["output_tokens_per_s"] == pytest.approx(max(k["output_tokens_per_s_each_repeat"]))
     peer = r["peers"]["kvserve-noprefix"]
     assert peer["prefix_cache_hit_rate"] == 0.0 and peer["num_output_tokens"] == 12
     assert peer["greedy_agreement_with_kvserve"] == 1.0  # same engine, same greedy tokens

@@ -47,6 +47,9 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
                         "hf-bf16-seq, hf-bf16-batch, llamacpp-seq, llamacpp-batch)")
     g.add_argument("--hf-batch-size", type=int, default=None,
                    help="static batch size of the hf-*-batch peers (default: whole workload)")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="run kvserve and the peers in turn this many times, keeping each one's "
+                        "best run (evens out load from other work on the machine)")
     g.add_argument("--matmul-size", type=int, default=1024, help="matrix size of the machine-limit matmul")
     g.add_argument("--matmul-seconds", type=float, default=1.0, help="time per dtype of that matmul")
 
@@ -70,7 +73,8 @@ def _compare_opts(ns: argparse.Namespace, sequential_only: bool):
     from kvserve.bench.peers import expand_peer_names
 
     return CompareOptions(peers=expand_peer_names(ns.compare, sequential_only),
-                          hf_batch_size=ns.hf_batch_size, matmul_size=ns.matmul_size,
+                          hf_batch_size=ns.hf_batch_size, repeats=ns.repeats,
+                          matmul_size=ns.matmul_size,
                           matmul_seconds=ns.matmul_seconds, progress=not ns.no_progress)
 
 

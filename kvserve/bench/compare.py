@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -16,6 +16,7 @@ from kvserve.bench.timing import EngineRun, greedy_agreement
 from kvserve.config import EngineArgs
 
 logger = logging.getLogger("kvserve.bench")
+M = TypeVar("M")
 
 
 @dataclass
@@ -24,6 +25,7 @@ class CompareOptions:
     hf_batch_size: Optional[int] = None  # None: one static batch of the whole workload
     matmul_size: int = 1024
     matmul_seconds: float = 1.0
+    repeats: int = 1  # round-robin passes over all engines; each keeps its best
     progress: bool = True
 
 
@@ -54,28 +56,50 @@ class BenchSession:
         s.update(achieved(run.extra["model_gflop"] * 1e9, run.elapsed_s, self.machine, self.dtype))
         return s
 
-    def run_peers(self, body: Callable[[object], dict]) -> tuple[dict[str, dict], dict[str, str]]:
-        """Call ``body(peer)`` for each requested peer (after its warm-up); returns the
-        results by peer name and the reasons of those skipped."""
-        results: dict[str, dict] = {}
+    def round_robin(self, measure: Callable[[object], M], score: Callable[[M], float]
+                    ) -> tuple[dict[str, M], dict[str, list[float]], dict[str, str]]:
+        """Run ``measure(engine)`` for kvserve and each requested peer, ``repeats`` times in
+        turn (kvserve, peer 1, ..., kvserve, peer 1, ...) so that load from other work on
+        the machine falls on every engine alike, and keep each engine's best-scoring
+        measurement. Returns (best by engine name, every score by name, skipped peers)."""
+        self.driver.warmup()
+        engines: list = [self.driver]
         skipped: dict[str, str] = {}
         for name in self.opts.peers:
-            peer = None
             try:
                 peer = open_peer(name, self.peer_ctx)
+                engines.append(peer)
                 peer.warmup()
-                results[name] = body(peer)
             except PeerUnavailable as exc:
                 skipped[name] = str(exc)
                 print(f"kvserve bench: skipping {name}: {exc}", file=sys.stderr)
             except Exception as exc:  # a broken peer must not lose kvserve's figures
                 logger.exception("peer %s failed", name)
                 skipped[name] = f"failed: {exc!r}"
-            finally:
-                if peer is not None:
-                    peer.close()
-        self.peer_ctx.close()
-        return results, skipped
+        engines = [e for e in engines if e.name not in skipped]
+        best: dict[str, M] = {}
+        scores: dict[str, list[float]] = {}
+        try:
+            for _ in range(max(1, self.opts.repeats)):
+                for engine in list(engines):
+                    try:
+                        m = measure(engine)
+                    except Exception as exc:
+                        if engine is self.driver:
+                            raise
+                        logger.exception("peer %s failed", engine.name)
+                        skipped[engine.name] = f"failed: {exc!r}"
+                        engines.remove(engine)
+                        best.pop(engine.name, None)
+                        continue
+                    scores.setdefault(engine.name, []).append(score(m))
+                    if engine.name not in best or score(m) > score(best[engine.name]):
+                        best[engine.name] = m
+        finally:
+            for engine in engines[1:]:
+                engine.close()
+            self.peer_ctx.close()
+        return best, scores, skipped
 
 
 def summarize(run: EngineRun, reference: Optional[EngineRun] = None) -> dict:

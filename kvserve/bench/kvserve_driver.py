@@ -35,14 +35,16 @@ class KvserveDriver:
 
     def warmup(self) -> None:
         """A short run so first-call costs (allocations, kernel selection) stay out of the
-        measurement; its blocks are then dropped from the prefix cache."""
+        measurement."""
         spec = WorkloadSpec("warmup", "", num_requests=2, prompt_len=(16, 48), output_len=4,
                             seed=12345)
         self.run(build_workload(spec, self.vocab_size), progress=False)
-        self.engine.kv_manager.reset_prefix_cache()
 
     def run(self, workload: Workload, progress: bool = True, desc: str = "kvserve") -> EngineRun:
+        """Submit the whole workload at once and step until it is done. Each run starts with
+        an empty prefix cache: a repeat must not be served by the previous run's blocks."""
         eng = self.engine
+        eng.kv_manager.reset_prefix_cache()
         kv, counters = eng.kv_manager, eng.counters
         queries0, hits0 = kv.prefix_cache_queries, kv.prefix_cache_hits
         preempt0 = eng.scheduler.num_preemptions

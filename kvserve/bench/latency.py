@@ -57,9 +57,13 @@ def run_latency(eargs: EngineArgs, spec: WorkloadSpec, num_iters: int = 1,
     streams = _single_streams(spec, num_iters, vocab)
     sweep = _sweep(lengths, vocab, spec.seed)
 
-    driver.warmup()
-    ours, our_sweep = _measure(driver, streams, sweep, opts.progress)
-    runs = {"kvserve": ours}
+    def score(m: tuple[EngineRun, dict[int, EngineRun]]) -> float:
+        return m[0].summary()["output_tokens_per_s"]
+
+    measured, scores, skipped = session.round_robin(
+        lambda engine: _measure(engine, streams, sweep, opts.progress), score)
+    ours, our_sweep = measured["kvserve"]
+    runs = {name: m[0] for name, m in measured.items()}
     kvserve = summarize(ours)
     kvserve["ttft_measured_from"] = "own turn"  # one request at a time: nothing queues
     kvserve["dtype"] = str(session.dtype).removeprefix("torch.")
@@ -69,18 +73,19 @@ def run_latency(eargs: EngineArgs, spec: WorkloadSpec, num_iters: int = 1,
     for n, run in our_sweep.items():
         rows[n]["kvserve"].update(achieved(run.extra["model_gflop"] * 1e9, run.requests[0].ttft,
                                            session.machine, session.dtype))
-
-    def body(peer) -> dict:
-        run, peer_sweep = _measure(peer, streams, sweep, opts.progress)
-        runs[peer.name] = run
+    peers = {}
+    for name, (run, peer_sweep) in measured.items():
+        if name == "kvserve":
+            continue
+        peers[name] = summarize(run, reference=ours)
         for n, prun in peer_sweep.items():
-            rows[n][peer.name] = _sweep_row(prun)
-        return summarize(run, reference=ours)
+            rows[n][name] = _sweep_row(prun)
+    for name, s in [("kvserve", kvserve), *peers.items()]:
+        s["output_tokens_per_s_each_repeat"] = scores[name]
 
-    peers, skipped = session.run_peers(body)
     workload = streams[0].describe()
     workload.update(num_iters=num_iters, num_requests=1)
-    result = {**session.header("latency"), "workload": workload,
+    result = {**session.header("latency"), "repeats": opts.repeats, "workload": workload,
               "kvserve": kvserve, "peers": peers, "skipped_peers": skipped,
               "prefill_sweep": [rows[n] for n in lengths],
               "prefill_lengths_skipped": skipped_lengths}

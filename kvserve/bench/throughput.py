@@ -19,18 +19,15 @@ def run_throughput(eargs: EngineArgs, make_workload: WorkloadFactory,
     opts = opts or CompareOptions()
     session = BenchSession(eargs, opts)
     workload = make_workload(session.driver)
-    session.driver.warmup()
-    ours = session.driver.run(workload, progress=opts.progress)
-    runs = {"kvserve": ours}
-
-    def body(peer) -> dict:
-        run = peer.run(workload, progress=opts.progress)
-        runs[peer.name] = run
-        return summarize(run, reference=ours)
-
+    runs, scores, skipped = session.round_robin(
+        lambda engine: engine.run(workload, progress=opts.progress),
+        lambda run: run.summary()["output_tokens_per_s"])
+    ours = runs["kvserve"]
     kvserve = session.kvserve_summary(ours)
-    peers, skipped = session.run_peers(body)
-    result = {**session.header("throughput"), "workload": workload.describe(),
+    peers = {name: summarize(run, reference=ours) for name, run in runs.items() if name != "kvserve"}
+    for name, s in [("kvserve", kvserve), *peers.items()]:
+        s["output_tokens_per_s_each_repeat"] = scores[name]
+    result = {**session.header("throughput"), "repeats": opts.repeats, "workload": workload.describe(),
               "kvserve": kvserve, "peers": peers, "skipped_peers": skipped}
     result["ratios"] = result_ratios(result)
     return result, runs
