@@ -25,6 +25,10 @@ def llm_factory():
     cache: dict = {}
 
     def make(**kwargs) -> LLM:
+        # Engines stay alive for the whole session: keep each one's KV cache small (the
+        # default budget is up to 1 GiB, zero-filled, so resident).
+        if "num_blocks" not in kwargs:
+            kwargs.setdefault("kv_cache_memory", 64 << 20)
         key = tuple(sorted(kwargs.items()))
         if key not in cache:
             llm = LLM(**kwargs)
