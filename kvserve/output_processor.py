@@ -6,11 +6,10 @@ One ``RequestGroup`` per user request; ``n > 1`` requests have n child sequences
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-from kvserve.request import (CompletionOutput, Logprob, Request, RequestMetrics, RequestOutput,
-                             RequestStatus)
+from kvserve.request import CompletionOutput, Logprob, Request, RequestMetrics, RequestOutput
 from kvserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 

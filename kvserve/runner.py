@@ -6,8 +6,6 @@ copy per tensor, so the same code serves CPU and CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
-
 import numpy as np
 import torch
 from torch.profiler import record_function

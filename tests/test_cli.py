@@ -6,8 +6,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 

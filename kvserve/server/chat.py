@@ -17,7 +17,7 @@ from kvserve.server.protocol import (ChatCompletionChoice, ChatCompletionRequest
                                      ChatCompletionStreamResponse, ChatResponseMessage,
                                      DeltaMessage, UsageInfo)
 from kvserve.server.serving import SSE_DONE, OutputObserver, ServingContext, sse
-from kvserve.server.streams import ClientDisconnected, EngineJob, EngineStreams, SSEResponse
+from kvserve.server.streams import EngineJob, EngineStreams, respond
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest,
@@ -33,18 +33,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = EngineStreams(ctx.async_engine, [EngineJob(prompt_ids, params, request_id)],
                             raw_request, ctx.gate)
-    try:
-        await streams.start()
-    except ClientDisconnected:
-        return Response(status_code=499)
-    writer = _ChatWriter(ctx, body, params, request_id, len(prompt_ids))
-    if body.stream:
-        streams.stop_watching_disconnect()
-        return SSEResponse(streams, writer.events(streams))
-    try:
-        return await writer.collect(streams)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await respond(streams, _ChatWriter(ctx, body, params, request_id, len(prompt_ids)),
+                         bool(body.stream))
 
 
 @dataclass

@@ -15,7 +15,7 @@ from kvserve.server.logprobs import completion_logprobs
 from kvserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                      UsageInfo)
 from kvserve.server.serving import SSE_DONE, OutputObserver, ServingContext, sse
-from kvserve.server.streams import ClientDisconnected, EngineJob, EngineStreams, SSEResponse
+from kvserve.server.streams import EngineJob, EngineStreams, respond
 
 
 @dataclass
@@ -70,18 +70,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest,
     echoes = [await _echo_text(ctx, p, params) if body.echo else "" for p in prompts]
 
     streams = EngineStreams(ctx.async_engine, jobs, raw_request, ctx.gate)
-    try:
-        await streams.start()
-    except ClientDisconnected:
-        return Response(status_code=499)
-    writer = _CompletionWriter(ctx, body, params, request_id, prompts, echoes)
-    if body.stream:
-        streams.stop_watching_disconnect()
-        return SSEResponse(streams, writer.events(streams))
-    try:
-        return await writer.collect(streams)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await respond(streams, _CompletionWriter(ctx, body, params, request_id, prompts, echoes),
+                         bool(body.stream))
 
 
 async def _echo_text(ctx: ServingContext, prompt: _Prompt, params: SamplingParams) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Union
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from kvserve.request import EngineBusy, RequestOutput, SamplingParams
 from kvserve.server.errors import from_rejection
@@ -187,3 +187,17 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._streams.close()
+
+
+async def respond(streams: EngineStreams, writer, stream: bool) -> Response:
+    """Start the engine requests, then answer as an SSE stream or one JSON body (``writer``
+    has ``events(streams)`` and ``collect(streams)``). A client gone before the answer gets
+    499, "client closed request": its requests are already aborted."""
+    try:
+        await streams.start()
+        if stream:
+            streams.stop_watching_disconnect()
+            return SSEResponse(streams, writer.events(streams))
+        return await writer.collect(streams)
+    except ClientDisconnected:
+        return Response(status_code=499)
