@@ -142,11 +142,6 @@ class LLMEngine:
             raise ConfigError(f"kv_cache_memory is too small for one block ({bytes_per_block} bytes)")
         self.num_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * bytes_per_block
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token = "
-                    "2 x %d layers x %d kv heads x %d head dim x %d bytes)",
-                    num_blocks, cache.block_size, num_blocks * cache.block_size,
-                    self.kv_cache_bytes / 2**20, kv_bytes_per_token, cfg.num_hidden_layers,
-                    cfg.num_key_value_heads, cfg.head_dim, torch.finfo(self.kv_dtype).bits // 8)
 
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_batched_tokens, args.max_num_seqs,
