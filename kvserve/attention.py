@@ -8,6 +8,7 @@ the attention matmuls read in place, with no transposing copy.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from kvserve import ops
 from kvserve.config import ConfigError, ModelConfig
 
 
@@ -95,14 +97,12 @@ def allocate_kv_caches(
     and uninitialised memory could hold NaNs, which survive a zero attention weight.
     """
     shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    return [ops.empty_huge_pages(shape, dtype, device).zero_() for _ in range(config.num_hidden_layers)]
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ``[T, KVH, D]`` at their flat slots."""
-    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
-    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
-    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+    ops.write_kv_cache(k, v, kv_cache, slot_mapping)
 
 
 # --------------------------------------------------------------------------------------
@@ -128,6 +128,27 @@ class _DecodePlan:
 # Decode sequences are padded to the longest of their group; a sequence joins a new group
 # when padding it to the group's length would waste more than this share of the gather.
 _MAX_PADDING_WASTE = 0.4
+
+
+def _kernel_rows(md: AttentionMetadata) -> tuple[Optional[tuple[torch.Tensor, ...]], Optional[tuple[torch.Tensor, ...]]]:
+    """The fused kernels' row lists, built once per step: (sequence indices, query rows) of the
+    decode sequences and (sequence indices, first query rows, query counts) of the prefill
+    chunks; None for a kind the step does not have."""
+    key = "kernel_rows"
+    if key not in md.derived:
+        device = md.block_tables.device
+        qsl, lens = md.query_start_loc, md.query_lens
+        decode = [s for s, n in enumerate(lens) if n == 1]
+        prefill = [s for s, n in enumerate(lens) if n > 1]
+
+        def tensors(*columns: list[int]) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.tensor(c, dtype=torch.int64, device=device) for c in columns)
+
+        md.derived[key] = (
+            tensors(decode, [qsl[s] for s in decode]) if decode else None,
+            tensors(prefill, [qsl[s] for s in prefill], [lens[s] for s in prefill]) if prefill else None,
+        )
+    return md.derived[key]
 
 
 def _decode_plans(md: AttentionMetadata, window: Optional[int]) -> list[_DecodePlan]:
@@ -294,40 +315,60 @@ def paged_attention(
     sliding_window: Optional[int],
     logit_softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """Plain-torch paged attention: ``q [T, H, D]``, ``k, v [T, KVH, D]`` -> ``[T, H, D]``.
+    """Paged attention: ``q [T, H, D]``, ``k, v [T, KVH, D]`` -> ``[T, H, D]``.
 
     Writes this step's k/v into ``kv_cache`` at ``slot_mapping`` first, then each sequence's
     queries (positions ``context_len .. seq_len-1``) attend causally over its cached keys
     ``0 .. seq_len-1``; with ``sliding_window`` W, query i sees key j iff ``i - W < j <= i``
-    (HF Gemma 3 / Mistral semantics). Decode sequences (one query) run as one batched SDPA;
-    prefill chunks run one SDPA each.
+    (HF Gemma 3 / Mistral semantics). fp32 queries on the CPU take the fused kernels
+    (kvserve/csrc): one call for every decode sequence, one for every prefill chunk, both
+    reading the blocks in place. Otherwise plain torch: decode sequences gathered and batched
+    into two matmuls, prefill chunks one SDPA each.
     """
     # One profiler label over the whole of attention (cache write included): `kvserve profile`
-    # attributes time to it.
-    with record_function("attention"):
-        md = attn_metadata
-        write_kv_cache(k, v, kv_cache, md.slot_mapping)
-        plans = _decode_plans(md, sliding_window)
-        if len(plans) == 1 and plans[0].rows is None:
-            return _decode_attention(q, kv_cache, plans[0], scale, logit_softcap)
+    # attributes time to it. Only while profiling: a label costs ~6 us, per layer per step.
+    with record_function("attention") if torch.autograd.profiler._is_profiler_enabled else nullcontext():
+        write_kv_cache(k, v, kv_cache, attn_metadata.slot_mapping)
+        if ops.enabled_for(q):
+            return _kernel_attention(q, kv_cache, attn_metadata, scale, sliding_window, logit_softcap)
+        return _torch_attention(q, k, v, kv_cache, attn_metadata, scale, sliding_window, logit_softcap)
 
-        out = torch.empty_like(q)
-        for plan in plans:
-            out.index_copy_(0, plan.rows, _decode_attention(q.index_select(0, plan.rows), kv_cache, plan,
-                                                            scale, logit_softcap))
-        qsl = md.query_start_loc
-        for seq, n in enumerate(md.query_lens):
-            if n > 1:
-                a, b = qsl[seq], qsl[seq + 1]
-                out[a:b] = _prefill_attention(q[a:b], k[a:b], v[a:b], kv_cache, md, seq, scale, sliding_window,
-                                              logit_softcap)
-        return out
+
+def _kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                      window: Optional[int], logit_softcap: Optional[float]) -> torch.Tensor:
+    out = torch.empty_like(q)
+    decode, prefill = _kernel_rows(md)
+    if decode is not None:
+        ops.paged_decode_attention_kernel(out, q, kv_cache, md.block_tables, md.seq_lens_tensor, *decode,
+                                          scale, window, logit_softcap)
+    if prefill is not None:
+        ops.paged_prefill_attention_kernel(out, q, kv_cache, md.block_tables, md.seq_lens_tensor, *prefill,
+                                           scale, window, logit_softcap)
+    return out
+
+
+def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     md: AttentionMetadata, scale: float, window: Optional[int],
+                     logit_softcap: Optional[float]) -> torch.Tensor:
+    plans = _decode_plans(md, window)
+    if len(plans) == 1 and plans[0].rows is None:
+        return _decode_attention(q, kv_cache, plans[0], scale, logit_softcap)
+    out = torch.empty_like(q)
+    for plan in plans:
+        out.index_copy_(0, plan.rows, _decode_attention(q.index_select(0, plan.rows), kv_cache, plan,
+                                                        scale, logit_softcap))
+    qsl = md.query_start_loc
+    for seq, n in enumerate(md.query_lens):
+        if n > 1:
+            a, b = qsl[seq], qsl[seq + 1]
+            out[a:b] = _prefill_attention(q[a:b], k[a:b], v[a:b], kv_cache, md, seq, scale, window, logit_softcap)
+    return out
 
 
 AttentionFn = Callable[..., torch.Tensor]
 
-# Backends by name; each has paged_attention's signature. Faster ones (fused CPU kernels,
-# flash-attention on CUDA) register here.
+# Backends by name; each has paged_attention's signature (which picks the fused CPU kernels
+# itself). Others (flash-attention on CUDA) register here.
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention}
 
 

@@ -31,14 +31,35 @@ _KERNEL_DTYPE = torch.bfloat16
 
 
 class Bf16Linear(nn.Module):
+    """bf16 weights under any activation dtype (the input is cast to bf16 for the matmul).
+
+    On the CPU the weight is stored pre-packed in oneDNN's blocked layout, as inductor does
+    for frozen CPU models: the same products bit for bit, without the per-call repacking
+    that makes a plain ``F.linear`` reach only 15-25 GFLOP/s at one row and about 60 % of
+    the packed speed at 32 rows (measured here on SmolLM2's shapes).
+    """
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
-        self.register_buffer("weight", weight.to(_KERNEL_DTYPE))
-        self.register_buffer("bias", None if bias is None else bias.to(_KERNEL_DTYPE))
+        w = weight.detach().to(_KERNEL_DTYPE)
+        self.prepacked = w.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        if self.prepacked:
+            w = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self.register_buffer("weight", w)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(_KERNEL_DTYPE))
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x.to(_KERNEL_DTYPE), self.weight, self.bias).to(x.dtype)
+        x16 = x.to(_KERNEL_DTYPE)
+        if self.prepacked:
+            # The models pass [tokens, features]: no reshape ops on the per-token path.
+            rows = x16 if x16.dim() == 2 else x16.reshape(-1, self.in_features)
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+            if x.dim() != 2:
+                y = y.view(*x.shape[:-1], self.out_features)
+        else:
+            y = nn.functional.linear(x16, self.weight, self.bias)
+        return y.to(x.dtype)
 
 
 class Int8Linear(nn.Module):
@@ -155,8 +176,8 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
 
     ``raw_weights`` (HF name -> GGUF QuantizedTensor) lets int4 reuse Q4_1 blocks exactly;
     other GGUF matrices stay bf16 in int4 mode. Float checkpoints are quantized from their
-    values (int4: asymmetric min/max per group of 32). int8 is symmetric per output channel. The LM head is bf16 (int8 in the int modes,
-    which are for memory-bound decode) with fp32 rescoring of its top candidates. Returns
+    values (int4: asymmetric min/max per group of 32). int8 is symmetric per output channel. The LM head is bf16 with fp32 rescoring of its
+    top candidates. Returns
     how many layers got each format.
     """
     if weight_format not in WEIGHT_FORMATS:
@@ -194,7 +215,8 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
         parent_name, attr = name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), attr, new)
     exact = model.lm_head.weight
-    fast = Bf16Linear(exact, None) if weight_format == "bf16" else Int8Linear(exact, None)
-    model.lm_head = RescoredLMHead(fast, exact)
-    counts["lm_head " + ("bf16" if weight_format == "bf16" else "int8") + " + fp32 rescoring"] = 1
+    # bf16 in every format: the packed bf16 matmul reads the head faster at one row than
+    # torch's int8 kernel does (0.9-1.5 ms against 2.0 ms for SmolLM2's 28 M weights).
+    model.lm_head = RescoredLMHead(Bf16Linear(exact, None), exact)
+    counts["lm_head bf16 + fp32 rescoring"] = 1
     return counts

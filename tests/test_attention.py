@@ -13,6 +13,7 @@ from typing import Optional
 import pytest
 import torch
 
+from kvserve import ops
 from kvserve.attention import (
     allocate_kv_caches, build_attention_metadata, get_attention_backend, paged_attention, write_kv_cache,
 )
@@ -22,6 +23,15 @@ from kvserve.models.testing import tiny_config
 H, KVH, D = 4, 2, 16
 BLOCK = 4
 SCALE = D ** -0.5
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def attention_path(request):
+    """Every test runs on the fused CPU kernel (fp32 queries) and on the plain-torch path."""
+    if request.param == "kernel" and ops.load_extension() is None:
+        pytest.skip("fused CPU kernels not built")
+    with ops.use_kernels(request.param == "kernel"):
+        yield request.param
 
 
 def dense_reference(q, k, v, q_positions, window: Optional[int], softcap: Optional[float]):
@@ -140,13 +150,14 @@ def test_sliding_prefill_with_context_never_reads_blocks_outside_the_window():
     assert (out - c.reference(window)).abs().max() < 1e-5
 
 
-def test_derived_tensors_are_built_once_per_step_and_window():
+def test_derived_tensors_are_built_once_per_step_and_window(attention_path):
     c = Case(*CASES["mixed"])
     c.run(None)
     c.run(5)
     plans = dict(c.md.derived)
     c.run(None)
-    assert set(plans) == {("torch.decode", None), ("torch.decode", 5)}
+    expected = {"kernel_rows"} if attention_path == "kernel" else {("torch.decode", None), ("torch.decode", 5)}
+    assert set(plans) == expected
     assert all(c.md.derived[key] is plan for key, plan in plans.items())
 
 
@@ -176,3 +187,25 @@ def test_bfloat16_close_to_reference():
     out = c.run(5)
     assert out.dtype == torch.bfloat16
     assert (out.float() - c.reference(5)).abs().max() < 3e-2 * math.sqrt(D) / 4
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_cache_under_fp32_queries(cache_dtype):
+    """The engine's default: fp32 activations over a 16-bit cache. Both paths stay within the
+    cache's rounding of the reference (the kernel computes in fp32 after the load)."""
+    c = Case(*CASES["mixed"], seed=6)
+    c.cache = c.cache.to(cache_dtype)
+    ctx_md = build_attention_metadata(c.tables, [0] * len(c.total), c.context_lens, BLOCK)
+    write_kv_cache(torch.cat([k[:n] for k, n in zip(c.k, c.context_lens)]),
+                   torch.cat([v[:n] for v, n in zip(c.v, c.context_lens)]), c.cache, ctx_md.slot_mapping)
+    for window in (None, 5):
+        out = c.run(window)
+        assert out.dtype == torch.float32
+        assert (out - c.reference(window)).abs().max() < 3e-2
+
+
+def test_long_contexts_and_many_sequences():
+    """Contexts of hundreds of blocks (the kernel splits work over threads and sequences)."""
+    c = Case([700, 1, 333, 64, 1000], [1, 1, 1, 1, 1], seed=8)
+    for window in (None, 100):
+        assert (c.run(window) - c.reference(window)).abs().max() < 1e-5

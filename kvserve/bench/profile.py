@@ -44,7 +44,8 @@ ATTENTION_OPS = {"aten::scaled_dot_product_attention", "aten::_scaled_dot_produc
                  "aten::_scaled_dot_product_efficient_attention", "aten::_flash_attention_forward"}
 LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
               "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm",
-              "aten::_weight_int4pack_mm_for_cpu", "aten::_addmm_activation"}
+              "aten::_weight_int4pack_mm_for_cpu", "aten::_addmm_activation",
+              "mkldnn::_linear_pointwise"}  # Bf16Linear's pre-packed oneDNN matmul
 
 ROW_ORDER = ["prefill forward", "  attention (prefill)", "  linear layers (prefill)",
              "  other ops (prefill)", "decode forward", "  attention (decode)",

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
 from kvserve.config import ModelConfig
 from kvserve.models.base import PagedCausalLM
-from kvserve.models.layers import GemmaRMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from kvserve.models.layers import GemmaRMSNorm, rope_cos_sin, rope_inv_freq
 from kvserve.models.llama import GatedMLP
 
 
@@ -39,9 +40,12 @@ class Gemma3Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        qkv = self.qkv_proj(x)
+        ops.rope_qk_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                     self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, norm_offset=1.0)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.reshape(n, -1))

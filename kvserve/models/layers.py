@@ -2,7 +2,7 @@
 
 Numerics follow HF transformers (the parity reference): norms compute in float32, rope
 tables are built in float32 from the same ``inv_freq`` formula and cast to the activations'
-dtype.
+dtype. The arithmetic itself is in ``kvserve.ops`` (fused CPU kernels, or plain torch).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kvserve import ops
 from kvserve.config import ConfigError
 
 
@@ -24,9 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps, offset=0.0)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -38,9 +37,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps, offset=1.0)
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict], device: torch.device) -> torch.Tensor:
@@ -82,10 +79,3 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` (HF ``rotate_half`` convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

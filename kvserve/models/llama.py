@@ -7,20 +7,13 @@ HF's ``LlamaForCausalLM`` except the fused ``qkv_proj`` / ``gate_up_proj``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
-from kvserve.config import ModelConfig
+from kvserve.config import ConfigError, ModelConfig
 from kvserve.models.base import PagedCausalLM
-from kvserve.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
-
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
+from kvserve.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
 
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul."""
@@ -30,11 +23,12 @@ class GatedMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act = _ACTIVATIONS[config.hidden_act]
+        if config.hidden_act not in ops.ACTIVATIONS:
+            raise ConfigError(f"unsupported hidden_act {config.hidden_act!r}")
+        self.hidden_act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(ops.act_and_mul(self.gate_up_proj(x), self.hidden_act))
 
 
 class LlamaAttention(nn.Module):
@@ -55,9 +49,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(x)
+        ops.rope_qk_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(n, -1))

@@ -1,0 +1,111 @@
+"""The fused CPU kernels (kvserve/csrc/cpu_ops.cpp) against their plain-torch references.
+
+Paged attention has its own file (test_attention.py runs every case on both paths); here are
+the norm, rotary embedding, KV-cache write and gated activation kernels, plus the build.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvserve import ops
+from kvserve.models.layers import rope_cos_sin, rope_inv_freq
+
+pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
+
+
+def test_extension_builds():
+    """CI has a compiler: the kernels must build there, not silently fall back."""
+    assert ops.load_extension() is not None
+    assert ops.enabled_for(torch.zeros(1)) and not ops.enabled_for(torch.zeros(1, dtype=torch.bfloat16))
+    with ops.use_kernels(False):
+        assert not ops.enabled_for(torch.zeros(1))
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 640), (3, 5, 64), (0, 64)])
+def test_rms_norm(offset, shape):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen) * 5
+    w = torch.randn(shape[-1], generator=gen)
+    got = ops.rms_norm(x, w, 1e-6, offset)
+    want = ops.rms_norm_reference(x.double(), w.double(), 1e-6, offset).float()
+    assert got.shape == x.shape
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256), (2, 2, 6)])
+def test_rope_qk_in_place(qk_norm, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(1)
+    t = 6
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 3
+    positions = torch.tensor([0, 1, 17, 511, 4095, 100_000])
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(head_dim, 10_000.0, None, "cpu"), torch.float32)
+    norms = (torch.randn(head_dim, generator=gen), torch.randn(head_dim, generator=gen)) if qk_norm else (None, None)
+    got, want = qkv.clone(), qkv.clone()
+    ops.rope_qk_(got, cos, sin, num_heads, num_kv_heads, head_dim, *norms, 1e-6, 1.0)
+    with ops.use_kernels(False):
+        ops.rope_qk_(want, cos, sin, num_heads, num_kv_heads, head_dim, *norms, 1e-6, 1.0)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    v_start = (num_heads + num_kv_heads) * head_dim
+    assert torch.equal(got[:, v_start:], qkv[:, v_start:])  # values untouched
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_act_and_mul(activation):
+    gen = torch.Generator().manual_seed(2)
+    gate = torch.cat([torch.randn(3, 100, generator=gen) * 4, torch.linspace(-120, 120, 300).view(3, 100)], -1)
+    x = torch.cat([gate, torch.randn(3, 200, generator=gen)], -1)
+    got = ops.act_and_mul(x, activation)
+    want = ops.act_and_mul_reference(x.double(), activation).float()
+    assert got.shape == (3, 200)
+    assert torch.allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_cache_strided_inputs(cache_dtype):
+    """k/v arrive as strided views of the qkv projection; slots are arbitrary."""
+    gen = torch.Generator().manual_seed(3)
+    kvh, d, t = 3, 8, 5
+    qkv = torch.randn(t, (2 + 2 * kvh) * d, generator=gen)
+    k = qkv[:, 2 * d:(2 + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (2 + kvh) * d:].view(t, kvh, d)
+    slots = torch.tensor([13, 0, 7, 22, 3])
+    got = torch.zeros(2, kvh, 6, 4, d, dtype=cache_dtype)
+    want = got.clone()
+    ops.write_kv_cache(k, v, got, slots)
+    with ops.use_kernels(False):
+        ops.write_kv_cache(k, v, want, slots)
+    assert torch.equal(got, want)
+
+
+def test_models_route_through_the_kernels(monkeypatch):
+    """A tiny model's prefill + decode call every fused op (fp32, CPU) and match the torch path."""
+    from kvserve.attention import allocate_kv_caches, build_attention_metadata
+    from kvserve.models.testing import build_random_model, tiny_config
+
+    def prefill_then_decode(model, cfg):
+        caches = allocate_kv_caches(cfg, 4, 16, torch.float32, "cpu")
+        ids = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
+        first = model.model(ids[:11], torch.arange(11), build_attention_metadata([[2, 0]], [0], [11], 16), caches)
+        second = model.model(ids[11:], torch.tensor([11]), build_attention_metadata([[2, 0]], [11], [1], 16), caches)
+        return torch.cat([first, second])
+
+    fused_ops = ("rms_norm", "rope_qk_", "write_kv_cache", "act_and_mul", "paged_decode_attention")
+    for arch in ("llama", "gemma3"):
+        cfg = tiny_config(arch)
+        model = build_random_model(cfg)
+        calls = []
+        for name in fused_ops:
+            kernel = getattr(ops._ext, name)
+            monkeypatch.setattr(ops._ext, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+        fused = prefill_then_decode(model, cfg)
+        monkeypatch.undo()
+        assert set(fused_ops) <= set(calls), arch
+        with ops.use_kernels(False):
+            plain = prefill_then_decode(model, cfg)
+        assert (fused - plain).abs().max() < 1e-4, arch
