@@ -1,10 +1,13 @@
 """Paged attention: per-step metadata and the backends that read/write the paged KV cache.
 
-KV cache layout, one tensor per layer: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
-(index 0 = keys, 1 = values). Token ``i`` of a sequence lives in slot
-``block_table[i // block_size] * block_size + i % block_size`` of every head. Heads come
-first so that gathering a sequence's blocks yields ``[heads, tokens, head_dim]`` matrices that
-the attention matmuls read in place, with no transposing copy.
+KV cache layout, one tensor per layer, allocated as ``[2, num_kv_heads, num_blocks,
+block_size, head_dim]`` (index 0 = keys, 1 = values). Token ``i`` of a sequence lives at
+offset ``i % block_size`` of block ``block_table[i // block_size]``, in every head. Heads come
+first so that a head's blocks are contiguous. Values are stored ``[block_size, head_dim]`` per
+block; keys are stored transposed, ``[head_dim, block_size]`` per block (``key_blocks()`` gives
+that view): the scores of a query against a block are then a sum over ``d`` of ``q[d]`` times a
+contiguous row of the block's keys, vector operations over the block's tokens with no
+horizontal sums, which is how the CPU kernels compute them.
 """
 from __future__ import annotations
 
@@ -100,6 +103,23 @@ def allocate_kv_caches(
     return [ops.empty_huge_pages(shape, dtype, device).zero_() for _ in range(config.num_hidden_layers)]
 
 
+def key_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The keys of a layer's cache as stored: ``[num_kv_heads, num_blocks, head_dim, block_size]``."""
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    return kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size)
+
+
+def gather_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Keys of the given blocks, in order, as ``[num_kv_heads, len(block_ids) * block_size, head_dim]``."""
+    keys = key_blocks(kv_cache).index_select(1, block_ids)  # [KVH, n, D, BS]
+    return keys.transpose(2, 3).reshape(keys.shape[0], -1, keys.shape[2])
+
+
+def gather_values(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Values of the given blocks, in order, as ``[num_kv_heads, len(block_ids) * block_size, head_dim]``."""
+    return kv_cache[1].index_select(1, block_ids).flatten(1, 2)
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ``[T, KVH, D]`` at their flat slots."""
     ops.write_kv_cache(k, v, kv_cache, slot_mapping)
@@ -130,24 +150,14 @@ class _DecodePlan:
 _MAX_PADDING_WASTE = 0.4
 
 
-def _kernel_rows(md: AttentionMetadata) -> tuple[Optional[tuple[torch.Tensor, ...]], Optional[tuple[torch.Tensor, ...]]]:
-    """The fused kernels' row lists, built once per step: (sequence indices, query rows) of the
-    decode sequences and (sequence indices, first query rows, query counts) of the prefill
-    chunks; None for a kind the step does not have."""
+def _kernel_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sequence indices, first query rows, query counts) of every sequence of the step, as the
+    fused kernel takes them; built once per step and shared by the layers."""
     key = "kernel_rows"
     if key not in md.derived:
         device = md.block_tables.device
-        qsl, lens = md.query_start_loc, md.query_lens
-        decode = [s for s, n in enumerate(lens) if n == 1]
-        prefill = [s for s, n in enumerate(lens) if n > 1]
-
-        def tensors(*columns: list[int]) -> tuple[torch.Tensor, ...]:
-            return tuple(torch.tensor(c, dtype=torch.int64, device=device) for c in columns)
-
-        md.derived[key] = (
-            tensors(decode, [qsl[s] for s in decode]) if decode else None,
-            tensors(prefill, [qsl[s] for s in prefill], [lens[s] for s in prefill]) if prefill else None,
-        )
+        md.derived[key] = tuple(torch.tensor(column, dtype=torch.int64, device=device) for column in (
+            list(range(md.num_seqs)), md.query_start_loc[:-1], md.query_lens))
     return md.derived[key]
 
 
@@ -244,8 +254,8 @@ def _decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[1]
     # Every sequence's visible blocks, padded to the longest: [KVH, Sd, L, D], read in place.
-    keys = kv_cache[0].index_select(1, plan.block_ids).view(num_kv_heads, num_seqs, -1, head_dim)
-    values = kv_cache[1].index_select(1, plan.block_ids).view(num_kv_heads, num_seqs, -1, head_dim)
+    keys = gather_keys(kv_cache, plan.block_ids).view(num_kv_heads, num_seqs, -1, head_dim)
+    values = gather_values(kv_cache, plan.block_ids).view(num_kv_heads, num_seqs, -1, head_dim)
     # The query heads sharing a KV head become that head's "query rows": GQA without copying K/V.
     group = num_heads // num_kv_heads
     grouped = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).to(keys.dtype)
@@ -288,8 +298,8 @@ def _prefill_attention(
         block_ids = md.block_tables[seq, first_block:(seq_len - 1) // bs + 1].long()
         first_key = first_block * bs
         num_keys = seq_len - first_key
-        keys = kv_cache[0].index_select(1, block_ids).view(num_kv_heads, -1, head_dim)[:, :num_keys]
-        values = kv_cache[1].index_select(1, block_ids).view(num_kv_heads, -1, head_dim)[:, :num_keys]
+        keys = gather_keys(kv_cache, block_ids)[:, :num_keys]
+        values = gather_values(kv_cache, block_ids)[:, :num_keys]
         keys, values = keys.to(q.dtype), values.to(q.dtype)
 
     mask = None
@@ -320,10 +330,10 @@ def paged_attention(
     Writes this step's k/v into ``kv_cache`` at ``slot_mapping`` first, then each sequence's
     queries (positions ``context_len .. seq_len-1``) attend causally over its cached keys
     ``0 .. seq_len-1``; with ``sliding_window`` W, query i sees key j iff ``i - W < j <= i``
-    (HF Gemma 3 / Mistral semantics). fp32 queries on the CPU take the fused kernels
-    (kvserve/csrc): one call for every decode sequence, one for every prefill chunk, both
-    reading the blocks in place. Otherwise plain torch: decode sequences gathered and batched
-    into two matmuls, prefill chunks one SDPA each.
+    (HF Gemma 3 / Mistral semantics). fp32 queries on the CPU take the fused kernel
+    (kvserve/csrc): one call for the whole step, prefill chunks and decodes, reading the blocks
+    in place. Otherwise plain torch: decode sequences gathered and batched into two matmuls,
+    prefill chunks one SDPA each.
     """
     # One profiler label over the whole of attention (cache write included): `kvserve profile`
     # attributes time to it. Only while profiling: a label costs ~6 us, per layer per step.
@@ -337,13 +347,8 @@ def paged_attention(
 def _kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
                       window: Optional[int], logit_softcap: Optional[float]) -> torch.Tensor:
     out = torch.empty_like(q)
-    decode, prefill = _kernel_rows(md)
-    if decode is not None:
-        ops.paged_decode_attention_kernel(out, q, kv_cache, md.block_tables, md.seq_lens_tensor, *decode,
-                                          scale, window, logit_softcap)
-    if prefill is not None:
-        ops.paged_prefill_attention_kernel(out, q, kv_cache, md.block_tables, md.seq_lens_tensor, *prefill,
-                                           scale, window, logit_softcap)
+    ops.paged_attention_kernel(out, q, kv_cache, md.block_tables, md.seq_lens_tensor, *_kernel_rows(md),
+                               scale, window, logit_softcap)
     return out
 
 

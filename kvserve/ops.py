@@ -139,12 +139,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ``[T, KVH, D]`` at their flat slots of
-    ``kv_cache [2, KVH, num_blocks, block_size, D]``."""
+    ``kv_cache [2, KVH, num_blocks, block_size, D]`` (keys transposed per block)."""
     if enabled_for(k) and v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1:
         _ext.write_kv_cache(k, v, kv_cache, slot_mapping)
         return
-    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
-    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    # Keys are stored transposed per block ([D, block_size]; see kvserve.attention).
+    keys = kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size)
+    keys[:, blocks, :, offsets] = k.to(kv_cache.dtype)  # advanced indices first: [T, KVH, D]
     kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
 
@@ -167,23 +170,14 @@ ACTIVATIONS = {
 }
 
 
-def paged_decode_attention_kernel(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
-                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
-                                  rows: torch.Tensor, scale: float, window: Optional[int],
-                                  softcap: Optional[float]) -> None:
-    """Single-query attention for decode sequences ``seq_ids`` (their query rows ``rows`` of
-    ``q [T, H, D]``) over their blocks of the cache, written to the same rows of ``out``.
-    Only with the extension loaded; attention.py holds the torch path for this one."""
-    load_extension().paged_decode_attention(out, q, kv_cache, block_tables, seq_lens, seq_ids, rows, scale,
-                                window or 0, softcap or 0.0)
-
-
-def paged_prefill_attention_kernel(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
-                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
-                                   query_starts: torch.Tensor, query_lens: torch.Tensor, scale: float,
-                                   window: Optional[int], softcap: Optional[float]) -> None:
-    """Causal attention for prefill chunks (sequence ``seq_ids[i]``: ``query_lens[i]`` query rows
-    from ``query_starts[i]``, the last one at position ``seq_lens[seq] - 1``) over the paged
-    cache, which must already hold their keys. Only with the extension loaded."""
-    load_extension().paged_prefill_attention(out, q, kv_cache, block_tables, seq_lens, seq_ids, query_starts,
-                                             query_lens, scale, window or 0, softcap or 0.0)
+def paged_attention_kernel(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, seq_ids: torch.Tensor, query_starts: torch.Tensor,
+                           query_lens: torch.Tensor, scale: float, window: Optional[int],
+                           softcap: Optional[float]) -> None:
+    """Causal attention over the paged cache (which must already hold the step's keys) for
+    sequences ``seq_ids``: ``query_lens[i]`` query rows from ``query_starts[i]`` of
+    ``q [T, H, D]``, the last one at position ``seq_lens[seq] - 1``; written to the same rows
+    of ``out``. Decode sequences are the one-query case. Only with the extension loaded;
+    kvserve.attention holds the torch path."""
+    load_extension().paged_attention(out, q, kv_cache, block_tables, seq_lens, seq_ids, query_starts, query_lens,
+                                     scale, window or 0, softcap or 0.0)

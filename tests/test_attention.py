@@ -15,7 +15,7 @@ import torch
 
 from kvserve import ops
 from kvserve.attention import (
-    allocate_kv_caches, build_attention_metadata, get_attention_backend, paged_attention, write_kv_cache,
+    allocate_kv_caches, key_blocks, build_attention_metadata, get_attention_backend, paged_attention, write_kv_cache,
 )
 from kvserve.config import ConfigError
 from kvserve.models.testing import tiny_config
@@ -109,7 +109,7 @@ def test_new_keys_and_values_land_in_their_slots():
     for s, table in enumerate(c.tables):
         for pos in range(c.total[s]):
             block, offset = table[pos // BLOCK], pos % BLOCK
-            assert torch.equal(c.cache[0, :, block, offset], c.k[s][pos])
+            assert torch.equal(key_blocks(c.cache)[:, block, :, offset], c.k[s][pos])
             assert torch.equal(c.cache[1, :, block, offset], c.v[s][pos])
 
 

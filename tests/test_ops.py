@@ -95,7 +95,7 @@ def test_models_route_through_the_kernels(monkeypatch):
         second = model.model(ids[11:], torch.tensor([11]), build_attention_metadata([[2, 0]], [11], [1], 16), caches)
         return torch.cat([first, second])
 
-    fused_ops = ("rms_norm", "rope_qk_", "write_kv_cache", "act_and_mul", "paged_decode_attention")
+    fused_ops = ("rms_norm", "rope_qk_", "write_kv_cache", "act_and_mul", "paged_attention")
     for arch in ("llama", "gemma3"):
         cfg = tiny_config(arch)
         model = build_random_model(cfg)

@@ -13,7 +13,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <array>
+#include <atomic>
 #include <limits>
 #include <cmath>
 #include <cstdint>
@@ -143,23 +143,21 @@ template <typename cache_t>
 void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_cache,
                    const torch::Tensor& slot_mapping) {
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
-  const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
-  cache_t* cache = kv_cache.data_ptr<cache_t>();
+  const int64_t BS = kv_cache.size(3), head_elems = kv_cache.size(2) * BS * D;
+  cache_t* keys = kv_cache.data_ptr<cache_t>();
+  cache_t* values = keys + KVH * head_elems;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  for (int c = 0; c < 2; ++c) {
-    const float* src = c == 0 ? kp : vp;
-    const auto& t_src = c == 0 ? k : v;
-    const int64_t s0 = t_src.stride(0), s1 = t_src.stride(1);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
     for (int64_t h = 0; h < KVH; ++h) {
-      cache_t* head = cache + (c * KVH + h) * slots_per_head * D;
-      for (int64_t t = 0; t < T; ++t) {
-        const float* x = src + t * s0 + h * s1;
-        cache_t* dst = head + slots[t] * D;
+      const float* kx = k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1);
+      const float* vx = v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1);
+      // Keys: column `offset` of the block's [D, BS] matrix. Values: row `offset` of [BS, D].
+      cache_t* kdst = keys + h * head_elems + block * D * BS + offset;
+      for (int64_t d = 0; d < D; ++d) kdst[d * BS] = from_float<cache_t>(kx[d]);
+      cache_t* vdst = values + h * head_elems + (block * BS + offset) * D;
 #pragma omp simd
-        for (int64_t i = 0; i < D; ++i) dst[i] = from_float<cache_t>(x[i]);
-      }
+      for (int64_t d = 0; d < D; ++d) vdst[d] = from_float<cache_t>(vx[d]);
     }
   }
 }
@@ -167,7 +165,8 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
 }  // namespace
 
 // Store k, v [T, KVH, D] (fp32, any row/head strides, contiguous head_dim) at their flat slots
-// of kv_cache [2, KVH, num_blocks, block_size, D], converting to the cache's dtype.
+// of kv_cache [2, KVH, num_blocks, block_size, D], converting to the cache's dtype. Keys are
+// stored transposed per block, [D, block_size] (see kvserve/attention.py).
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
   check_fp32_cpu(k, "k");
   check_fp32_cpu(v, "v");
@@ -182,198 +181,27 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, to
 
 namespace {
 
-// Calls f(slot, position) for the keys at positions [first, n) of a sequence, in order;
-// slot = block * block_size + offset indexes a head's [num_blocks * block_size, D] rows.
-// While one block is read, the next is prefetched: blocks sit anywhere in the pool, so the
-// hardware prefetcher cannot guess the next address (a shuffled pool read 2.5x slower).
-template <typename T>
-inline void prefetch_block(const T* head, int32_t block, int64_t block_bytes, int64_t block_size, int64_t head_dim) {
-  const char* p = reinterpret_cast<const char*>(head + static_cast<int64_t>(block) * block_size * head_dim);
-  for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(p + off);
-}
-
-// `also`: a second head (the values, during the pass over the keys) whose blocks are
-// prefetched alongside, so that the next pass finds them in cache.
-template <typename T, typename F>
-inline void for_each_key(const int32_t* table, int64_t block_size, int64_t first, int64_t n, const T* head,
-                         int64_t head_dim, const T* also, F&& f) {
-  const int64_t block_bytes = block_size * head_dim * static_cast<int64_t>(sizeof(T));
-  const int64_t last_block = (n - 1) / block_size;
-  int64_t j = first;
-  for (int64_t b = first / block_size; j < n; ++b) {
-    if (b == first / block_size && b + 1 <= last_block) prefetch_block(head, table[b + 1], block_bytes, block_size, head_dim);
-    if (b + 2 <= last_block) prefetch_block(head, table[b + 2], block_bytes, block_size, head_dim);
-    if (also != nullptr) prefetch_block(also, table[b], block_bytes, block_size, head_dim);
-    const int64_t base = static_cast<int64_t>(table[b]) * block_size - b * block_size;
-    const int64_t block_end = std::min(n, (b + 1) * block_size);
-    for (; j < block_end; ++j) f(base + j, j);
-  }
-}
-
-// Head sizes known at compile time (kD > 0) unroll into a few vector instructions.
-template <int64_t kD, typename T>
-inline float dot(const float* q, const T* k, int64_t d_runtime) {
-  const int64_t D = kD > 0 ? kD : d_runtime;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < D; ++d) sum += q[d] * to_float(k[d]);
-  return sum;
-}
-
-// A cache row in fp32: converted once, then read by all G query heads of its KV head.
-template <int64_t kD, typename T>
-inline const float* widen(const T* row, float* buf, int64_t d_runtime) {
-  if constexpr (std::is_same_v<T, float>) {
-    return row;
-  } else {
-    const int64_t D = kD > 0 ? kD : d_runtime;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) buf[d] = to_float(row[d]);
-    return buf;
-  }
-}
-
-template <int64_t kD, typename T>
-inline void axpy(float p, const T* v, float* acc, int64_t d_runtime) {
-  const int64_t D = kD > 0 ? kD : d_runtime;
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(v[d]);
-}
-
-template <int64_t kHeadDim, typename cache_t>
-void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
-                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                           const torch::Tensor& seq_ids, const torch::Tensor& rows, double scale, int64_t window,
-                           double softcap) {
-  const int64_t H = q.size(1), D = q.size(2);
-  const int64_t KVH = kv_cache.size(1), NB = kv_cache.size(2), BS = kv_cache.size(3);
-  const int64_t G = H / KVH;
-  const int64_t num_decode = seq_ids.size(0);
-  const int64_t table_width = block_tables.size(1);
-  const cache_t* keys = kv_cache.data_ptr<cache_t>();
-  const cache_t* values = keys + KVH * NB * BS * D;
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* seqs = seq_ids.data_ptr<int64_t>();
-  const int64_t* row_of = rows.data_ptr<int64_t>();
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
-  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
-
-  int64_t longest = 1;
-  for (int64_t i = 0; i < num_decode; ++i) longest = std::max<int64_t>(longest, lens[seqs[i]]);
-  if (window > 0) longest = std::min(longest, window);
-  // One (sequence, kv head) pair per work item; small steps stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, 8192 / (longest * G));
-
-  at::parallel_for(0, num_decode * KVH, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), row_f32(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / KVH, kvh = item % KVH;
-      const int64_t s = seqs[i], row = row_of[i];
-      const int64_t n = lens[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      const int64_t L = n - first;
-      scores.resize(G * L);
-      const int32_t* table = tables + s * table_width;
-      const float* qrow = qp + row * q_s0 + kvh * G * q_s1;
-      const cache_t* khead = keys + kvh * NB * BS * D;
-      const cache_t* vhead = values + kvh * NB * BS * D;
-
-      // Scores: each key row is read once and used by the G query heads sharing it.
-      for_each_key(table, BS, first, n, khead, D, vhead, [&](int64_t slot, int64_t j) {
-        const float* k = widen<kHeadDim>(khead + slot * D, row_f32.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          float sc = dot<kHeadDim>(qrow + g * q_s1, k, D) * fscale;
-          if (fcap > 0.f) sc = std::tanh(sc / fcap) * fcap;
-          scores[g * L + (j - first)] = sc;
-        }
-      });
-      // Softmax per query head, unnormalised; the 1/sum is applied to the output.
-      std::vector<float> inv_sum(G);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = sg[0];
-        for (int64_t j = 1; j < L; ++j) m = std::max(m, sg[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < L; ++j) {
-          sg[j] = exp_nonpositive(sg[j] - m);
-          sum += sg[j];
-        }
-        inv_sum[g] = 1.0f / sum;
-      }
-      // Weighted sum of the value rows, again one read per row for all G heads.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_key(table, BS, first, n, vhead, D, static_cast<const cache_t*>(nullptr), [&](int64_t slot, int64_t j) {
-        const float* v = widen<kHeadDim>(vhead + slot * D, row_f32.data(), D);
-        for (int64_t g = 0; g < G; ++g) axpy<kHeadDim>(scores[g * L + (j - first)], v, acc.data() + g * D, D);
-      });
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + row * o_s0 + (kvh * G + g) * o_s1;
-        const float* a = acc.data() + g * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv_sum[g];
-      }
-    }
-  });
-}
-
-}  // namespace
-
-// Single-query attention over the paged cache for the decode rows of a step, reading each
-// sequence's blocks in place. For decode sequence i (a sequence index seq_ids[i] into
-// block_tables/seq_lens), query row rows[i] of q [T, H, D] attends to keys
-// [max(0, n - window), n) with n = seq_lens[seq]; the result goes to out[rows[i]].
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, torch::Tensor seq_ids, torch::Tensor rows, double scale,
-                            int64_t window, double softcap) {
-  check_fp32_cpu(q, "q");
-  check_fp32_cpu(out, "out");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out must be [T, H, D], head_dim contiguous");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be a contiguous [2, KVH, NB, BS, D]");
-  TORCH_CHECK(q.size(1) % kv_cache.size(1) == 0 && q.size(2) == kv_cache.size(4), "q heads do not match the cache");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables: int32");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: int32");
-  TORCH_CHECK(seq_ids.scalar_type() == torch::kInt64 && rows.scalar_type() == torch::kInt64, "seq_ids/rows: int64");
-  auto seqs = seq_ids.contiguous();
-  auto rws = rows.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_decode_attention", [&] {
-    const int64_t head_dim = q.size(2);
-    auto run = [&](auto head_dim_constant) {
-      decode_attention_impl<decltype(head_dim_constant)::value, scalar_t>(out, q, kv_cache, block_tables, seq_lens,
-                                                                        seqs, rws, scale, window, softcap);
-    };
-    if (head_dim == 64) run(std::integral_constant<int64_t, 64>{});
-    else if (head_dim == 128) run(std::integral_constant<int64_t, 128>{});
-    else if (head_dim == 256) run(std::integral_constant<int64_t, 256>{});
-    else run(std::integral_constant<int64_t, 0>{});
-  });
-}
-
-namespace {
-
 constexpr int64_t kKeyChunk = 16;  // keys per inner tile: one 16-float vector of scores
 constexpr int64_t kQueryTile = 16;  // queries per work item (times G heads = rows)
 constexpr int64_t kRowBlock = 4;  // score rows computed together
 
-// Multi-query (prefill) attention for one sequence, one KV head and a tile of queries,
-// flash-style: keys are visited in chunks of <= 16 from the paged cache, each chunk widened
-// to fp32 and transposed once ([D][16]) so that every score row is 16-wide vector FMAs with
-// no horizontal sums; the softmax is online (running max and sum per row).
+// Attention of a tile of one sequence's queries (all G query heads of one KV head) over the
+// paged cache, flash-style: keys are visited in chunks of <= 16 within a block, widened to
+// fp32 once; with keys stored [D, block_size] per block, each score row is a sum over d of
+// q[d] times a contiguous 16-key vector (vector FMAs, no horizontal sums); the softmax is
+// online (running max and sum per row). Decode is the one-query case.
 template <int64_t kD, typename cache_t>
-void prefill_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
-                  const cache_t* khead, const cache_t* vhead, const int32_t* table, int64_t BS,
-                  int64_t d_runtime, int64_t G, int64_t first_query_pos, int64_t num_queries, int64_t first_row, int64_t kvh,
-                  float scale, int64_t window, float softcap, std::vector<float>& work) {
+void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
+                    const cache_t* khead, const cache_t* vhead, const int32_t* table, int64_t BS,
+                    int64_t d_runtime, int64_t G, int64_t first_query_pos, int64_t num_queries, int64_t first_row,
+                    int64_t kvh, float scale, int64_t window, float softcap, std::vector<float>& work) {
   const int64_t D = kD > 0 ? kD : d_runtime;
   const int64_t rows = num_queries * G;
   work.resize(rows * D + 2 * rows + D * kKeyChunk + kKeyChunk * D);
   float* acc = work.data();  // [rows, D]
   float* row_max = acc + rows * D;
   float* row_sum = row_max + rows;
-  float* kt = row_sum + rows;  // [D, 16] transposed key chunk
+  float* kt = row_sum + rows;  // [D, 16] key chunk
   float* vc = kt + D * kKeyChunk;  // [16, D] value chunk
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
@@ -383,22 +211,30 @@ void prefill_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_query_pos - window + 1) : 0;
   for (int64_t j0 = first_key; j0 <= last_query_pos;) {
     // A chunk never crosses a paged block.
-    const int64_t block_end = (j0 / BS + 1) * BS;
-    const int64_t j1 = std::min({j0 + kKeyChunk, block_end, last_query_pos + 1});
+    const int64_t block = table[j0 / BS], offset = j0 % BS;
+    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_query_pos + 1});
     const int64_t n_keys = j1 - j0;
-    const int64_t slot0 = static_cast<int64_t>(table[j0 / BS]) * BS + j0 % BS;
-    for (int64_t t = 0; t < kKeyChunk; ++t) {
-      if (t < n_keys) {
-        const cache_t* k = khead + (slot0 + t) * D;
-        const cache_t* v = vhead + (slot0 + t) * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * kKeyChunk + t] = to_float(k[d]);
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) vc[t * D + d] = to_float(v[d]);
-      } else {
-        for (int64_t d = 0; d < D; ++d) kt[d * kKeyChunk + t] = 0.f;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) vc[t * D + d] = 0.f;
+    if (j1 <= last_query_pos && j1 % BS == 0) {
+      // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next
+      // one: fetch it while this one is computed on.
+      const int64_t next = table[j1 / BS];
+      const int64_t bytes = BS * D * static_cast<int64_t>(sizeof(cache_t));
+      const char* kn = reinterpret_cast<const char*>(khead + next * BS * D);
+      const char* vn = reinterpret_cast<const char*>(vhead + next * BS * D);
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(vn + off);
       }
+    }
+    const cache_t* kb = khead + block * D * BS + offset;  // row d of the chunk: kb + d * BS
+    for (int64_t d = 0; d < D; ++d) {
+#pragma omp simd
+      for (int64_t t = 0; t < kKeyChunk; ++t) kt[d * kKeyChunk + t] = t < n_keys ? to_float(kb[d * BS + t]) : 0.f;
+    }
+    const cache_t* vb = vhead + (block * BS + offset) * D;
+    for (int64_t t = 0; t < kKeyChunk; ++t) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) vc[t * D + d] = t < n_keys ? to_float(vb[t * D + d]) : 0.f;
     }
     // Rows in blocks of kRowBlock: the key/value vectors loaded once serve all of them, and
     // their accumulators are independent FMA chains (one chain per row would stall on latency).
@@ -435,24 +271,26 @@ void prefill_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_
           }
         }
       }
-
       float p[kRowBlock][kKeyChunk];
       float correction[kRowBlock];
       for (int64_t b = 0; b < nr; ++b) {
         const int64_t r = r0 + b;
-        float chunk_max = -std::numeric_limits<float>::infinity();
-        float x[kKeyChunk];
-        bool visible[kKeyChunk];
-#pragma omp simd reduction(max : chunk_max)
+        // Masking by a 0/1 factor rather than branches keeps these loops vectorised.
+        constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+        float x[kKeyChunk], visible[kKeyChunk];
+#pragma omp simd
         for (int64_t t = 0; t < kKeyChunk; ++t) {
           const int64_t key = j0 + t;
-          visible[t] = t < n_keys && key <= hi[b] && key >= lo[b];
-          float v = (sc[b][t] + sc_odd[b][t]) * scale;
-          if (softcap > 0.f) v = std::tanh(v / softcap) * softcap;
-          x[t] = v;
-          chunk_max = std::max(chunk_max, visible[t] ? v : -std::numeric_limits<float>::infinity());
+          visible[t] = (t < n_keys) & (key <= hi[b]) & (key >= lo[b]) ? 1.f : 0.f;
+          x[t] = (sc[b][t] + sc_odd[b][t]) * scale;
         }
-        if (chunk_max == -std::numeric_limits<float>::infinity()) {  // nothing visible to this row
+        if (softcap > 0.f) {
+          for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = std::tanh(x[t] / softcap) * softcap;
+        }
+        float chunk_max = kNegInf;
+#pragma omp simd reduction(max : chunk_max)
+        for (int64_t t = 0; t < kKeyChunk; ++t) chunk_max = std::max(chunk_max, visible[t] > 0.f ? x[t] : kNegInf);
+        if (chunk_max == kNegInf) {  // nothing visible to this row
           correction[b] = 1.f;
 #pragma omp simd
           for (int64_t t = 0; t < kKeyChunk; ++t) p[b][t] = 0.f;
@@ -463,7 +301,8 @@ void prefill_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_
         float p_sum = 0.f;
 #pragma omp simd reduction(+ : p_sum)
         for (int64_t t = 0; t < kKeyChunk; ++t) {
-          p[b][t] = visible[t] ? exp_nonpositive(x[t] - new_max) : 0.f;
+          // A masked key may score above the max: clamp before exp, then zero it.
+          p[b][t] = visible[t] * exp_nonpositive(std::min(x[t] - new_max, 0.f));
           p_sum += p[b][t];
         }
         row_sum[r] = row_sum[r] * correction[b] + p_sum;
@@ -519,10 +358,10 @@ void prefill_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_
 }
 
 template <int64_t kD, typename cache_t>
-void prefill_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
-                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                            const torch::Tensor& seq_ids, const torch::Tensor& query_starts,
-                            const torch::Tensor& query_lens, double scale, int64_t window, double softcap) {
+void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
+                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& seq_ids,
+                    const torch::Tensor& query_starts, const torch::Tensor& query_lens, double scale,
+                    int64_t window, double softcap) {
   const int64_t H = q.size(1), D = kD > 0 ? kD : q.size(2);
   const int64_t KVH = kv_cache.size(1), NB = kv_cache.size(2), BS = kv_cache.size(3);
   const int64_t G = H / KVH;
@@ -535,42 +374,53 @@ void prefill_attention_impl(torch::Tensor& out, const torch::Tensor& q, const to
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const int64_t* qlens = query_lens.data_ptr<int64_t>();
 
-  // Work items: (sequence, query tile, kv head). A causal tile costs in proportion to its
-  // position, and parallel_for hands each thread a contiguous range: so the tiles of a
-  // sequence are listed first, last, second, second to last... to give every range a mix.
-  std::vector<std::array<int64_t, 3>> items;
+  // Work items: (sequence, query tile, kv head), most expensive first (queries x keys seen);
+  // threads take the next item from a shared counter, so one long prefill and many short
+  // decodes in the same step still keep every thread busy.
+  struct Item {
+    int64_t seq_index, tile_start, kv_head, cost;
+  };
+  std::vector<Item> items;
   for (int64_t i = 0; i < seq_ids.size(0); ++i) {
-    const int64_t num_tiles = (qlens[i] + kQueryTile - 1) / kQueryTile;
-    for (int64_t k = 0; k < num_tiles; ++k) {
-      const int64_t tile = k % 2 == 0 ? k / 2 : num_tiles - 1 - k / 2;
-      for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back({i, tile * kQueryTile, kvh});
+    for (int64_t t0 = 0; t0 < qlens[i]; t0 += kQueryTile) {
+      const int64_t nq = std::min(kQueryTile, qlens[i] - t0);
+      const int64_t last_pos = lens[seqs[i]] - qlens[i] + t0 + nq;
+      const int64_t cost = nq * (window > 0 ? std::min(window + nq, last_pos) : last_pos);
+      for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back({i, t0, kvh, cost});
     }
   }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  int64_t total_cost = 0;
+  for (const auto& it : items) total_cost += it.cost;
+  std::atomic<int64_t> next{0};
+  const int64_t num_workers = total_cost * G < 4096 ? 1 : at::get_num_threads();  // tiny steps: no fan-out
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     std::vector<float> work;
-    for (int64_t it = begin; it < end; ++it) {
-      const auto [i, t0, kvh] = items[it];
-      const int64_t s = seqs[i];
-      const int64_t num_queries = std::min(kQueryTile, qlens[i] - t0);
-      const int64_t first_query_pos = lens[s] - qlens[i] + t0;
-      prefill_tile<kD, cache_t>(q.data_ptr<float>(), q.stride(0), q.stride(1), out.data_ptr<float>(),
-                                out.stride(0), out.stride(1), keys + kvh * NB * BS * D, values + kvh * NB * BS * D,
-                                tables + s * table_width, BS, D, G, first_query_pos, num_queries, starts[i] + t0,
-                                kvh, static_cast<float>(scale), window, static_cast<float>(softcap), work);
+    for (int64_t k = next++; k < static_cast<int64_t>(items.size()); k = next++) {
+      const Item& it = items[k];
+      const int64_t s = seqs[it.seq_index];
+      const int64_t num_queries = std::min(kQueryTile, qlens[it.seq_index] - it.tile_start);
+      const int64_t first_query_pos = lens[s] - qlens[it.seq_index] + it.tile_start;
+      attention_tile<kD, cache_t>(q.data_ptr<float>(), q.stride(0), q.stride(1), out.data_ptr<float>(),
+                                  out.stride(0), out.stride(1), keys + it.kv_head * NB * BS * D,
+                                  values + it.kv_head * NB * BS * D, tables + s * table_width, BS, D, G,
+                                  first_query_pos, num_queries, starts[it.seq_index] + it.tile_start, it.kv_head,
+                                  static_cast<float>(scale), window, static_cast<float>(softcap), work);
     }
   });
 }
 
 }  // namespace
 
-// Causal attention for the prefill chunks of a step over the paged cache (which already
-// holds their new keys): sequence seq_ids[i] has query_lens[i] queries at rows
-// query_starts[i].. of q [T, H, D], the last at position seq_lens[seq] - 1; query at position
-// p sees keys (p - window, p]. Results go to the same rows of out.
-void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                             torch::Tensor seq_lens, torch::Tensor seq_ids, torch::Tensor query_starts,
-                             torch::Tensor query_lens, double scale, int64_t window, double softcap) {
+// Causal attention for every sequence of a step over the paged cache, which already holds the
+// step's new keys: sequence seq_ids[i] has query_lens[i] queries (1 for decode) at rows
+// query_starts[i].. of q [T, H, D], the last at position seq_lens[seq] - 1; the query at
+// position p sees keys (p - window, p] (all of [0, p] without a window). Results go to the
+// same rows of out.
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                     torch::Tensor seq_lens, torch::Tensor seq_ids, torch::Tensor query_starts,
+                     torch::Tensor query_lens, double scale, int64_t window, double softcap) {
   check_fp32_cpu(q, "q");
   check_fp32_cpu(out, "out");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out must be [T, H, D], head_dim contiguous");
@@ -581,17 +431,16 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: int32");
   for (const auto* t : {&seq_ids, &query_starts, &query_lens})
     TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "seq_ids/query_starts/query_lens: int64");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_prefill_attention", [&] {
-    if (q.size(2) == 64) {
-      prefill_attention_impl<64, scalar_t>(out, q, kv_cache, block_tables, seq_lens, seq_ids, query_starts,
-                                           query_lens, scale, window, softcap);
-    } else if (q.size(2) == 256) {
-      prefill_attention_impl<256, scalar_t>(out, q, kv_cache, block_tables, seq_lens, seq_ids, query_starts,
-                                            query_lens, scale, window, softcap);
-    } else {
-      prefill_attention_impl<0, scalar_t>(out, q, kv_cache, block_tables, seq_lens, seq_ids, query_starts,
-                                          query_lens, scale, window, softcap);
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_attention", [&] {
+    const int64_t head_dim = q.size(2);
+    auto run = [&](auto head_dim_constant) {
+      attention_impl<decltype(head_dim_constant)::value, scalar_t>(out, q, kv_cache, block_tables, seq_lens, seq_ids,
+                                                                   query_starts, query_lens, scale, window, softcap);
+    };
+    if (head_dim == 64) run(std::integral_constant<int64_t, 64>{});
+    else if (head_dim == 128) run(std::integral_constant<int64_t, 128>{});
+    else if (head_dim == 256) run(std::integral_constant<int64_t, 256>{});
+    else run(std::integral_constant<int64_t, 0>{});
   });
 }
 
@@ -655,7 +504,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rope_qk_", &rope_qk_);
   m.def("write_kv_cache", &write_kv_cache);
-  m.def("paged_decode_attention", &paged_decode_attention);
-  m.def("paged_prefill_attention", &paged_prefill_attention);
+  m.def("paged_attention", &paged_attention);
   m.def("act_and_mul", &act_and_mul);
 }
