@@ -1,4 +1,10 @@
 """kvserve: a small, readable LLM inference engine and OpenAI-compatible server."""
+import os
+
+# numpy only builds small host-side arrays here; its OpenBLAS thread pool would otherwise
+# spin beside torch's threads on the same cores. Set before numpy is first imported.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from kvserve.request import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput"]

@@ -184,6 +184,7 @@ namespace {
 constexpr int64_t kKeyChunk = 16;  // keys per inner tile: one 16-float vector of scores
 constexpr int64_t kQueryTile = 16;  // queries per work item (times G heads = rows)
 constexpr int64_t kRowBlock = 4;  // score rows computed together
+constexpr int64_t kPrefetchBlocks = 2;  // paged blocks fetched ahead of the one in use
 
 // Attention of a tile of one sequence's queries (all G query heads of one KV head) over the
 // paged cache, flash-style: keys are visited in chunks of <= 16 within a block, widened to
@@ -214,16 +215,19 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     const int64_t block = table[j0 / BS], offset = j0 % BS;
     const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_query_pos + 1});
     const int64_t n_keys = j1 - j0;
-    if (j1 <= last_query_pos && j1 % BS == 0) {
+    if (j1 % BS == 0) {
       // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next
-      // one: fetch it while this one is computed on.
-      const int64_t next = table[j1 / BS];
+      // ones: fetch the keys and values kPrefetchBlocks ahead while this one is computed on.
       const int64_t bytes = BS * D * static_cast<int64_t>(sizeof(cache_t));
-      const char* kn = reinterpret_cast<const char*>(khead + next * BS * D);
-      const char* vn = reinterpret_cast<const char*>(vhead + next * BS * D);
-      for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(kn + off);
-        __builtin_prefetch(vn + off);
+      const int64_t last_block = last_query_pos / BS;
+      const int64_t from = j0 == first_key ? j1 / BS : j1 / BS + kPrefetchBlocks - 1;
+      for (int64_t b = from; b < j1 / BS + kPrefetchBlocks && b <= last_block; ++b) {
+        const char* kn = reinterpret_cast<const char*>(khead + table[b] * BS * D);
+        const char* vn = reinterpret_cast<const char*>(vhead + table[b] * BS * D);
+        for (int64_t off = 0; off < bytes; off += 64) {
+          __builtin_prefetch(kn + off);
+          __builtin_prefetch(vn + off);
+        }
       }
     }
     const cache_t* kb = khead + block * D * BS + offset;  // row d of the chunk: kb + d * BS
