@@ -109,3 +109,38 @@ def test_models_route_through_the_kernels(monkeypatch):
         with ops.use_kernels(False):
             plain = prefill_then_decode(model, cfg)
         assert (fused - plain).abs().max() < 1e-4, arch
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_kernel_matches_torch_path(block_size, cache_dtype):
+    """Block sizes below, at and above the kernel's 16-key chunk; a mixed step (decodes,
+    a first chunk and a chunk with cached context) on shuffled blocks, GQA, with and
+    without a sliding window; both paths read the same cache."""
+    from kvserve.attention import build_attention_metadata, paged_attention, write_kv_cache
+
+    gen = torch.Generator().manual_seed(block_size)
+    heads, kv_heads, head_dim = 6, 2, 32
+    context, new = [0, 37, 80, 5], [23, 1, 1, 40]
+    need = [-(-(c + n) // block_size) for c, n in zip(context, new)]
+    order = torch.randperm(sum(need) + 2, generator=gen).tolist()
+    tables = [order[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+    cache = torch.randn(2, kv_heads, sum(need) + 2, block_size, head_dim, generator=gen).to(cache_dtype)
+    old = build_attention_metadata(tables, [0] * 4, context, block_size)
+    if sum(context):
+        write_kv_cache(torch.randn(sum(context), kv_heads, head_dim, generator=gen),
+                       torch.randn(sum(context), kv_heads, head_dim, generator=gen), cache, old.slot_mapping)
+    q = torch.randn(sum(new), heads, head_dim, generator=gen)
+    k = torch.randn(sum(new), kv_heads, head_dim, generator=gen)
+    v = torch.randn(sum(new), kv_heads, head_dim, generator=gen)
+    for window in (None, 19):
+        md = build_attention_metadata(tables, context, new, block_size)
+        fused = paged_attention(q, k, v, cache.clone(), md, head_dim ** -0.5, window)
+        with ops.use_kernels(False):
+            md = build_attention_metadata(tables, context, new, block_size)
+            plain = paged_attention(q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype), cache.clone(), md,
+                                    head_dim ** -0.5, window).float()
+        # The torch path rounds q and the probabilities to a bf16 cache's dtype; the kernel
+        # keeps them in fp32: the bound is bf16's rounding, or fp32 noise for an fp32 cache.
+        bound = 2e-2 if cache_dtype == torch.bfloat16 else 1e-5
+        assert (fused - plain).abs().max() < bound, window

@@ -46,7 +46,9 @@ class BenchSession:
         engine = self.driver.engine
         return {"command": command, "model": self.driver.eargs.model,
                 "model_source": {"kind": engine.source.kind, "path": str(engine.source.path)},
-                "dtype": str(self.dtype).removeprefix("torch."), "device": str(engine.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "weights": engine.weight_format or str(self.dtype).removeprefix("torch."),
+                "device": str(engine.device),
                 "num_threads": torch.get_num_threads(), "machine": self.machine,
                 "load_average": machine_load()}
 

@@ -198,7 +198,10 @@ def markdown_table(results: list[dict]) -> str:
     for r in results:
         w = r["workload"]
         frac = r["kvserve"].get("fraction_of_best_matmul_limit")
-        row = [f"{w['name']} ({r['command']})", _cell(r["kvserve"])]
+        # kvserve's default on a CPU with fast bf16 is bf16 weights; other formats are named.
+        weights = r.get("weights")
+        label = f"{w['name']} ({r['command']}" + (f", {weights} weights)" if weights not in (None, "bf16") else ")")
+        row = [label, _cell(r["kvserve"])]
         row += [_cell(r.get("peers", {}).get(p)) for p in peers]
         row += [_vs_best(r, "output_tokens_per_s"), _vs_best(r, "ttft_mean_ms"),
                 _vs_best(r, "tpot_mean_ms"), f"{100 * frac:.1f} %" if frac else "—"]
@@ -271,7 +274,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             benches.append(r)
         elif r.get("command") == "profile":
             profiles.append(r)
-    benches.sort(key=lambda r: r["workload"]["name"])
+    # By workload; within one, the default weight format's row first.
+    benches.sort(key=lambda r: (r["workload"]["name"], r.get("weights") not in (None, "bf16")))
     parts = [markdown_table(benches)] if benches else []
     parts += [profile_table(r) for r in profiles]
     table = "\n\n".join(parts)
