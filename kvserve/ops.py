@@ -4,7 +4,7 @@ A decode step of a small model is hundreds of tiny ops per layer; in plain torch
 a few microseconds of dispatch, more than its arithmetic. The C++ kernels do a whole norm,
 rotary embedding, KV-cache write, single-query paged attention (reading blocks in place, no
 gathered copy) or gated activation in one call. They are compiled on first use with
-``torch.utils.cpp_extension`` (cached under ``~/.cache/torch_extensions``; ``scripts/setup.sh``
+``torch.utils.cpp_extension`` (cached in ``<venv>/kvserve-build``; ``scripts/setup.sh``
 builds them) and used only for fp32 activations on the CPU. Anything else, a machine without
 a compiler, or ``KVSERVE_CPU_OPS=0`` takes the torch reference below, which the tests use as
 the ground truth for the kernels.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -41,6 +42,7 @@ def load_extension() -> Optional[Any]:
         from torch.utils.cpp_extension import load
 
         _ext = load(
+            build_directory=_build_directory(),
             name="kvserve_cpu_ops",
             sources=[str(_SOURCE)],
             # Reassociation lets the vectorised dot products reduce their lanes as a tree;
@@ -54,6 +56,21 @@ def load_extension() -> Optional[Any]:
         logger.warning("fused CPU kernels unavailable (%s); using the plain-torch path", exc)
         _ext = None
     return _ext
+
+
+def _build_directory() -> Optional[str]:
+    """Per environment (``<venv>/kvserve-build``): the binary belongs to that environment's
+    torch, and two checkouts sharing ``~/.cache/torch_extensions`` would rebuild each other's.
+    None (torch's default) where the environment is read-only or ``TORCH_EXTENSIONS_DIR``
+    says where to build."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return None
+    path = Path(sys.prefix) / "kvserve-build" / "cpu_ops"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return str(path) if os.access(path, os.W_OK) else None
 
 
 def enabled_for(x: torch.Tensor) -> bool:

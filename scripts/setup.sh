@@ -8,7 +8,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 stamp=.venv/.kvserve-setup-stamp
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 build_kernels() {
-    # The fused CPU kernels compile once (~30 s) into ~/.cache/torch_extensions and are
+    # The fused CPU kernels compile once (~30 s) into .venv/kvserve-build and are
     # rebuilt only when their source changes; a machine without a compiler runs without them.
     .venv/bin/python -c "from kvserve import ops; import sys; sys.exit(ops.load_extension() is None)" \
         || echo "kvserve: fused CPU kernels not built; the plain-torch path will be used" >&2
