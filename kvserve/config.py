@@ -106,7 +106,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes
     num_blocks: Optional[int] = None  # overrides kv_cache_memory
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048  # prefill tokens + decodes per step (chunk budget)
     max_num_seqs: int = 64
     max_model_len: Optional[int] = None
     enable_prefix_caching: bool = True
