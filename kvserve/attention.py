@@ -121,8 +121,15 @@ def gather_values(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values ``[T, KVH, D]`` at their flat slots."""
-    ops.write_kv_cache(k, v, kv_cache, slot_mapping)
+    """Store this step's keys/values ``[T, KVH, D]`` at their flat slots (keys transposed per
+    block, see the module docstring)."""
+    if ops.write_kv_cache_kernel(k, v, kv_cache, slot_mapping):
+        return
+    block_size = kv_cache.shape[3]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_blocks(kv_cache)[:, blocks, :, offsets] = k.to(kv_cache.dtype)  # advanced indices first: [T, KVH, D]
+    values = kv_cache[1].flatten(1, 2)  # [KVH, num_blocks * block_size, D]
+    values.index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
 
 # --------------------------------------------------------------------------------------

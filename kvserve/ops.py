@@ -2,12 +2,13 @@
 
 A decode step of a small model is hundreds of tiny ops per layer; in plain torch each costs
 a few microseconds of dispatch, more than its arithmetic. The C++ kernels do a whole norm,
-rotary embedding, KV-cache write, single-query paged attention (reading blocks in place, no
-gathered copy) or gated activation in one call. They are compiled on first use with
+rotary embedding, KV-cache write, the step's paged attention (prefill chunks and decodes,
+reading blocks in place, no gathered copy) or gated activation in one call. They are compiled on first use with
 ``torch.utils.cpp_extension`` (cached in ``<venv>/kvserve-build``; ``scripts/setup.sh``
 builds them) and used only for fp32 activations on the CPU. Anything else, a machine without
-a compiler, or ``KVSERVE_CPU_OPS=0`` takes the torch reference below, which the tests use as
-the ground truth for the kernels.
+a compiler, or ``KVSERVE_CPU_OPS=0`` takes the torch reference below (for the cache write and
+attention, in kvserve.attention, which owns the cache layout), which the tests use as the
+ground truth for the kernels.
 """
 from __future__ import annotations
 
@@ -154,18 +155,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values ``[T, KVH, D]`` at their flat slots of
-    ``kv_cache [2, KVH, num_blocks, block_size, D]`` (keys transposed per block)."""
-    if enabled_for(k) and v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1:
-        _ext.write_kv_cache(k, v, kv_cache, slot_mapping)
-        return
-    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    # Keys are stored transposed per block ([D, block_size]; see kvserve.attention).
-    keys = kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size)
-    keys[:, blocks, :, offsets] = k.to(kv_cache.dtype)  # advanced indices first: [T, KVH, D]
-    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+def write_kv_cache_kernel(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> bool:
+    """Store this step's keys/values ``[T, KVH, D]`` at their flat slots of the cache in the
+    kernel's layout (see kvserve.attention); False, writing nothing, where the kernel does
+    not apply (kvserve.attention then holds the torch path)."""
+    if not (enabled_for(k) and v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1):
+        return False
+    _ext.write_kv_cache(k, v, kv_cache, slot_mapping)
+    return True
 
 
 def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:

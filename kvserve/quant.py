@@ -176,9 +176,9 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
 
     ``raw_weights`` (HF name -> GGUF QuantizedTensor) lets int4 reuse Q4_1 blocks exactly;
     other GGUF matrices stay bf16 in int4 mode. Float checkpoints are quantized from their
-    values (int4: asymmetric min/max per group of 32). int8 is symmetric per output channel. The LM head is bf16 with fp32 rescoring of its
-    top candidates. Returns
-    how many layers got each format.
+    values (int4: asymmetric min/max per group of 32). int8 is symmetric per output channel.
+    The LM head is bf16 with fp32 rescoring of its top candidates. Returns how many layers
+    got each format.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ConfigError(f"unknown weight format {weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")

@@ -15,12 +15,12 @@ from kvserve.config import ConfigError, ModelConfig
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
 
+
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         if config.hidden_act not in ops.ACTIVATIONS:
