@@ -157,7 +157,7 @@ class _DecodePlan:
 _MAX_PADDING_WASTE = 0.4
 
 
-def _kernel_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kernel_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sequence indices, first query rows, query counts) of every sequence of the step, as the
     fused kernel takes them; built once per step and shared by the layers."""
     key = "kernel_rows"
@@ -354,7 +354,7 @@ def paged_attention(
 def _kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
                       window: Optional[int], logit_softcap: Optional[float]) -> torch.Tensor:
     out = torch.empty_like(q)
-    ops.paged_attention_kernel(out, q, kv_cache, md.block_tables, md.seq_lens_tensor, *_kernel_rows(md),
+    ops.paged_attention_kernel(out, q, kv_cache, md.block_tables, md.seq_lens_tensor, *kernel_rows(md),
                                scale, window, logit_softcap)
     return out
 

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-_ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_linear.cpp", "decoder.cpp")]
+ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}
 _ext: Any = None
 _load_attempted = False
 _kernels_on = True
@@ -45,7 +45,7 @@ def load_extension() -> Optional[Any]:
         _ext = load(
             build_directory=_build_directory(),
             name="kvserve_cpu_ops",
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in _SOURCES],
             # Reassociation lets the vectorised dot products reduce their lanes as a tree;
             # without it GCC adds the 16 lanes one by one (measured 3x slower attention).
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd",
@@ -72,6 +72,12 @@ def _build_directory() -> Optional[str]:
     except OSError:
         return None
     return str(path) if os.access(path, os.W_OK) else None
+
+
+def cpu_extension() -> Optional[Any]:
+    """The compiled module unless disabled (``use_kernels(False)``, ``KVSERVE_CPU_OPS=0``) or
+    unbuildable; for callers that check their tensors themselves."""
+    return load_extension() if _kernels_on else None
 
 
 def enabled_for(x: torch.Tensor) -> bool:
@@ -168,8 +174,8 @@ def write_kv_cache_kernel(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
 
 def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` for ``x = [gate | up]`` of shape ``[T, 2 I]``."""
-    if enabled_for(x) and activation in _ACTIVATION_CODES and x.dim() == 2 and x.stride(-1) == 1:
-        return _ext.act_and_mul(x, _ACTIVATION_CODES[activation])
+    if enabled_for(x) and activation in ACTIVATION_CODES and x.dim() == 2 and x.stride(-1) == 1:
+        return _ext.act_and_mul(x, ACTIVATION_CODES[activation])
     return act_and_mul_reference(x, activation)
 
 

@@ -7,10 +7,12 @@ bf16 matmuls run at about twice the fp32 rate on CPUs with AVX512-BF16/AMX. The 
 rounding the residual stream to bf16 at every layer is what costs a bf16 model its accuracy
 (top-1 agreement with fp32 drops from 99 % to 95 % on SmolLM2), not the bf16 weights.
 
-The INT kernels are torch's own: ``_weight_int8pack_mm`` (per-output-channel scales) and
-``_weight_int4pack_mm_for_cpu`` (groups along the input dimension, ``w = (q - 8) * s + z``),
-both fed bf16 activations. GGUF Q4_1 blocks (32 weights, ``w = d * q + m``) fit the int4
-format with no second rounding of the 4-bit values: ``s = d``, ``z = m + 8 d``.
+int8 uses torch's ``_weight_int8pack_mm`` (per-output-channel scales, bf16 activations).
+int4 is GGUF's Q4_1 (groups of 32, ``w = d * q + m``), read as stored by kvserve's own kernel
+(kvserve/csrc/quant_linear.cpp): SmolLM2's file is Q4_1, so its 4-bit values and fp16 scales
+are used exactly as llama.cpp uses them. In int4 mode the LM head is Q8_0 (as in that file)
+and, when every linear layer is block-quantized, the decoder layers run as one native call
+per step (kvserve.models.fused).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvserve import ops
 from kvserve.config import ConfigError
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
@@ -82,47 +85,109 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ W^T`` with ``W[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n]``, ``g = k // group``.
+    """GGUF Q4_1 weights: per group of 32 input weights ``w = d * q + m``, ``q`` in 0..15, ``d``
+    and ``m`` fp16 (20 bytes per 32 weights), kept in the file's byte layout.
 
-    The kernel takes its scales and zeros in bf16. A zero rounded to bf16 errs the same way
-    for all 32 weights of its group, so its error adds up coherently over the group instead of
-    averaging out; the zero term ``sum_g z[g, n] * sum(x in group g)`` is therefore computed
-    separately in fp32 (a matmul 1/group the size of the main one), and the kernel gets z = 0.
+    ``y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g)``: the fused kernel (kvserve/csrc/quant_linear.cpp)
+    streams the blocks once for all rows of the call, with bf16 products of the 4-bit values
+    (exact in bf16) and the activations rounded to bf16, as every bf16 matmul does, and fp32
+    group sums. Without the extension the same sums run in plain torch on weights expanded
+    once (slow; for machines without a compiler).
+
+    Buffers: ``qs`` uint8 ``[N, Kp / 2]`` (``Kp`` = K rounded up to 64 with zero groups; per
+    group GGUF's 16 bytes: weight j in the low nibble of byte j, j + 16 in its high nibble);
+    ``dm`` the fp16 bits (int16) of ``[N, Kp / 64, 4]`` = (d, d', m, m') of a chunk's two groups.
     """
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: Optional[torch.Tensor], act_dtype: torch.dtype = _KERNEL_DTYPE,
-                 group_size: int = INT4_GROUP_SIZE) -> None:
-        """``q``: int32 [N, K] in 0..15; ``scales``, ``zeros``: [N, K // group_size]."""
+    def __init__(self, qs: torch.Tensor, dm: torch.Tensor, in_features: int, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.group_size = group_size
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).contiguous(), 1))
-        sz = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1)  # [K/g, N, 2]
-        self.register_buffer("scales_and_zeros", sz.to(act_dtype).contiguous())
-        self.register_buffer("zeros", zeros.t().float().contiguous())  # [K/g, N]
-        self.register_buffer("bias", None if bias is None else bias.float())
+        self.out_features, self.in_features = qs.shape[0], in_features
+        self.register_buffer("qs", qs.contiguous())
+        self.register_buffer("dm", dm.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._expanded: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   act_dtype: torch.dtype = _KERNEL_DTYPE,
-                   group_size: int = INT4_GROUP_SIZE) -> "Int4Linear":
-        """Asymmetric min/max quantization of each group of ``group_size`` input weights."""
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
+        """``q``: [N, K] in 0..15; ``d``, ``m``: [N, K / 32] (rounded to fp16)."""
+        n, k = q.shape
+        kp = -(-k // 64) * 64
+        padded = torch.zeros(n, kp, dtype=torch.int32)
+        padded[:, :k] = q.to(torch.int32)
+        halves = padded.view(n, kp // 32, 2, 16)
+        qs = (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8).reshape(n, kp // 2)
+        scales = torch.zeros(2, n, kp // 32)
+        scales[0, :, :k // 32], scales[1, :, :k // 32] = d, m
+        dm = scales.view(2, n, kp // 64, 2).permute(1, 2, 0, 3).reshape(n, kp // 64, 4)
+        return cls(qs, dm.to(torch.float16).view(torch.int16), k, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
+        """Asymmetric min/max quantization of each group of 32 input weights (as Q4_1)."""
         n, k = weight.shape
-        w = weight.float().view(n, k // group_size, group_size)
+        w = weight.detach().float().view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        scales = ((hi - lo) / 15.0).clamp(min=1e-12)
-        q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).view(n, k)
-        return cls(q.to(torch.int32), scales, lo + 8.0 * scales, bias, act_dtype, group_size)
+        d = ((hi - lo) / 15.0).clamp(min=1e-6).half().float()
+        m = lo.half().float()
+        q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15).view(n, k)
+        return cls.from_blocks(q, d, m, bias)
+
+    def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``d * q`` fp32 [N, Kp], ``m`` fp32 [N, Kp / 32]): the weights for plain torch."""
+        if self._expanded is None:
+            n, kp = self.qs.shape[0], self.qs.shape[1] * 2
+            groups = self.qs.view(n, kp // 32, 16)
+            q = torch.cat([groups & 15, groups >> 4], dim=-1)  # weights 0-15, then 16-31
+            dm = self.dm.view(torch.float16).float().view(n, kp // 64, 2, 2)
+            d, m = dm[:, :, 0].reshape(n, kp // 32), dm[:, :, 1].reshape(n, kp // 32)
+            self._expanded = ((q.float() * d[..., None]).view(n, kp), m)
+        return self._expanded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.to(self.scales_and_zeros.dtype), self.packed, self.group_size, self.scales_and_zeros)
-        group_sums = x2.float().view(x2.shape[0], -1, self.group_size).sum(-1)
-        y = torch.addmm(y.float(), group_sums, self.zeros) if self.bias is None else \
-            torch.addmm(y.float() + self.bias, group_sums, self.zeros)
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        ext = ops.cpu_extension()
+        if ext is not None and x2.device.type == "cpu":
+            y = ext.q4_linear(x2, self.qs, self.dm, self.bias)
+        else:
+            y = self.forward_reference(x2)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's sums in plain torch: bf16-rounded activations times ``d * q``, plus
+        each group's minimum times the fp32 sum of its activations."""
+        dq, m = self.expanded()
+        k, kp = self.in_features, dq.shape[1]
+        xp = torch.nn.functional.pad(x.float(), (0, kp - k))
+        y = xp.to(torch.bfloat16).float() @ dq.T + xp.view(x.shape[0], -1, INT4_GROUP_SIZE).sum(-1) @ m.T
+        return y if self.bias is None else y + self.bias
+
+
+class Q8Linear(nn.Module):
+    """GGUF Q8_0 weights: per group of 32 input weights ``w = d * q``, ``q`` in -127..127, ``d``
+    fp16, with fp32 activations; the fused kernel streams the 8-bit blocks (int4 mode's LM
+    head, as llama.cpp stores SmolLM2's). ``qs`` int8 [N, K]; ``d`` fp16 bits (int16) [N, K / 32]."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        n, k = weight.shape
+        if k % INT4_GROUP_SIZE:
+            raise ConfigError(f"Q8_0 needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
+        w = weight.detach().float().view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        d = (w.abs().amax(dim=-1) / 127.0).half()
+        # Requantizing a dequantized Q8_0 tensor this way gives back its blocks exactly.
+        q = torch.round(w / d.float().clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qs", q.view(n, k).contiguous())
+        self.register_buffer("d", d.view(torch.int16).contiguous())
+        self.out_features, self.in_features = n, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        ext = ops.cpu_extension()
+        if ext is not None and x2.device.type == "cpu":
+            y = ext.q8_linear(x2, self.qs, self.d, None)
+        else:
+            w = self.qs.float().view(self.out_features, -1, INT4_GROUP_SIZE) * self.d.view(torch.float16).float()[..., None]
+            y = x2 @ w.view(self.out_features, self.in_features).T
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
@@ -166,8 +231,7 @@ class RescoredLMHead(nn.Module):
 
 def _q4_1_linear(raw_parts: list, bias: Optional[torch.Tensor]) -> Int4Linear:
     qs, ds, ms = zip(*(unpack_q4_1(p.data, p.shape) for p in raw_parts))
-    d, m = torch.cat(ds), torch.cat(ms)
-    return Int4Linear(torch.cat(qs), d, m + 8.0 * d, bias, _KERNEL_DTYPE, 32)
+    return Int4Linear.from_blocks(torch.cat(qs), torch.cat(ds), torch.cat(ms), bias)
 
 
 def convert_linear_layers(model: nn.Module, weight_format: str,
@@ -215,8 +279,13 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
         parent_name, attr = name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), attr, new)
     exact = model.lm_head.weight
-    # bf16 in every format: the packed bf16 matmul reads the head faster at one row than
-    # torch's int8 kernel does (0.9-1.5 ms against 2.0 ms for SmolLM2's 28 M weights).
-    model.lm_head = RescoredLMHead(Bf16Linear(exact, None), exact)
-    counts["lm_head bf16 + fp32 rescoring"] = 1
+    if weight_format == "int4" and exact.device.type == "cpu" and exact.shape[1] % INT4_GROUP_SIZE == 0:
+        # Q8_0, llama.cpp's format for SmolLM2's head: half the bytes of bf16 (1.0 against
+        # 2.2 ms per token for its 28 M weights).
+        model.lm_head, kind = RescoredLMHead(Q8Linear(exact), exact), "lm_head Q8_0 + fp32 rescoring"
+    else:
+        # bf16 otherwise: the packed bf16 matmul reads the head faster at one row than
+        # torch's int8 kernel does (0.9-1.5 ms against 2.0 ms for SmolLM2's 28 M weights).
+        model.lm_head, kind = RescoredLMHead(Bf16Linear(exact, None), exact), "lm_head bf16 + fp32 rescoring"
+    counts[kind] = 1
     return counts

@@ -117,18 +117,19 @@ def test_models_route_through_the_kernels(monkeypatch):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_kernel_matches_torch_path(block_size, cache_dtype):
     """Block sizes below, at and above the kernel's 16-key chunk; a mixed step (decodes,
-    a first chunk and a chunk with cached context) on shuffled blocks, GQA, with and
-    without a sliding window; both paths read the same cache."""
+    a first chunk and chunks with cached context, some spanning the kernel's 128-key
+    partitions) on shuffled blocks, GQA, with and without a sliding window; both paths read
+    the same cache."""
     from kvserve.attention import build_attention_metadata, paged_attention, write_kv_cache
 
     gen = torch.Generator().manual_seed(block_size)
     heads, kv_heads, head_dim = 6, 2, 32
-    context, new = [0, 37, 80, 5], [23, 1, 1, 40]
+    context, new = [0, 37, 80, 5, 150, 0, 300], [23, 1, 1, 40, 30, 140, 1]
     need = [-(-(c + n) // block_size) for c, n in zip(context, new)]
     order = torch.randperm(sum(need) + 2, generator=gen).tolist()
     tables = [order[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
     cache = torch.randn(2, kv_heads, sum(need) + 2, block_size, head_dim, generator=gen).to(cache_dtype)
-    old = build_attention_metadata(tables, [0] * 4, context, block_size)
+    old = build_attention_metadata(tables, [0] * len(context), context, block_size)
     if sum(context):
         write_kv_cache(torch.randn(sum(context), kv_heads, head_dim, generator=gen),
                        torch.randn(sum(context), kv_heads, head_dim, generator=gen), cache, old.slot_mapping)

@@ -1,4 +1,5 @@
-"""Unit tests of the weight formats: exact Q4_1 repacking, int4/int8 kernels, LM-head rescoring."""
+"""Unit tests of the weight formats: exact Q4_1 blocks, the Q4_1/Q8_0 kernels against plain
+torch, int8, LM-head rescoring."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kvserve.quant import Bf16Linear, Int4Linear, Int8Linear, RescoredLMHead, unpack_q4_1
+import pytest
+
+from kvserve import ops
+from kvserve.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead, unpack_q4_1
 
 
 def _random_q4_1(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -32,12 +36,59 @@ def test_int4_from_q4_1_matches_fp32_linear():
     n, k = 96, 128
     raw = _random_q4_1(n, k, seed=1)
     q, d, m = unpack_q4_1(raw, (n, k))
-    layer = Int4Linear(q, d, m + 8.0 * d, None)
+    layer = Int4Linear.from_blocks(q, d, m, None)
     w = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1)).view(n, k).float()
     x = torch.randn(5, k)
     rel = (layer(x) - x @ w.T).norm() / (x @ w.T).norm()
     assert layer(x).dtype == torch.float32
-    assert rel < 5e-3  # bf16 activations and scales; the 4-bit values themselves are exact
+    assert rel < 5e-3  # bf16 activations; the 4-bit values and fp16 scales are the file's
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("k", [64, 96, 576])  # 96: an odd number of groups, padded to 128
+def test_q4_1_kernel_matches_plain_torch(portable, k):
+    """Every row count the kernel blocks differently (1-4 rows together, then the rest), with
+    bias; the portable loop (machines without AVX512-BF16) against the same reference."""
+    ext = ops.load_extension()
+    n = 40
+    raw = _random_q4_1(n, k, seed=k)
+    q, d, m = unpack_q4_1(raw, (n, k))
+    layer = Int4Linear.from_blocks(q, d, m, torch.randn(n))
+    ext.set_portable_quant_kernels(portable)
+    try:
+        for rows in (1, 2, 3, 4, 5, 17):
+            x = torch.randn(rows, k)
+            ref = layer.forward_reference(x)
+            assert (layer(x) - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
+    finally:
+        ext.set_portable_quant_kernels(False)
+    with ops.use_kernels(False):  # no extension: plain torch gives the same sums
+        assert torch.equal(layer(x), layer.forward_reference(x))
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_q8_0_requantizes_gguf_blocks_exactly_and_kernel_matches(portable):
+    rng = np.random.default_rng(3)
+    n, k = 50, 128
+    blocks = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    blocks[..., 0:2] = rng.uniform(0.001, 0.02, size=(n, k // 32)).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+    q = rng.integers(-127, 128, size=(n, k // 32, 32), dtype=np.int8)
+    q[..., 0] = 127  # Q8_0 blocks reach +-127: d = max |w| / 127
+    blocks[..., 2:] = q.view(np.uint8)
+    w = torch.from_numpy(dequantize(blocks.reshape(n, -1), GGMLQuantizationType.Q8_0)).view(n, k).float()
+    head = Q8Linear(w)
+    assert torch.equal(head.qs, torch.from_numpy(q.reshape(n, k)))
+    ext = ops.load_extension()
+    ext.set_portable_quant_kernels(portable)
+    try:
+        for rows in (1, 3, 6):
+            x = torch.randn(rows, k)
+            ref = x.double() @ w.double().T
+            assert (head(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    finally:
+        ext.set_portable_quant_kernels(False)
+    with ops.use_kernels(False):
+        assert (head(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_int4_from_float_and_int8_error_bounds():

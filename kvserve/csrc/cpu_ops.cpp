@@ -10,6 +10,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_ops.h"
+#include "quant_linear.h"
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -185,17 +188,24 @@ constexpr int64_t kKeyChunk = 16;  // keys per inner tile: one 16-float vector o
 constexpr int64_t kQueryTile = 16;  // queries per work item (times G heads = rows)
 constexpr int64_t kRowBlock = 4;  // score rows computed together
 constexpr int64_t kPrefetchBlocks = 2;  // paged blocks fetched ahead of the one in use
+// Keys are split at multiples of this position into partitions, each a work item whose partial
+// softmax is merged in order afterwards: a single decode then uses every thread. The split
+// depends only on positions, so a row is computed the same way whatever the batch.
+constexpr int64_t kKeyPartition = 128;
 
 // Attention of a tile of one sequence's queries (all G query heads of one KV head) over the
 // paged cache, flash-style: keys are visited in chunks of <= 16 within a block, widened to
 // fp32 once; with keys stored [D, block_size] per block, each score row is a sum over d of
 // q[d] times a contiguous 16-key vector (vector FMAs, no horizontal sums); the softmax is
-// online (running max and sum per row). Decode is the one-query case.
+// online (running max and sum per row). Decode is the one-query case. Only keys in
+// [key_begin, key_end) are visited; with `partial` the unnormalised accumulators, row maxima
+// and row sums ([rows, D], [rows], [rows]) go there for merge_partitions instead of `out`.
 template <int64_t kD, typename cache_t>
 void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
                     const cache_t* khead, const cache_t* vhead, const int32_t* table, int64_t BS,
                     int64_t d_runtime, int64_t G, int64_t first_query_pos, int64_t num_queries, int64_t first_row,
-                    int64_t kvh, float scale, int64_t window, float softcap, std::vector<float>& work) {
+                    int64_t kvh, float scale, int64_t window, float softcap, int64_t key_begin, int64_t key_end,
+                    float* partial, std::vector<float>& work) {
   const int64_t D = kD > 0 ? kD : d_runtime;
   const int64_t rows = num_queries * G;
   work.resize(rows * D + 2 * rows + D * kKeyChunk + kKeyChunk * D);
@@ -208,18 +218,19 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
   std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + rows, 0.f);
 
-  const int64_t last_query_pos = first_query_pos + num_queries - 1;
-  const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_query_pos - window + 1) : 0;
-  for (int64_t j0 = first_key; j0 <= last_query_pos;) {
+  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
+  const int64_t first_key =
+      std::max(key_begin, window > 0 ? std::max<int64_t>(0, first_query_pos - window + 1) : int64_t{0});
+  for (int64_t j0 = first_key; j0 <= last_key;) {
     // A chunk never crosses a paged block.
     const int64_t block = table[j0 / BS], offset = j0 % BS;
-    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_query_pos + 1});
+    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
     const int64_t n_keys = j1 - j0;
     if (j1 % BS == 0) {
       // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next
       // ones: fetch the keys and values kPrefetchBlocks ahead while this one is computed on.
       const int64_t bytes = BS * D * static_cast<int64_t>(sizeof(cache_t));
-      const int64_t last_block = last_query_pos / BS;
+      const int64_t last_block = last_key / BS;
       const int64_t from = j0 == first_key ? j1 / BS : j1 / BS + kPrefetchBlocks - 1;
       for (int64_t b = from; b < j1 / BS + kPrefetchBlocks && b <= last_block; ++b) {
         const char* kn = reinterpret_cast<const char*>(khead + table[b] * BS * D);
@@ -350,6 +361,10 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     }
     j0 = j1;
   }
+  if (partial != nullptr) {
+    std::copy(acc, acc + rows * D + 2 * rows, partial);  // acc, row_max, row_sum are adjacent
+    return;
+  }
   for (int64_t qi = 0; qi < num_queries; ++qi) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = qi * G + g;
@@ -378,31 +393,54 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const int64_t* qlens = query_lens.data_ptr<int64_t>();
 
-  // Work items: (sequence, query tile, kv head), most expensive first (queries x keys seen);
-  // threads take the next item from a shared counter, so one long prefill and many short
-  // decodes in the same step still keep every thread busy.
+  // Work items: (sequence, query tile, kv head, key partition), most expensive first (queries
+  // x keys seen); threads take the next item from a shared counter, so one long prefill and
+  // many short decodes in the same step still keep every thread busy. A tile whose keys span
+  // several partitions leaves partials in `partials`, merged in partition order below.
   struct Item {
-    int64_t seq_index, tile_start, kv_head, cost;
+    int64_t seq_index, tile_start, kv_head, key_begin, key_end, cost, partial_offset;
+  };
+  struct Tile {
+    int64_t seq_index, tile_start, kv_head, first_item, num_parts;
   };
   std::vector<Item> items;
+  std::vector<Tile> split_tiles;
+  int64_t partial_floats = 0;
   for (int64_t i = 0; i < seq_ids.size(0); ++i) {
     for (int64_t t0 = 0; t0 < qlens[i]; t0 += kQueryTile) {
       const int64_t nq = std::min(kQueryTile, qlens[i] - t0);
-      const int64_t last_pos = lens[seqs[i]] - qlens[i] + t0 + nq;
-      const int64_t cost = nq * (window > 0 ? std::min(window + nq, last_pos) : last_pos);
-      for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back({i, t0, kvh, cost});
+      const int64_t first_pos = lens[seqs[i]] - qlens[i] + t0, last_pos = first_pos + nq - 1;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      const int64_t first_part = first_key / kKeyPartition, last_part = last_pos / kKeyPartition;
+      for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+        const int64_t num_parts = last_part - first_part + 1;
+        if (num_parts > 1) split_tiles.push_back({i, t0, kvh, static_cast<int64_t>(items.size()), num_parts});
+        for (int64_t part = first_part; part <= last_part; ++part) {
+          const int64_t lo = std::max(first_key, part * kKeyPartition);
+          const int64_t hi = std::min(last_pos + 1, (part + 1) * kKeyPartition);
+          int64_t offset = -1;
+          if (num_parts > 1) {
+            offset = partial_floats;
+            partial_floats += nq * G * (D + 2);
+          }
+          items.push_back({i, t0, kvh, lo, hi, nq * (hi - lo), offset});
+        }
+      }
     }
   }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<float> partials(partial_floats);
+  std::vector<int64_t> order(items.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<int64_t>(k);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
   int64_t total_cost = 0;
   for (const auto& it : items) total_cost += it.cost;
   std::atomic<int64_t> next{0};
-  const int64_t num_workers = total_cost * G < 4096 ? 1 : at::get_num_threads();  // tiny steps: no fan-out
+  const int64_t num_workers = total_cost * G < 1024 || items.size() < 2 ? 1 : at::get_num_threads();
 
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     std::vector<float> work;
     for (int64_t k = next++; k < static_cast<int64_t>(items.size()); k = next++) {
-      const Item& it = items[k];
+      const Item& it = items[order[k]];
       const int64_t s = seqs[it.seq_index];
       const int64_t num_queries = std::min(kQueryTile, qlens[it.seq_index] - it.tile_start);
       const int64_t first_query_pos = lens[s] - qlens[it.seq_index] + it.tile_start;
@@ -410,7 +448,42 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
                                   out.stride(0), out.stride(1), keys + it.kv_head * NB * BS * D,
                                   values + it.kv_head * NB * BS * D, tables + s * table_width, BS, D, G,
                                   first_query_pos, num_queries, starts[it.seq_index] + it.tile_start, it.kv_head,
-                                  static_cast<float>(scale), window, static_cast<float>(softcap), work);
+                                  static_cast<float>(scale), window, static_cast<float>(softcap), it.key_begin,
+                                  it.key_end, it.partial_offset < 0 ? nullptr : partials.data() + it.partial_offset,
+                                  work);
+    }
+  });
+
+  // Merge each split tile's partitions in order: rescale to the common maximum and sum.
+  at::parallel_for(0, static_cast<int64_t>(split_tiles.size()), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t k = begin; k < end; ++k) {
+      const Tile& tile = split_tiles[k];
+      const int64_t nq = std::min(kQueryTile, qlens[tile.seq_index] - tile.tile_start);
+      const int64_t rows = nq * G;
+      for (int64_t r = 0; r < rows; ++r) {
+        float row_max = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < tile.num_parts; ++p) {
+          const float* part = partials.data() + items[tile.first_item + p].partial_offset;
+          row_max = std::max(row_max, part[rows * D + r]);
+        }
+        float row_sum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < tile.num_parts; ++p) {
+          const float* part = partials.data() + items[tile.first_item + p].partial_offset;
+          const float weight = exp_nonpositive(part[rows * D + r] - row_max);  // ~0 where nothing was seen
+          row_sum += part[rows * D + rows + r] * weight;
+          const float* a = part + r * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * weight;
+        }
+        const int64_t qi = r / G, g = r % G;
+        float* o = out.data_ptr<float>() + (starts[tile.seq_index] + tile.tile_start + qi) * out.stride(0) +
+                   (tile.kv_head * G + g) * out.stride(1);
+        const float inv = 1.0f / row_sum;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+      }
     }
   });
 }
@@ -503,6 +576,8 @@ bool advise_huge_pages(torch::Tensor t) {
 #endif
 }
 
+void register_fused_decoder(pybind11::module& m);  // decoder.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("advise_huge_pages", &advise_huge_pages);
   m.def("rms_norm", &rms_norm);
@@ -510,4 +585,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache);
   m.def("paged_attention", &paged_attention);
   m.def("act_and_mul", &act_and_mul);
+  m.def("q4_linear", &q4_linear);
+  m.def("q8_linear", &q8_linear);
+  m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
+  register_fused_decoder(m);
 }

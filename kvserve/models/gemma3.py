@@ -8,6 +8,8 @@ k per head (QK-norm); ``(1 + w)`` RMSNorms, also after attention and after the M
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
 from torch import nn
 
@@ -17,6 +19,9 @@ from kvserve.config import ModelConfig
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, rope_cos_sin, rope_inv_freq
 from kvserve.models.llama import GatedMLP
+
+if TYPE_CHECKING:
+    from kvserve.models.fused import FusedDecoderLayers
 
 
 class Gemma3Attention(nn.Module):
@@ -81,6 +86,7 @@ class Gemma3Model(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, "cpu")  # rejects bad scaling now
+        self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -96,6 +102,8 @@ class Gemma3Model(nn.Module):
                                 hidden.dtype),
             True: rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, local_base, None, device), hidden.dtype),
         }
+        if self.fused_layers is not None and self.fused_layers.applies_to(hidden, kv_caches):
+            return self.fused_layers(hidden, rope[False], rope[True], attn_metadata, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, rope, attn_metadata, kv_cache)
         return hidden  # pre-norm: the caller norms only the rows it needs logits for

@@ -6,6 +6,8 @@ HF's ``LlamaForCausalLM`` except the fused ``qkv_proj`` / ``gate_up_proj``.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
 from torch import nn
 
@@ -14,6 +16,9 @@ from kvserve.attention import AttentionMetadata, get_attention_backend
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
+
+if TYPE_CHECKING:
+    from kvserve.models.fused import FusedDecoderLayers
 
 
 class GatedMLP(nn.Module):
@@ -83,6 +88,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, "cpu")  # rejects bad scaling now
+        self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -91,6 +97,8 @@ class LlamaModel(nn.Module):
         # Rope tables for this step's positions only (a few hundred floats), shared by all layers.
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, positions.device)
         cos, sin = rope_cos_sin(positions, inv_freq, hidden.dtype)
+        if self.fused_layers is not None and self.fused_layers.applies_to(hidden, kv_caches):
+            return self.fused_layers(hidden, (cos, sin), (cos, sin), attn_metadata, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, attn_metadata, kv_cache)
         return hidden  # pre-norm: the caller norms only the rows it needs logits for

@@ -1,0 +1,59 @@
+"""The native decoder-layer loop (kvserve/models/fused.py, csrc/decoder.cpp) against the
+Python model it replaces: same kernels, same order, so the same numbers, bit for bit."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvserve import ops
+from kvserve.attention import allocate_kv_caches, build_attention_metadata
+from kvserve.loader import load_model, resolve_model
+
+pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
+
+
+def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16) -> torch.Tensor:
+    """Two sequences: a 150-token prefill (in two chunks, spanning attention's 128-key
+    partitions) beside a short one, then a mixed step, then two decodes; the hidden states."""
+    caches = allocate_kv_caches(cfg, n_blocks, block_size, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, cfg.vocab_size, (200,), generator=gen)
+    tables = [list(range(0, 12)), list(range(12, 20))]
+    outs = []
+    # step 1: seq 0 tokens 0..99, seq 1 tokens 0..9
+    steps = [([0, 0], [100, 10]), ([100, 10], [50, 1]), ([150, 11], [1, 1])]
+    for context, new in steps:
+        md = build_attention_metadata(tables, context, new, block_size)
+        rows = torch.cat([ids[c:c + n] + 17 * s for s, (c, n) in enumerate(zip(context, new))]) % cfg.vocab_size
+        pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context, new)])
+        outs.append(model.model(rows, pos, md, caches))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_fused_layers_match_the_python_model_exactly(name):
+    model, cfg = load_model(resolve_model(name), quantization="int4")
+    fused = model.model.fused_layers
+    assert fused is not None
+    native = _three_steps(model, cfg)
+    model.model.fused_layers = None
+    try:
+        layer_by_layer = _three_steps(model, cfg)
+    finally:
+        model.model.fused_layers = fused
+    assert torch.equal(native, layer_by_layer)
+    with ops.use_kernels(False):  # plain torch everywhere
+        plain = _three_steps(model, cfg)
+    # fp32 noise upstream moves some activations across a bf16 rounding boundary (one bf16
+    # ulp, 0.4 %) before the int4 products: the bound is that rounding, not fp32 noise.
+    assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
+
+
+def test_fused_layers_only_for_block_quantized_weights():
+    model, _ = load_model(resolve_model("tiny-llama"), quantization="bf16")
+    assert model.model.fused_layers is None
+    model, _ = load_model(resolve_model("tiny-llama"), quantization="int4")
+    with ops.use_kernels(False):
+        assert not model.model.fused_layers.applies_to(torch.zeros(1, 8), [])
