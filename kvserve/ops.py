@@ -191,6 +191,23 @@ ACTIVATIONS = {
 }
 
 
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)`` of a 2-D tensor (sorted, descending); on the kernel ties go to
+    the lower index, so ``top_k(x, 1)`` is ``x.argmax(-1)``. The kernel insertion-sorts what
+    it keeps: for small k (candidates for rescoring, logprobs), torch's topk beyond."""
+    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and 0 < k <= min(64, x.shape[-1]):
+        return _ext.top_k_rows(x, k)
+    values, indices = x.topk(k, dim=-1)
+    return values, indices
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a 2-D tensor."""
+    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+        return _ext.top_k_rows(x, 1)[1][:, 0]
+    return x.argmax(dim=-1)
+
+
 def paged_attention_kernel(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, seq_ids: torch.Tensor, query_starts: torch.Tensor,
                            query_lens: torch.Tensor, scale: float, window: Optional[int],

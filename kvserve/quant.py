@@ -223,7 +223,7 @@ class RescoredLMHead(nn.Module):
         logits = self.fast(x).float()
         if logits.shape[0] == 0:
             return logits
-        idx = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices  # [S, k]
+        idx = ops.top_k(logits, min(self.top_k, logits.shape[-1]))[1]  # [S, k]
         rows = self.exact_weight.index_select(0, idx.reshape(-1)).view(*idx.shape, -1)
         exact = torch.bmm(rows.float(), x.float().unsqueeze(-1)).squeeze(-1)
         return logits.scatter_(1, idx, exact)

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvserve import ops
 from kvserve.request import Logprob, Request
 
 # Temperatures below this are treated as greedy: dividing by them would overflow the logits
@@ -227,11 +228,11 @@ class Sampler:
 
         logits = self.apply_logits_processors(logits, md)
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = ops.argmax(logits)
         else:
             sampled = self.sample_random(logits, md)
             if md.greedy_mask is not None:
-                sampled = torch.where(md.greedy_mask, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(md.greedy_mask, ops.argmax(logits), sampled)
 
         logprobs = None
         if raw_logprobs is not None:
@@ -278,7 +279,7 @@ class Sampler:
         # Rank 1 is the most likely token; ties share the better rank.
         chosen_rank = (logprobs > chosen).sum(dim=-1) + 1
         if max_n > 0:
-            values, indices = logprobs.topk(max_n, dim=-1)
+            values, indices = ops.top_k(logprobs, max_n)
             top_lp, top_ids = values.tolist(), indices.tolist()
         sampled_ids = sampled.tolist()
         sampled_lp = chosen.squeeze(1).tolist()
@@ -365,7 +366,7 @@ def _filter_candidates(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     """
     vocab = logits.shape[-1]
     if num_candidates < vocab:
-        cand_logits, cand_idx = logits.topk(num_candidates, dim=-1)  # sorted, descending
+        cand_logits, cand_idx = ops.top_k(logits, num_candidates)  # sorted, descending
     else:
         cand_logits, cand_idx = logits.sort(dim=-1, descending=True)
     positions = torch.arange(num_candidates, device=logits.device).unsqueeze(0)

@@ -147,3 +147,18 @@ def test_paged_attention_kernel_matches_torch_path(block_size, cache_dtype):
         # keeps them in fp32: the bound is bf16's rounding, or fp32 noise for an fp32 cache.
         bound = 2e-2 if cache_dtype == torch.bfloat16 else 1e-5
         assert (fused - plain).abs().max() < bound, window
+
+
+def test_top_k_and_argmax_match_torch():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 49_152, generator=gen)
+    x[1, 1000:1010] = 50.0  # ties: the lower index first, as argmax picks
+    x[2] = 0.0
+    for k in (1, 2, 16, 64):
+        values, indices = ops.top_k(x, k)
+        ref_values, _ = x.topk(k, dim=-1)
+        assert torch.equal(values, ref_values)
+        assert torch.equal(x.gather(1, indices), values)
+    assert torch.equal(ops.argmax(x), x.argmax(-1))
+    assert ops.top_k(x, 5)[1][1].tolist() == [1000, 1001, 1002, 1003, 1004]
+    assert torch.equal(ops.top_k(x[:, :7], 7)[0], x[:, :7].topk(7, dim=-1)[0])

@@ -242,122 +242,141 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
       }
     }
     const cache_t* kb = khead + block * D * BS + offset;  // row d of the chunk: kb + d * BS
-    for (int64_t d = 0; d < D; ++d) {
-#pragma omp simd
-      for (int64_t t = 0; t < kKeyChunk; ++t) kt[d * kKeyChunk + t] = t < n_keys ? to_float(kb[d * BS + t]) : 0.f;
-    }
-    const cache_t* vb = vhead + (block * BS + offset) * D;
-    for (int64_t t = 0; t < kKeyChunk; ++t) {
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) vc[t * D + d] = t < n_keys ? to_float(vb[t * D + d]) : 0.f;
-    }
-    // Rows in blocks of kRowBlock: the key/value vectors loaded once serve all of them, and
-    // their accumulators are independent FMA chains (one chain per row would stall on latency).
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const int64_t nr = std::min(kRowBlock, rows - r0);
-      const float* qr[kRowBlock];
-      int64_t lo[kRowBlock], hi[kRowBlock];
-      bool any_visible = false;
-      for (int64_t b = 0; b < kRowBlock; ++b) {
-        const int64_t r = r0 + std::min(b, nr - 1);  // padding rows repeat the last one, unused
-        const int64_t qi = r / G, g = r % G;
-        qr[b] = q + (first_row + qi) * q_s0 + (kvh * G + g) * q_s1;
-        hi[b] = first_query_pos + qi;  // the query's own position: its last visible key
-        lo[b] = window > 0 ? hi[b] - window + 1 : 0;
-        any_visible |= j0 <= hi[b] && j1 > lo[b];
-      }
-      if (!any_visible) continue;
-
-      float sc[kRowBlock][kKeyChunk];
-      float sc_odd[kRowBlock][kKeyChunk];  // a second partial sum over d: two chains per row
-      for (int64_t b = 0; b < kRowBlock; ++b) {
-#pragma omp simd
-        for (int64_t t = 0; t < kKeyChunk; ++t) sc[b][t] = sc_odd[b][t] = 0.f;
-      }
-      for (int64_t d = 0; d < D; d += 2) {
-        const float* k0 = kt + d * kKeyChunk;
-        const float* k1 = k0 + kKeyChunk;
+    const cache_t* vb = vhead + (block * BS + offset) * D;  // row t of the chunk: vb + t * D
+    // The score and value loops read keys/values through K (row d at K + d * k_stride) and V
+    // (row t at V + t * D). A decode's few rows read a full chunk straight from the cache,
+    // widening as they go; more rows (prefill), or a partial chunk, first copy it to fp32
+    // (zero-padded), widened once for all row blocks.
+    auto rows_over_chunk = [&](const auto* K, int64_t k_stride, const auto* V) {
+      // Rows in blocks of kRowBlock: the key/value vectors loaded once serve all of them, and
+      // their accumulators are independent FMA chains (one chain per row would stall on latency).
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        const int64_t nr = std::min(kRowBlock, rows - r0);
+        const float* qr[kRowBlock];
+        int64_t lo[kRowBlock], hi[kRowBlock];
+        bool any_visible = false;
         for (int64_t b = 0; b < kRowBlock; ++b) {
-          const float q0 = qr[b][d], q1 = qr[b][d + 1];
+          const int64_t r = r0 + std::min(b, nr - 1);  // padding rows repeat the last one, unused
+          const int64_t qi = r / G, g = r % G;
+          qr[b] = q + (first_row + qi) * q_s0 + (kvh * G + g) * q_s1;
+          hi[b] = first_query_pos + qi;  // the query's own position: its last visible key
+          lo[b] = window > 0 ? hi[b] - window + 1 : 0;
+          any_visible |= j0 <= hi[b] && j1 > lo[b];
+        }
+        if (!any_visible) continue;
+
+        float sc[kRowBlock][kKeyChunk];
+        float sc_odd[kRowBlock][kKeyChunk];  // a second partial sum over d: two chains per row
+        for (int64_t b = 0; b < kRowBlock; ++b) {
+#pragma omp simd
+          for (int64_t t = 0; t < kKeyChunk; ++t) sc[b][t] = sc_odd[b][t] = 0.f;
+        }
+        for (int64_t d = 0; d < D; d += 2) {
+          float k0[kKeyChunk], k1[kKeyChunk];
 #pragma omp simd
           for (int64_t t = 0; t < kKeyChunk; ++t) {
-            sc[b][t] += q0 * k0[t];
-            sc_odd[b][t] += q1 * k1[t];
+            k0[t] = to_float(K[d * k_stride + t]);
+            k1[t] = to_float(K[(d + 1) * k_stride + t]);
           }
-        }
-      }
-      float p[kRowBlock][kKeyChunk];
-      float correction[kRowBlock];
-      for (int64_t b = 0; b < nr; ++b) {
-        const int64_t r = r0 + b;
-        // Masking by a 0/1 factor rather than branches keeps these loops vectorised.
-        constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-        float x[kKeyChunk], visible[kKeyChunk];
-#pragma omp simd
-        for (int64_t t = 0; t < kKeyChunk; ++t) {
-          const int64_t key = j0 + t;
-          visible[t] = (t < n_keys) & (key <= hi[b]) & (key >= lo[b]) ? 1.f : 0.f;
-          x[t] = (sc[b][t] + sc_odd[b][t]) * scale;
-        }
-        if (softcap > 0.f) {
-          for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = std::tanh(x[t] / softcap) * softcap;
-        }
-        float chunk_max = kNegInf;
-#pragma omp simd reduction(max : chunk_max)
-        for (int64_t t = 0; t < kKeyChunk; ++t) chunk_max = std::max(chunk_max, visible[t] > 0.f ? x[t] : kNegInf);
-        if (chunk_max == kNegInf) {  // nothing visible to this row
-          correction[b] = 1.f;
-#pragma omp simd
-          for (int64_t t = 0; t < kKeyChunk; ++t) p[b][t] = 0.f;
-          continue;
-        }
-        const float new_max = std::max(row_max[r], chunk_max);
-        correction[b] = exp_nonpositive(row_max[r] - new_max);  // ~0 on the row's first chunk
-        float p_sum = 0.f;
-#pragma omp simd reduction(+ : p_sum)
-        for (int64_t t = 0; t < kKeyChunk; ++t) {
-          // A masked key may score above the max: clamp before exp, then zero it.
-          p[b][t] = visible[t] * exp_nonpositive(std::min(x[t] - new_max, 0.f));
-          p_sum += p[b][t];
-        }
-        row_sum[r] = row_sum[r] * correction[b] + p_sum;
-        row_max[r] = new_max;
-      }
-      for (int64_t b = nr; b < kRowBlock; ++b) {
-        correction[b] = 1.f;
-        for (int64_t t = 0; t < kKeyChunk; ++t) p[b][t] = 0.f;
-      }
-
-      // acc[r] = acc[r] * correction + sum_t p[r][t] v[t], 16 columns of d at a time, two
-      // chains per row (even and odd keys). Masked keys have p = 0 and zeroed value rows.
-      for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
-        float even[kRowBlock][kKeyChunk], odd[kRowBlock][kKeyChunk];
-        for (int64_t b = 0; b < kRowBlock; ++b) {
-          const float* a = acc + std::min(r0 + b, rows - 1) * D + d0;
-#pragma omp simd
-          for (int64_t i = 0; i < kKeyChunk; ++i) {
-            even[b][i] = a[i] * correction[b];
-            odd[b][i] = 0.f;
-          }
-        }
-        for (int64_t t = 0; t < kKeyChunk; t += 2) {
-          const float* v0 = vc + t * D + d0;
-          const float* v1 = v0 + D;
           for (int64_t b = 0; b < kRowBlock; ++b) {
-            const float p0 = p[b][t], p1 = p[b][t + 1];
+            const float q0 = qr[b][d], q1 = qr[b][d + 1];
 #pragma omp simd
-            for (int64_t i = 0; i < kKeyChunk; ++i) {
-              even[b][i] += p0 * v0[i];
-              odd[b][i] += p1 * v1[i];
+            for (int64_t t = 0; t < kKeyChunk; ++t) {
+              sc[b][t] += q0 * k0[t];
+              sc_odd[b][t] += q1 * k1[t];
             }
           }
         }
+        float p[kRowBlock][kKeyChunk];
+        float correction[kRowBlock];
         for (int64_t b = 0; b < nr; ++b) {
-          float* a = acc + (r0 + b) * D + d0;
+          const int64_t r = r0 + b;
+          // Masking by a 0/1 factor rather than branches keeps these loops vectorised.
+          constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+          float x[kKeyChunk], visible[kKeyChunk];
 #pragma omp simd
-          for (int64_t i = 0; i < kKeyChunk; ++i) a[i] = even[b][i] + odd[b][i];
+          for (int64_t t = 0; t < kKeyChunk; ++t) {
+            const int64_t key = j0 + t;
+            visible[t] = (t < n_keys) & (key <= hi[b]) & (key >= lo[b]) ? 1.f : 0.f;
+            x[t] = (sc[b][t] + sc_odd[b][t]) * scale;
+          }
+          if (softcap > 0.f) {
+            for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = std::tanh(x[t] / softcap) * softcap;
+          }
+          float chunk_max = kNegInf;
+#pragma omp simd reduction(max : chunk_max)
+          for (int64_t t = 0; t < kKeyChunk; ++t) chunk_max = std::max(chunk_max, visible[t] > 0.f ? x[t] : kNegInf);
+          if (chunk_max == kNegInf) {  // nothing visible to this row
+            correction[b] = 1.f;
+#pragma omp simd
+            for (int64_t t = 0; t < kKeyChunk; ++t) p[b][t] = 0.f;
+            continue;
+          }
+          const float new_max = std::max(row_max[r], chunk_max);
+          correction[b] = exp_nonpositive(row_max[r] - new_max);  // ~0 on the row's first chunk
+          float p_sum = 0.f;
+#pragma omp simd reduction(+ : p_sum)
+          for (int64_t t = 0; t < kKeyChunk; ++t) {
+            // A masked key may score above the max: clamp before exp, then zero it.
+            p[b][t] = visible[t] * exp_nonpositive(std::min(x[t] - new_max, 0.f));
+            p_sum += p[b][t];
+          }
+          row_sum[r] = row_sum[r] * correction[b] + p_sum;
+          row_max[r] = new_max;
+        }
+        for (int64_t b = nr; b < kRowBlock; ++b) {
+          correction[b] = 1.f;
+          for (int64_t t = 0; t < kKeyChunk; ++t) p[b][t] = 0.f;
+        }
+
+        // acc[r] = acc[r] * correction + sum_t p[r][t] v[t], 16 columns of d at a time, two
+        // chains per row (even and odd keys). Masked keys have p = 0 and zeroed value rows.
+        for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
+          float even[kRowBlock][kKeyChunk], odd[kRowBlock][kKeyChunk];
+          for (int64_t b = 0; b < kRowBlock; ++b) {
+            const float* a = acc + std::min(r0 + b, rows - 1) * D + d0;
+#pragma omp simd
+            for (int64_t i = 0; i < kKeyChunk; ++i) {
+              even[b][i] = a[i] * correction[b];
+              odd[b][i] = 0.f;
+            }
+          }
+          for (int64_t t = 0; t < kKeyChunk; t += 2) {
+            float v0[kKeyChunk], v1[kKeyChunk];
+#pragma omp simd
+            for (int64_t i = 0; i < kKeyChunk; ++i) {
+              v0[i] = to_float(V[t * D + d0 + i]);
+              v1[i] = to_float(V[(t + 1) * D + d0 + i]);
+            }
+            for (int64_t b = 0; b < kRowBlock; ++b) {
+              const float p0 = p[b][t], p1 = p[b][t + 1];
+#pragma omp simd
+              for (int64_t i = 0; i < kKeyChunk; ++i) {
+                even[b][i] += p0 * v0[i];
+                odd[b][i] += p1 * v1[i];
+              }
+            }
+          }
+          for (int64_t b = 0; b < nr; ++b) {
+            float* a = acc + (r0 + b) * D + d0;
+#pragma omp simd
+            for (int64_t i = 0; i < kKeyChunk; ++i) a[i] = even[b][i] + odd[b][i];
+          }
         }
       }
+    };
+    if (n_keys == kKeyChunk && rows <= kRowBlock) {
+      rows_over_chunk(kb, BS, vb);
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+#pragma omp simd
+        for (int64_t t = 0; t < kKeyChunk; ++t) kt[d * kKeyChunk + t] = t < n_keys ? to_float(kb[d * BS + t]) : 0.f;
+      }
+      for (int64_t t = 0; t < kKeyChunk; ++t) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) vc[t * D + d] = t < n_keys ? to_float(vb[t * D + d]) : 0.f;
+      }
+      rows_over_chunk(static_cast<const float*>(kt), kKeyChunk, static_cast<const float*>(vc));
     }
     j0 = j1;
   }
@@ -559,6 +578,55 @@ torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
   return out;
 }
 
+// The k largest entries of each row of x [S, V], sorted descending, ties to the lower index
+// (so k = 1 is torch's argmax). One pass: a 16-wide compare against the current k-th value
+// rejects almost every chunk; the few survivors are insertion-sorted into the k kept. torch's
+// topk / argmax take 40-90 us on one 49 k-vocabulary row here, this ~10.
+std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k) {
+  check_fp32_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [S, V] with contiguous rows");
+  const int64_t S = x.size(0), V = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, V]");
+  auto values = torch::empty({S, k}, x.options());
+  auto indices = torch::empty({S, k}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = indices.data_ptr<int64_t>();
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const float* row = xp + s * x.stride(0);
+      float* vals = vp + s * k;
+      int64_t* ids = ip + s * k;
+      int64_t count = 0;
+      float threshold = kNegInf;
+      for (int64_t j0 = 0; j0 < V; j0 += 16) {
+        const int64_t n = std::min<int64_t>(16, V - j0);
+        if (count == k) {
+          int any = 0;
+#pragma omp simd reduction(| : any)
+          for (int64_t t = 0; t < n; ++t) any |= row[j0 + t] > threshold;
+          if (!any) continue;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const float v = row[j0 + t];
+          if (count == k && !(v > threshold)) continue;
+          int64_t p = count < k ? count++ : k - 1;
+          while (p > 0 && vals[p - 1] < v) {  // strict: an equal value keeps the lower index first
+            vals[p] = vals[p - 1];
+            ids[p] = ids[p - 1];
+            --p;
+          }
+          vals[p] = v;
+          ids[p] = j0 + t;
+          if (count == k) threshold = vals[k - 1];
+        }
+      }
+    }
+  });
+  return {values, indices};
+}
+
 // Ask the kernel for transparent huge pages under a large tensor (call before first touch).
 // Paged attention reads blocks scattered over the KV pool: with 4 KB pages nearly every
 // block read is a TLB miss. Returns whether the advice was taken (Linux only).
@@ -585,6 +653,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache);
   m.def("paged_attention", &paged_attention);
   m.def("act_and_mul", &act_and_mul);
+  m.def("top_k_rows", &top_k_rows);
   m.def("q4_linear", &q4_linear);
   m.def("q8_linear", &q8_linear);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
