@@ -288,4 +288,19 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
         # torch's int8 kernel does (0.9-1.5 ms against 2.0 ms for SmolLM2's 28 M weights).
         model.lm_head, kind = RescoredLMHead(Bf16Linear(exact, None), exact), "lm_head bf16 + fp32 rescoring"
     counts[kind] = 1
+    _weights_to_huge_pages(model)
     return counts
+
+
+# The buffers each format streams per token, in the order a step reads them. (oneDNN's
+# pre-packed bf16 weights are opaque tensors that cannot be placed.)
+_STREAMED_BUFFERS = {Int4Linear: ("qs", "dm"), Q8Linear: ("qs", "d")}
+
+
+def _weights_to_huge_pages(model: nn.Module) -> None:
+    """Move the block-quantized weights, in module (= reading) order, into one huge-page
+    buffer (see ops.copy_to_huge_pages)."""
+    slots = [(module, name) for module in model.modules() for name in _STREAMED_BUFFERS.get(type(module), ())]
+    copies = ops.copy_to_huge_pages([getattr(module, name) for module, name in slots])
+    for (module, name), copy in zip(slots, copies):
+        setattr(module, name, copy)

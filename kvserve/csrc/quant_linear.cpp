@@ -62,12 +62,26 @@ struct Q4Activations {
   std::vector<float> group_sums;  // [M][chunks][16]
 
   Q4Activations(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp)
-      : chunks(Kp / kChunk), xb(M * Kp, 0), group_sums(M * chunks * 16, 0.f) {
+      : chunks(Kp / kChunk), xb(M * Kp), group_sums(M * chunks * 16) {
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * x_stride;
       for (int64_t c = 0; c < chunks; ++c) {
         uint16_t* dst = xb.data() + (r * chunks + c) * kChunk;
         float* sums = group_sums.data() + (r * chunks + c) * 16;
+#ifdef KVSERVE_Q4_AVX512
+        if ((c + 1) * kChunk <= K) {
+          const float* xc = xr + c * kChunk;
+          const __m512 a0 = _mm512_loadu_ps(xc), a1 = _mm512_loadu_ps(xc + 16);
+          const __m512 b0 = _mm512_loadu_ps(xc + 32), b1 = _mm512_loadu_ps(xc + 48);
+          // round to nearest even, as torch's fp32 -> bf16 conversion
+          _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b0, a0));
+          _mm512_storeu_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(b1, a1));
+          const float sum_a = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * 0.125f;
+          const float sum_b = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1)) * 0.125f;
+          _mm512_storeu_ps(sums, _mm512_insertf32x8(_mm512_set1_ps(sum_a), _mm256_set1_ps(sum_b), 1));
+          continue;
+        }
+#endif
         for (int64_t half = 0; half < 2; ++half) {  // group 2c, then 2c + 1
           const int64_t base = c * kChunk + half * kGroup;
           float sum = 0.f;
@@ -125,6 +139,46 @@ void q4_rows_avx512(const uint8_t* qs, const uint16_t* dm, int64_t n_begin, int6
       out[(r0 + r) * out_stride + n] =
           _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + (bias ? bias[n] : 0.f);
   }
+}
+
+// One activation row (decode): two output rows per pass share the activation loads and give
+// the core two independent chains of dot products.
+void q4_row_pairs_avx512(const uint8_t* qs, const uint16_t* dm, int64_t n_begin, int64_t n_end, int64_t chunks,
+                         const Q4Activations& act, int64_t r0, float* out, const float* bias) {
+  alignas(64) uint16_t table_words[32];
+  for (int i = 0; i < 32; ++i) table_words[i] = float_to_bf16_rne(static_cast<float>(i & 15));
+  const __m512i table = _mm512_load_si512(table_words);
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const __m512i idx_d = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i idx_m = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  const uint16_t* xb = act.xb.data() + r0 * chunks * kChunk;
+  const float* gs = act.group_sums.data() + r0 * chunks * 16;
+  int64_t n = n_begin;
+  for (; n + 1 < n_end; n += 2) {
+    __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512bh x_lo = (__m512bh)_mm512_loadu_si512(xb + c * kChunk);
+      const __m512bh x_hi = (__m512bh)_mm512_loadu_si512(xb + c * kChunk + 32);
+      const __m512 g = _mm512_loadu_ps(gs + c * 16);
+      for (int j = 0; j < 2; ++j) {
+        const uint8_t* q = qs + (n + j) * chunks * 32;
+        const uint16_t* s = dm + (n + j) * chunks * 4;
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32)));
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w, low_nibble), table);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+        const __m512 dm4 = _mm512_castps128_ps512(
+            _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + c * 4))));
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, x_lo);
+        t = _mm512_dpbf16_ps(t, hi, x_hi);
+        const __m512 term = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(idx_d, dm4),
+                                            _mm512_mul_ps(_mm512_permutexvar_ps(idx_m, dm4), g));
+        acc[j][c & 1] = _mm512_add_ps(acc[j][c & 1], term);
+      }
+    }
+    for (int j = 0; j < 2; ++j)
+      out[n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1])) + (bias ? bias[n + j] : 0.f);
+  }
+  if (n < n_end) q4_rows_avx512<1>(qs, dm, n, n_end, chunks, act, r0, out, 0, bias);
 }
 #endif
 
@@ -199,7 +253,7 @@ void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
 #ifdef KVSERVE_Q4_AVX512
       if (!g_portable) {
         switch (rows) {
-          case 1: q4_rows_avx512<1>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
+          case 1: q4_row_pairs_avx512(q, s, n0, n1, chunks, act, r0, o + r0 * o_stride, b); break;
           case 2: q4_rows_avx512<2>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
           case 3: q4_rows_avx512<3>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
           default: q4_rows_avx512<4>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
