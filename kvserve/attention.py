@@ -11,16 +11,15 @@ horizontal sums, which is how the CPU kernels compute them.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 from kvserve import ops
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.tracing import label
 
 
 @dataclass
@@ -343,8 +342,8 @@ def paged_attention(
     prefill chunks one SDPA each.
     """
     # One profiler label over the whole of attention (cache write included): `kvserve profile`
-    # attributes time to it. Only while profiling: a label costs ~6 us, per layer per step.
-    with record_function("attention") if torch.autograd.profiler._is_profiler_enabled else nullcontext():
+    # attributes time to it.
+    with label("attention"):
         write_kv_cache(k, v, kv_cache, attn_metadata.slot_mapping)
         if ops.enabled_for(q):
             return _kernel_attention(q, kv_cache, attn_metadata, scale, sliding_window, logit_softcap)

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
-from torch.profiler import record_function
 
 from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
 from kvserve.kv_manager import KVCacheManager
@@ -22,6 +21,7 @@ from kvserve.runner import ModelRunner
 from kvserve.sampler import make_generator
 from kvserve.scheduler import Scheduler
 from kvserve.tokenizer import Tokenizer
+from kvserve.tracing import label
 
 logger = logging.getLogger("kvserve")
 
@@ -239,7 +239,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        with record_function("scheduler.schedule"):
+        with label("scheduler.schedule"):
             sched = self.scheduler.schedule()
         touched: set[str] = set(self._pending_finished)
         self._pending_finished.clear()
@@ -249,10 +249,10 @@ class LLMEngine:
             stats.num_prefill_tokens = runner_out.num_prefill_tokens
             stats.num_decode_tokens = runner_out.num_decode_tokens
             stats.num_seqs = len(sched.chunks)
-            with record_function("scheduler.update"):
+            with label("scheduler.update"):
                 updated = self.scheduler.update_from_output(sched, runner_out.sampled)
             stop_string_hits = []
-            with record_function("detokenizer"):
+            with label("detokenizer"):
                 for req in updated:
                     if self.output_processor.process_new_token(req, runner_out.logprobs.get(req.request_id)):
                         if req.is_finished:  # the stop string came with the last allowed token
@@ -263,7 +263,7 @@ class LLMEngine:
             if stop_string_hits:
                 self.scheduler.finish_requests(stop_string_hits, RequestStatus.FINISHED_STOPPED)
             self.counters.generation_tokens += len(runner_out.sampled)
-        with record_function("detokenizer"):
+        with label("detokenizer"):
             outputs = self.output_processor.outputs_for(touched)
         self.counters.finished_requests += sum(1 for o in outputs if o.finished)
         stats.duration_s = time.perf_counter() - t0

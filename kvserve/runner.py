@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from kvserve.attention import AttentionMetadata, allocate_kv_caches
 from kvserve.batch import SchedulerOutput
 from kvserve.config import ModelConfig
 from kvserve.request import Logprob, Request
 from kvserve.sampler import Sampler, build_sampling_metadata
+from kvserve.tracing import label
 
 
 @dataclass
@@ -126,10 +126,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        with record_function("runner.prepare_inputs"):
+        with label("runner.prepare_inputs"):
             inputs = self.prepare_inputs(sched)
-        label = "model.forward.decode" if inputs.num_prefill_tokens == 0 else "model.forward.prefill"
-        with record_function(label):
+        phase = "model.forward.decode" if inputs.num_prefill_tokens == 0 else "model.forward.prefill"
+        with label(phase):
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches,
                 inputs.logits_indices,
@@ -138,7 +138,7 @@ class ModelRunner:
                            num_decode_tokens=inputs.num_decode_tokens)
         if not inputs.sampled_requests:
             return out
-        with record_function("sampler"):
+        with label("sampler"):
             md = build_sampling_metadata(inputs.sampled_requests, logits.shape[-1], logits.device)
             sampler_out = self.sampler(logits, md)
             token_ids = sampler_out.sampled_token_ids.tolist()

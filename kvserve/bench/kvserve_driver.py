@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from torch.profiler import record_function
+from kvserve.tracing import label
 from tqdm import tqdm
 
 from kvserve.bench.machine import ModelFlops
@@ -66,7 +66,7 @@ class KvserveDriver:
                    leave=False)
         while pending:
             steps_before = counters.steps
-            with record_function("engine.step"):
+            with label("engine.step"):
                 outputs = eng.step()
             now = time.perf_counter()
             peak_blocks = max(peak_blocks, kv.num_used_blocks)

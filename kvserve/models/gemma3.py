@@ -17,7 +17,7 @@ from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
 from kvserve.config import ModelConfig
 from kvserve.models.base import PagedCausalLM
-from kvserve.models.layers import GemmaRMSNorm, rope_cos_sin, rope_inv_freq
+from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, rope_cos_sin
 from kvserve.models.llama import GatedMLP
 
 if TYPE_CHECKING:
@@ -85,7 +85,10 @@ class Gemma3Model(nn.Module):
             Gemma3DecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, "cpu")  # rejects bad scaling now
+        # Global layers: the configured rope (and its scaling); sliding layers: their own base.
+        self.rope_inv_freq = RopeFrequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.local_rope_inv_freq = RopeFrequencies(config.head_dim, config.rope_local_base_freq or config.rope_theta,
+                                                   None)
         self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -96,11 +99,9 @@ class Gemma3Model(nn.Module):
         # do we (in bf16, sqrt(640) becomes 25.25). A host-side scalar: no device sync.
         hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5).to(hidden.dtype).item()
         device = positions.device
-        local_base = cfg.rope_local_base_freq or cfg.rope_theta
         rope = {
-            False: rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device),
-                                hidden.dtype),
-            True: rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, local_base, None, device), hidden.dtype),
+            False: rope_cos_sin(positions, self.rope_inv_freq(device), hidden.dtype),
+            True: rope_cos_sin(positions, self.local_rope_inv_freq(device), hidden.dtype),
         }
         if self.fused_layers is not None and self.fused_layers.applies_to(hidden, kv_caches):
             return self.fused_layers(hidden, rope[False], rope[True], attn_metadata, kv_caches)

@@ -74,6 +74,21 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
+class RopeFrequencies:
+    """``rope_inv_freq`` of one rope configuration, computed once per device (it is the same
+    at every step; recomputing it cost a dozen small ops per step)."""
+
+    def __init__(self, head_dim: int, base: float, scaling: Optional[dict]) -> None:
+        self.head_dim, self.base, self.scaling = head_dim, base, scaling
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+        rope_inv_freq(head_dim, base, scaling, "cpu")  # rejects a bad scaling at load time
+
+    def __call__(self, device: torch.device) -> torch.Tensor:
+        if device not in self._by_device:
+            self._by_device[device] = rope_inv_freq(self.head_dim, self.base, self.scaling, device)
+        return self._by_device[device]
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[T, head_dim]`` for the given positions (only the step's tokens)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]

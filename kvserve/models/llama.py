@@ -15,7 +15,7 @@ from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.models.base import PagedCausalLM
-from kvserve.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
+from kvserve.models.layers import RMSNorm, RopeFrequencies, rope_cos_sin
 
 if TYPE_CHECKING:
     from kvserve.models.fused import FusedDecoderLayers
@@ -87,16 +87,14 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, "cpu")  # rejects bad scaling now
+        self.rope_inv_freq = RopeFrequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cfg = self.config
         # Rope tables for this step's positions only (a few hundred floats), shared by all layers.
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, positions.device)
-        cos, sin = rope_cos_sin(positions, inv_freq, hidden.dtype)
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq(positions.device), hidden.dtype)
         if self.fused_layers is not None and self.fused_layers.applies_to(hidden, kv_caches):
             return self.fused_layers(hidden, (cos, sin), (cos, sin), attn_metadata, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
