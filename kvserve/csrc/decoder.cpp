@@ -1,14 +1,18 @@
-// The decoder layers of a model whose linear layers are all block-quantized (kvserve int4),
-// run as one native call per step.
+// The decoder layers of a model with fp32 activations on the CPU, run as one native call per
+// step.
 //
-// A single-stream decode step of a 135 M model reads ~70 MB of 4-bit weights: ~3 ms at this
-// machine's memory bandwidth. Driving its 30 layers from Python costs ~12 calls per layer at
-// a few microseconds each, more than the arithmetic of the norms, rope and attention of one
-// token. Here the same kernels run from one C++ loop over the layers; the Python model
-// (kvserve/models) stays the reference, and the tests hold the two to the same outputs.
+// Driving a small model's layers from Python costs about a dozen calls per layer at a few
+// microseconds each (norms, projections, rope, cache write, attention, activation, residual
+// adds): ~5 ms per step for SmolLM2's 30 layers, at any batch size. That is most of a
+// single-stream decode step with int4 weights (~70 MB read, ~3 ms), and 5-10 % of a batched
+// one. Here the same kernels and the same torch ops run from one C++ loop over the layers,
+// in the same order, so the results are the same bit for bit: the Python model
+// (kvserve/models) stays the reference, and the tests hold the two together.
 #include "cpu_ops.h"
 #include "quant_linear.h"
 
+#include <ATen/record_function.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/stl.h>
 
 #include <string>
@@ -16,28 +20,63 @@
 
 namespace {
 
-// One linear layer: Q4_1 (qs uint8, scales int16 [.., 4]) or Q8_0 (qs int8, scales int16).
-struct QuantLinear {
-  torch::Tensor qs, scales;
+// One linear layer, as kvserve.quant / torch store it (see kvserve/models/fused.py).
+struct Linear {
+  enum class Kind { kQ4, kQ8, kOneDnnBf16, kInt8, kDense };
+  Kind kind = Kind::kDense;
+  torch::Tensor weight, scales;  // Q4: qs, dm; Q8: qs, d; int8: weight, scales; oneDNN / dense: weight
   c10::optional<torch::Tensor> bias;
   int64_t out_features = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    auto out = torch::empty({x.size(0), out_features}, x.options());
-    if (qs.scalar_type() == torch::kUInt8) q4_linear_out(out, x, qs, scales, bias);
-    else q8_linear_out(out, x, qs, scales, bias);
-    return out;
+    switch (kind) {
+      case Kind::kQ4: {
+        RECORD_FUNCTION("kvserve::q4_linear", std::vector<c10::IValue>());
+        auto out = torch::empty({x.size(0), out_features}, x.options());
+        q4_linear_out(out, x, weight, scales, bias);
+        return out;
+      }
+      case Kind::kQ8: {
+        RECORD_FUNCTION("kvserve::q8_linear", std::vector<c10::IValue>());
+        auto out = torch::empty({x.size(0), out_features}, x.options());
+        q8_linear_out(out, x, weight, scales, bias);
+        return out;
+      }
+      case Kind::kOneDnnBf16: {
+        // kvserve.quant.Bf16Linear: oneDNN's pre-packed bf16 matmul, called as Python calls it.
+        static const c10::OperatorHandle op =
+            c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+        std::vector<c10::IValue> stack{x.to(weight.scalar_type()), weight,
+                                       bias ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
+                                       c10::List<c10::optional<c10::Scalar>>(), c10::IValue(std::string(""))};
+        op.callBoxed(&stack);
+        return stack[0].toTensor().to(x.scalar_type());
+      }
+      case Kind::kInt8: {  // kvserve.quant.Int8Linear: torch's per-channel int8 kernel
+        auto y = at::_weight_int8pack_mm(x.to(scales.scalar_type()), weight, scales);
+        if (bias) y = y + *bias;
+        return y.to(x.scalar_type());
+      }
+      case Kind::kDense:
+      default:
+        return at::linear(x.to(weight.scalar_type()), weight, bias).to(x.scalar_type());
+    }
   }
 };
 
-QuantLinear make_linear(const pybind11::tuple& spec) {
-  QuantLinear linear;
-  linear.qs = spec[0].cast<torch::Tensor>();
-  linear.scales = spec[1].cast<torch::Tensor>();
-  if (!spec[2].is_none()) linear.bias = spec[2].cast<torch::Tensor>();
-  linear.out_features = linear.qs.size(0);
-  TORCH_CHECK(linear.qs.scalar_type() == torch::kUInt8 || linear.qs.scalar_type() == torch::kInt8,
-              "linear weights must be Q4_1 (uint8) or Q8_0 (int8) blocks");
+Linear make_linear(const pybind11::tuple& spec) {
+  Linear linear;
+  const auto kind = spec[0].cast<std::string>();
+  linear.weight = spec[1].cast<torch::Tensor>();
+  if (!spec[2].is_none()) linear.scales = spec[2].cast<torch::Tensor>();
+  if (!spec[3].is_none()) linear.bias = spec[3].cast<torch::Tensor>();
+  linear.out_features = linear.weight.size(0);
+  if (kind == "q4") linear.kind = Linear::Kind::kQ4;
+  else if (kind == "q8") linear.kind = Linear::Kind::kQ8;
+  else if (kind == "onednn_bf16") linear.kind = Linear::Kind::kOneDnnBf16;
+  else if (kind == "int8") linear.kind = Linear::Kind::kInt8;
+  else if (kind == "dense") linear.kind = Linear::Kind::kDense;
+  else TORCH_CHECK(false, "unknown linear kind ", kind);
   return linear;
 }
 
@@ -49,7 +88,7 @@ c10::optional<torch::Tensor> optional_tensor(const pybind11::dict& d, const char
 struct Layer {
   torch::Tensor input_norm, pre_ffn_norm;
   c10::optional<torch::Tensor> post_attn_norm, post_ffn_norm, q_norm, k_norm;  // Gemma's extra norms
-  QuantLinear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;
   double scale = 1.0, softcap = 0.0;
   int64_t window = 0;
   bool local_rope = false;  // Gemma 3: sliding layers have their own rope base
@@ -83,7 +122,7 @@ class FusedDecoderLayers {
     }
   }
 
-  // hidden [T, hidden] (this step's embeddings) -> the last layer's output (pre final norm).
+  // hidden [T, hidden] (this step's embeddings, consumed) -> the last layer's output (pre final norm).
   // rope tables [T, D] for global and local layers; attention metadata as paged_attention's.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor local_cos,
                         torch::Tensor local_sin, const std::vector<torch::Tensor>& kv_caches,
@@ -91,7 +130,7 @@ class FusedDecoderLayers {
                         torch::Tensor seq_ids, torch::Tensor query_starts, torch::Tensor query_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     const int64_t T = hidden.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
-    hidden = hidden.contiguous().clone();  // updated in place: the residual stream
+    hidden = hidden.contiguous();  // the residual stream, updated in place (the caller's fresh embeddings)
     pybind11::gil_scoped_release no_gil;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -101,10 +140,13 @@ class FusedDecoderLayers {
       auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
       auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
       auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
-      write_kv_cache(k, v, kv_caches[i], slot_mapping);
       auto attn = torch::empty({T, H, D}, hidden.options());
-      paged_attention(attn, q, kv_caches[i], block_tables, seq_lens, seq_ids, query_starts, query_lens, layer.scale,
-                      layer.window, layer.softcap);
+      {
+        RECORD_FUNCTION("attention", std::vector<c10::IValue>());  // the label kvserve profile counts
+        write_kv_cache(k, v, kv_caches[i], slot_mapping);
+        paged_attention(attn, q, kv_caches[i], block_tables, seq_lens, seq_ids, query_starts, query_lens,
+                        layer.scale, layer.window, layer.softcap);
+      }
       auto out = layer.o(attn.view({T, H * D}));
       if (layer.post_attn_norm) out = rms_norm(out, *layer.post_attn_norm, eps_, norm_offset_);
       hidden.add_(out);

@@ -41,9 +41,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
             from kvserve.loader.gguf import quantized_weights
             raw = quantized_weights(open_gguf(source.path), config)
         convert_linear_layers(model, quantization, raw)
-        if quantization == "int4":
-            from kvserve.models.fused import attach_fused_layers
-            attach_fused_layers(model)
+    from kvserve.models.fused import attach_fused_layers
+    attach_fused_layers(model)
     return model, config
 
 
