@@ -188,9 +188,8 @@ constexpr int64_t kKeyChunk = 16;  // keys per inner tile: one 16-float vector o
 constexpr int64_t kQueryTile = 16;  // queries per work item (times G heads = rows)
 constexpr int64_t kRowBlock = 4;  // score rows computed together
 constexpr int64_t kPrefetchBlocks = 2;  // paged blocks fetched ahead of the one in use
-// Keys are split at multiples of this position into partitions, each a work item whose partial
-// softmax is merged in order afterwards: a single decode then uses every thread. The split
-// depends only on positions, so a row is computed the same way whatever the batch.
+// Keys are split at multiples of this position into partitions with their own softmax, merged
+// in order (see attention_impl): a lone decode's partitions can run on every thread.
 constexpr int64_t kKeyPartition = 128;
 
 // Attention of a tile of one sequence's queries (all G query heads of one KV head) over the
@@ -272,11 +271,20 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
           for (int64_t t = 0; t < kKeyChunk; ++t) sc[b][t] = sc_odd[b][t] = 0.f;
         }
         for (int64_t d = 0; d < D; d += 2) {
-          float k0[kKeyChunk], k1[kKeyChunk];
+          const float* k0 = nullptr;
+          const float* k1 = nullptr;
+          float k0_wide[kKeyChunk], k1_wide[kKeyChunk];
+          if constexpr (std::is_same_v<std::decay_t<decltype(*K)>, float>) {
+            k0 = K + d * k_stride;
+            k1 = k0 + k_stride;
+          } else {
 #pragma omp simd
-          for (int64_t t = 0; t < kKeyChunk; ++t) {
-            k0[t] = to_float(K[d * k_stride + t]);
-            k1[t] = to_float(K[(d + 1) * k_stride + t]);
+            for (int64_t t = 0; t < kKeyChunk; ++t) {
+              k0_wide[t] = to_float(K[d * k_stride + t]);
+              k1_wide[t] = to_float(K[(d + 1) * k_stride + t]);
+            }
+            k0 = k0_wide;
+            k1 = k1_wide;
           }
           for (int64_t b = 0; b < kRowBlock; ++b) {
             const float q0 = qr[b][d], q1 = qr[b][d + 1];
@@ -342,11 +350,20 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
             }
           }
           for (int64_t t = 0; t < kKeyChunk; t += 2) {
-            float v0[kKeyChunk], v1[kKeyChunk];
+            const float* v0 = nullptr;
+            const float* v1 = nullptr;
+            float v0_wide[kKeyChunk], v1_wide[kKeyChunk];
+            if constexpr (std::is_same_v<std::decay_t<decltype(*V)>, float>) {
+              v0 = V + t * D + d0;
+              v1 = v0 + D;
+            } else {
 #pragma omp simd
-            for (int64_t i = 0; i < kKeyChunk; ++i) {
-              v0[i] = to_float(V[t * D + d0 + i]);
-              v1[i] = to_float(V[(t + 1) * D + d0 + i]);
+              for (int64_t i = 0; i < kKeyChunk; ++i) {
+                v0_wide[i] = to_float(V[t * D + d0 + i]);
+                v1_wide[i] = to_float(V[(t + 1) * D + d0 + i]);
+              }
+              v0 = v0_wide;
+              v1 = v1_wide;
             }
             for (int64_t b = 0; b < kRowBlock; ++b) {
               const float p0 = p[b][t], p1 = p[b][t + 1];
@@ -395,6 +412,33 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
   }
 }
 
+// Combine a tile's per-partition partials (each [rows, D] unnormalised accumulators, then
+// [rows] maxima, then [rows] sums, as attention_tile leaves them) in partition order:
+// rescale to the common maximum, sum, normalise, write the rows of `out`.
+void merge_partitions(const float* const* parts, int64_t num_parts, int64_t rows, int64_t D, int64_t G, float* out,
+                      int64_t o_s0, int64_t o_s1, int64_t first_row, int64_t kvh, std::vector<float>& work) {
+  work.resize(D);
+  float* acc = work.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    float row_max = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_parts; ++p) row_max = std::max(row_max, parts[p][rows * D + r]);
+    float row_sum = 0.f;
+    std::fill(acc, acc + D, 0.f);
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float weight = exp_nonpositive(parts[p][rows * D + r] - row_max);  // ~0 where nothing was seen
+      row_sum += parts[p][rows * D + rows + r] * weight;
+      const float* a = parts[p] + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * weight;
+    }
+    const int64_t qi = r / G, g = r % G;
+    float* o = out + (first_row + qi) * o_s0 + (kvh * G + g) * o_s1;
+    const float inv = 1.0f / row_sum;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+  }
+}
+
 template <int64_t kD, typename cache_t>
 void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& seq_ids,
@@ -412,18 +456,24 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const int64_t* qlens = query_lens.data_ptr<int64_t>();
 
-  // Work items: (sequence, query tile, kv head, key partition), most expensive first (queries
-  // x keys seen); threads take the next item from a shared counter, so one long prefill and
-  // many short decodes in the same step still keep every thread busy. A tile whose keys span
-  // several partitions leaves partials in `partials`, merged in partition order below.
+  // Keys are taken in partitions of kKeyPartition positions, each with its own online
+  // softmax, merged in partition order (merge_partitions): the arithmetic of a row depends
+  // only on its position, whatever the batch and whichever thread ran which partition.
+  // Work items: (sequence, query tile, kv head) or, for a decode (one query, whose tile is
+  // cheap and may be alone in the step), one item per partition so that every thread can
+  // share it; most expensive first (queries x keys seen), taken from a shared counter, so
+  // one long prefill and many short decodes in the same step keep every thread busy.
   struct Item {
-    int64_t seq_index, tile_start, kv_head, key_begin, key_end, cost, partial_offset;
+    int64_t seq_index, tile_start, kv_head, first_part, last_part, cost, partial_offset;
   };
-  struct Tile {
+  struct SplitTile {
     int64_t seq_index, tile_start, kv_head, first_item, num_parts;
   };
+  auto key_range = [&](int64_t first_key, int64_t last_pos, int64_t part) {
+    return std::make_pair(std::max(first_key, part * kKeyPartition), std::min(last_pos + 1, (part + 1) * kKeyPartition));
+  };
   std::vector<Item> items;
-  std::vector<Tile> split_tiles;
+  std::vector<SplitTile> split_tiles;
   int64_t partial_floats = 0;
   for (int64_t i = 0; i < seq_ids.size(0); ++i) {
     for (int64_t t0 = 0; t0 < qlens[i]; t0 += kQueryTile) {
@@ -431,18 +481,17 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
       const int64_t first_pos = lens[seqs[i]] - qlens[i] + t0, last_pos = first_pos + nq - 1;
       const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const int64_t first_part = first_key / kKeyPartition, last_part = last_pos / kKeyPartition;
+      const bool split = nq == 1 && last_part > first_part;
       for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-        const int64_t num_parts = last_part - first_part + 1;
-        if (num_parts > 1) split_tiles.push_back({i, t0, kvh, static_cast<int64_t>(items.size()), num_parts});
+        if (!split) {
+          items.push_back({i, t0, kvh, first_part, last_part, nq * (last_pos + 1 - first_key), -1});
+          continue;
+        }
+        split_tiles.push_back({i, t0, kvh, static_cast<int64_t>(items.size()), last_part - first_part + 1});
         for (int64_t part = first_part; part <= last_part; ++part) {
-          const int64_t lo = std::max(first_key, part * kKeyPartition);
-          const int64_t hi = std::min(last_pos + 1, (part + 1) * kKeyPartition);
-          int64_t offset = -1;
-          if (num_parts > 1) {
-            offset = partial_floats;
-            partial_floats += nq * G * (D + 2);
-          }
-          items.push_back({i, t0, kvh, lo, hi, nq * (hi - lo), offset});
+          const auto [lo, hi] = key_range(first_key, last_pos, part);
+          items.push_back({i, t0, kvh, part, part, hi - lo, partial_floats});
+          partial_floats += G * (D + 2);
         }
       }
     }
@@ -455,54 +504,54 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
   for (const auto& it : items) total_cost += it.cost;
   std::atomic<int64_t> next{0};
   const int64_t num_workers = total_cost * G < 1024 || items.size() < 2 ? 1 : at::get_num_threads();
+  float* out_data = out.data_ptr<float>();
 
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> work;
+    std::vector<float> work, local_partials;
+    std::vector<const float*> parts;
     for (int64_t k = next++; k < static_cast<int64_t>(items.size()); k = next++) {
       const Item& it = items[order[k]];
       const int64_t s = seqs[it.seq_index];
       const int64_t num_queries = std::min(kQueryTile, qlens[it.seq_index] - it.tile_start);
       const int64_t first_query_pos = lens[s] - qlens[it.seq_index] + it.tile_start;
-      attention_tile<kD, cache_t>(q.data_ptr<float>(), q.stride(0), q.stride(1), out.data_ptr<float>(),
-                                  out.stride(0), out.stride(1), keys + it.kv_head * NB * BS * D,
-                                  values + it.kv_head * NB * BS * D, tables + s * table_width, BS, D, G,
-                                  first_query_pos, num_queries, starts[it.seq_index] + it.tile_start, it.kv_head,
-                                  static_cast<float>(scale), window, static_cast<float>(softcap), it.key_begin,
-                                  it.key_end, it.partial_offset < 0 ? nullptr : partials.data() + it.partial_offset,
-                                  work);
+      const int64_t first_row = starts[it.seq_index] + it.tile_start;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_query_pos - window + 1) : 0;
+      const int64_t last_pos = first_query_pos + num_queries - 1;
+      auto run_part = [&](int64_t part, float* partial) {
+        const auto [lo, hi] = key_range(first_key, last_pos, part);
+        attention_tile<kD, cache_t>(q.data_ptr<float>(), q.stride(0), q.stride(1), out_data, out.stride(0),
+                                    out.stride(1), keys + it.kv_head * NB * BS * D, values + it.kv_head * NB * BS * D,
+                                    tables + s * table_width, BS, D, G, first_query_pos, num_queries, first_row,
+                                    it.kv_head, static_cast<float>(scale), window, static_cast<float>(softcap), lo,
+                                    hi, partial, work);
+      };
+      if (it.partial_offset >= 0) {  // one partition of a split decode: merged after the loop
+        run_part(it.first_part, partials.data() + it.partial_offset);
+      } else if (it.first_part == it.last_part) {  // a single partition: normalised in place
+        run_part(it.first_part, nullptr);
+      } else {  // the tile's partitions one after another, then merged
+        const int64_t num_parts = it.last_part - it.first_part + 1, stride = num_queries * G * (D + 2);
+        local_partials.resize(num_parts * stride);
+        parts.resize(num_parts);
+        for (int64_t p = 0; p < num_parts; ++p) {
+          parts[p] = local_partials.data() + p * stride;
+          run_part(it.first_part + p, local_partials.data() + p * stride);
+        }
+        merge_partitions(parts.data(), num_parts, num_queries * G, D, G, out_data, out.stride(0), out.stride(1),
+                         first_row, it.kv_head, work);
+      }
     }
   });
 
-  // Merge each split tile's partitions in order: rescale to the common maximum and sum.
   at::parallel_for(0, static_cast<int64_t>(split_tiles.size()), 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
+    std::vector<float> work;
+    std::vector<const float*> parts;
     for (int64_t k = begin; k < end; ++k) {
-      const Tile& tile = split_tiles[k];
-      const int64_t nq = std::min(kQueryTile, qlens[tile.seq_index] - tile.tile_start);
-      const int64_t rows = nq * G;
-      for (int64_t r = 0; r < rows; ++r) {
-        float row_max = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < tile.num_parts; ++p) {
-          const float* part = partials.data() + items[tile.first_item + p].partial_offset;
-          row_max = std::max(row_max, part[rows * D + r]);
-        }
-        float row_sum = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t p = 0; p < tile.num_parts; ++p) {
-          const float* part = partials.data() + items[tile.first_item + p].partial_offset;
-          const float weight = exp_nonpositive(part[rows * D + r] - row_max);  // ~0 where nothing was seen
-          row_sum += part[rows * D + rows + r] * weight;
-          const float* a = part + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * weight;
-        }
-        const int64_t qi = r / G, g = r % G;
-        float* o = out.data_ptr<float>() + (starts[tile.seq_index] + tile.tile_start + qi) * out.stride(0) +
-                   (tile.kv_head * G + g) * out.stride(1);
-        const float inv = 1.0f / row_sum;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
-      }
+      const SplitTile& tile = split_tiles[k];
+      parts.resize(tile.num_parts);
+      for (int64_t p = 0; p < tile.num_parts; ++p) parts[p] = partials.data() + items[tile.first_item + p].partial_offset;
+      merge_partitions(parts.data(), tile.num_parts, G, D, G, out_data, out.stride(0), out.stride(1),
+                       starts[tile.seq_index] + tile.tile_start, tile.kv_head, work);
     }
   });
 }
