@@ -210,7 +210,9 @@ def markdown_table(results: list[dict]) -> str:
         sweep = r.get("prefill_sweep")
         if sweep:
             engines = ["kvserve"] + list(r.get("peers", {}))
-            lines += ["", f"Prefill tokens/s at batch 1 ({r['workload']['name']} run):", "",
+            weights = r.get("weights")
+            run = r["workload"]["name"] + (f", {weights} weights" if weights not in (None, "bf16") else "")
+            lines += ["", f"Prefill tokens/s at batch 1 ({run} run):", "",
                       "| prompt len | " + " | ".join(engines) + " |", "|" + " --- |" * (len(engines) + 1)]
             for row in sweep:
                 lines.append(f"| {row['prompt_len']} | " + " | ".join(
