@@ -216,6 +216,19 @@ void check_weight_rows(const torch::Tensor& x, const torch::Tensor& out, int64_t
               "out must be float32 [M, N] with contiguous rows");
 }
 
+// Output rows in tasks of kRowsPerTask spread over the threads (one thread for a call too small
+// to be worth waking the others), input rows in blocks of kInputRowBlock within each task:
+// calls block(first output row, end output row, first input row, input rows).
+template <typename Block>
+void over_row_blocks(int64_t N, int64_t M, int64_t work, const Block& block) {
+  const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t grain = work < (1 << 18) ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * kRowsPerTask, n1 = std::min(N, t1 * kRowsPerTask);
+    for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) block(n0, n1, r0, std::min(kInputRowBlock, M - r0));
+  });
+}
+
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
@@ -243,26 +256,19 @@ void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
   float* o = out.data_ptr<float>();
   const int64_t o_stride = out.stride(0);
   const float* b = bias_ptr(bias, N);
-  const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
-  // A one-row call on a small matrix is cheaper than waking the other threads.
-  const int64_t grain = M * N * Kp < (1 << 18) ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * kRowsPerTask, n1 = std::min(N, t1 * kRowsPerTask);
-    for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) {
-      const int64_t rows = std::min(kInputRowBlock, M - r0);
+  over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
 #ifdef KVSERVE_Q4_AVX512
-      if (!g_portable) {
-        switch (rows) {
-          case 1: q4_row_pairs_avx512(q, s, n0, n1, chunks, act, r0, o + r0 * o_stride, b); break;
-          case 2: q4_rows_avx512<2>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
-          case 3: q4_rows_avx512<3>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
-          default: q4_rows_avx512<4>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
-        }
-        continue;
+    if (!g_portable) {
+      switch (rows) {
+        case 1: q4_row_pairs_avx512(q, s, n0, n1, chunks, act, r0, o + r0 * o_stride, b); break;
+        case 2: q4_rows_avx512<2>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
+        case 3: q4_rows_avx512<3>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
+        default: q4_rows_avx512<4>(q, s, n0, n1, chunks, act, r0, o, o_stride, b); break;
       }
-#endif
-      q4_rows_portable(q, s, n0, n1, chunks, act, r0, rows, o, o_stride, b);
+      return;
     }
+#endif
+    q4_rows_portable(q, s, n0, n1, chunks, act, r0, rows, o, o_stride, b);
   });
 }
 
@@ -337,25 +343,19 @@ void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
   float* o = out.data_ptr<float>();
   const int64_t o_stride = out.stride(0);
   const float* b = bias_ptr(bias, N);
-  const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
-  const int64_t grain = M * N * K < (1 << 18) ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * kRowsPerTask, n1 = std::min(N, t1 * kRowsPerTask);
-    for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) {
-      const int64_t rows = std::min(kInputRowBlock, M - r0);
+  over_row_blocks(N, M, M * N * K, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
 #ifdef KVSERVE_Q4_AVX512
-      if (!g_portable) {
-        switch (rows) {
-          case 1: q8_rows_avx512<1>(q, s, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-          case 2: q8_rows_avx512<2>(q, s, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-          case 3: q8_rows_avx512<3>(q, s, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-          default: q8_rows_avx512<4>(q, s, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-        }
-        continue;
+    if (!g_portable) {
+      switch (rows) {
+        case 1: q8_rows_avx512<1>(q, s, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
+        case 2: q8_rows_avx512<2>(q, s, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
+        case 3: q8_rows_avx512<3>(q, s, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
+        default: q8_rows_avx512<4>(q, s, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
       }
-#endif
-      q8_rows_portable(q, s, n0, n1, groups, xp, x_stride, r0, rows, o, o_stride, b);
+      return;
     }
+#endif
+    q8_rows_portable(q, s, n0, n1, groups, xp, x_stride, r0, rows, o, o_stride, b);
   });
 }
 
