@@ -10,9 +10,8 @@ rounding the residual stream to bf16 at every layer is what costs a bf16 model i
 int8 uses torch's ``_weight_int8pack_mm`` (per-output-channel scales, bf16 activations).
 int4 is GGUF's Q4_1 (groups of 32, ``w = d * q + m``), read as stored by kvserve's own kernel
 (kvserve/csrc/quant_linear.cpp): SmolLM2's file is Q4_1, so its 4-bit values and fp16 scales
-are used exactly as llama.cpp uses them. In int4 mode the LM head is Q8_0 (as in that file)
-and, when every linear layer is block-quantized, the decoder layers run as one native call
-per step (kvserve.models.fused).
+are used exactly as llama.cpp uses them. In int4 mode the LM head is Q8_0 (as in that file).
+The block-quantized weights live in one huge-page buffer in the order a step reads them.
 """
 from __future__ import annotations
 
@@ -144,13 +143,7 @@ class Int4Linear(nn.Module):
         return self._expanded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
-        ext = ops.cpu_extension()
-        if ext is not None and x2.device.type == "cpu":
-            y = ext.q4_linear(x2, self.qs, self.dm, self.bias)
-        else:
-            y = self.forward_reference(x2)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return _block_quantized_forward(self, x, lambda ext, rows: ext.q4_linear(rows, self.qs, self.dm, self.bias))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel's sums in plain torch: bf16-rounded activations times ``d * q``, plus
@@ -181,14 +174,22 @@ class Q8Linear(nn.Module):
         self.out_features, self.in_features = n, k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
-        ext = ops.cpu_extension()
-        if ext is not None and x2.device.type == "cpu":
-            y = ext.q8_linear(x2, self.qs, self.d, None)
-        else:
-            w = self.qs.float().view(self.out_features, -1, INT4_GROUP_SIZE) * self.d.view(torch.float16).float()[..., None]
-            y = x2 @ w.view(self.out_features, self.in_features).T
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return _block_quantized_forward(self, x, lambda ext, rows: ext.q8_linear(rows, self.qs, self.d, None))
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ (d * q)^T`` in plain torch (the weights expanded on every call)."""
+        groups = self.qs.float().view(self.out_features, -1, INT4_GROUP_SIZE)
+        w = groups * self.d.view(torch.float16).float()[..., None]
+        return x.float() @ w.view(self.out_features, self.in_features).T
+
+
+def _block_quantized_forward(layer: nn.Module, x: torch.Tensor, kernel) -> torch.Tensor:
+    """``layer(x)`` for Int4Linear / Q8Linear: fp32 rows through the kernel
+    (``kernel(extension, rows)``), or ``layer.forward_reference`` without the extension."""
+    rows = x.reshape(-1, layer.in_features).float().contiguous()
+    ext = ops.cpu_extension()
+    y = kernel(ext, rows) if ext is not None and rows.device.type == "cpu" else layer.forward_reference(rows)
+    return y.view(*x.shape[:-1], layer.out_features).to(x.dtype)
 
 
 def unpack_q4_1(data: np.ndarray, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,8 +242,8 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
     ``raw_weights`` (HF name -> GGUF QuantizedTensor) lets int4 reuse Q4_1 blocks exactly;
     other GGUF matrices stay bf16 in int4 mode. Float checkpoints are quantized from their
     values (int4: asymmetric min/max per group of 32). int8 is symmetric per output channel.
-    The LM head is bf16 with fp32 rescoring of its top candidates. Returns how many layers
-    got each format.
+    The LM head is Q8_0 in int4 mode and bf16 otherwise, with fp32 rescoring of its top
+    candidates. Returns how many layers got each format.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ConfigError(f"unknown weight format {weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")

@@ -192,6 +192,20 @@ constexpr int64_t kPrefetchBlocks = 2;  // paged blocks fetched ahead of the one
 // in order (see attention_impl): a lone decode's partitions can run on every thread.
 constexpr int64_t kKeyPartition = 128;
 
+// The first key a query at position `pos` sees: (pos - window, pos] with a window, else 0.
+inline int64_t first_visible_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+// Row r (= query r / G, head r % G of KV head kvh) of a tile's output: acc / sum.
+inline void store_normalized_row(float* out, int64_t o_s0, int64_t o_s1, int64_t first_row, int64_t kvh, int64_t G,
+                                 int64_t r, const float* acc, float sum, int64_t D) {
+  float* o = out + (first_row + r / G) * o_s0 + (kvh * G + r % G) * o_s1;
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+}
+
 // Attention of a tile of one sequence's queries (all G query heads of one KV head) over the
 // paged cache, flash-style: keys are visited in chunks of <= 16 within a block, widened to
 // fp32 once; with keys stored [D, block_size] per block, each score row is a sum over d of
@@ -219,7 +233,7 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
 
   const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
   const int64_t first_key =
-      std::max(key_begin, window > 0 ? std::max<int64_t>(0, first_query_pos - window + 1) : int64_t{0});
+      std::max(key_begin, first_visible_key(first_query_pos, window));
   for (int64_t j0 = first_key; j0 <= last_key;) {
     // A chunk never crosses a paged block.
     const int64_t block = table[j0 / BS], offset = j0 % BS;
@@ -401,15 +415,8 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     std::copy(acc, acc + rows * D + 2 * rows, partial);  // acc, row_max, row_sum are adjacent
     return;
   }
-  for (int64_t qi = 0; qi < num_queries; ++qi) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = qi * G + g;
-      float* o = out + (first_row + qi) * o_s0 + (kvh * G + g) * o_s1;
-      const float inv = 1.0f / row_sum[r];
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc + r * D, row_sum[r], D);
 }
 
 // Combine a tile's per-partition partials (each [rows, D] unnormalised accumulators, then
@@ -431,11 +438,7 @@ void merge_partitions(const float* const* parts, int64_t num_parts, int64_t rows
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * weight;
     }
-    const int64_t qi = r / G, g = r % G;
-    float* o = out + (first_row + qi) * o_s0 + (kvh * G + g) * o_s1;
-    const float inv = 1.0f / row_sum;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc, row_sum, D);
   }
 }
 
@@ -479,7 +482,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
     for (int64_t t0 = 0; t0 < qlens[i]; t0 += kQueryTile) {
       const int64_t nq = std::min(kQueryTile, qlens[i] - t0);
       const int64_t first_pos = lens[seqs[i]] - qlens[i] + t0, last_pos = first_pos + nq - 1;
-      const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      const int64_t first_key = first_visible_key(first_pos, window);
       const int64_t first_part = first_key / kKeyPartition, last_part = last_pos / kKeyPartition;
       const bool split = nq == 1 && last_part > first_part;
       for (int64_t kvh = 0; kvh < KVH; ++kvh) {
@@ -515,7 +518,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
       const int64_t num_queries = std::min(kQueryTile, qlens[it.seq_index] - it.tile_start);
       const int64_t first_query_pos = lens[s] - qlens[it.seq_index] + it.tile_start;
       const int64_t first_row = starts[it.seq_index] + it.tile_start;
-      const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_query_pos - window + 1) : 0;
+      const int64_t first_key = first_visible_key(first_query_pos, window);
       const int64_t last_pos = first_query_pos + num_queries - 1;
       auto run_part = [&](int64_t part, float* partial) {
         const auto [lo, hi] = key_range(first_key, last_pos, part);
