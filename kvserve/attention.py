@@ -1,13 +1,8 @@
 """Paged attention: per-step metadata and the backends that read/write the paged KV cache.
 
-KV cache layout, one tensor per layer, allocated as ``[2, num_kv_heads, num_blocks,
-block_size, head_dim]`` (index 0 = keys, 1 = values). Token ``i`` of a sequence lives at
-offset ``i % block_size`` of block ``block_table[i // block_size]``, in every head. Heads come
-first so that a head's blocks are contiguous. Values are stored ``[block_size, head_dim]`` per
-block; keys are stored transposed, ``[head_dim, block_size]`` per block (``key_blocks()`` gives
-that view): the scores of a query against a block are then a sum over ``d`` of ``q[d]`` times a
-contiguous row of the block's keys, vector operations over the block's tokens with no
-horizontal sums, which is how the CPU kernels compute them.
+The cache's layout, dtypes and views belong to ``kvserve.kv_cache.LayerKV``; attention takes
+one layer's ``LayerKV`` and reads it through those views (the torch path) or hands its tensors
+to the fused kernel.
 """
 from __future__ import annotations
 
@@ -18,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import ops
-from kvserve.config import ConfigError, ModelConfig
+from kvserve.config import ConfigError
+from kvserve.kv_cache import LayerKV
 from kvserve.tracing import label
 
 
@@ -88,47 +84,6 @@ def build_attention_metadata(
         seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc_tensor=torch.tensor(qsl, dtype=torch.int32, device=device),
     )
-
-
-def allocate_kv_caches(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
-) -> list[torch.Tensor]:
-    """One ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` tensor per layer.
-
-    Zero-filled, not ``empty``: padded block-table entries and masked keys are still read,
-    and uninitialised memory could hold NaNs, which survive a zero attention weight.
-    """
-    shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-    return [ops.empty_huge_pages(shape, dtype, device).zero_() for _ in range(config.num_hidden_layers)]
-
-
-def key_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The keys of a layer's cache as stored: ``[num_kv_heads, num_blocks, head_dim, block_size]``."""
-    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
-    return kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size)
-
-
-def gather_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Keys of the given blocks, in order, as ``[num_kv_heads, len(block_ids) * block_size, head_dim]``."""
-    keys = key_blocks(kv_cache).index_select(1, block_ids)  # [KVH, n, D, BS]
-    return keys.transpose(2, 3).reshape(keys.shape[0], -1, keys.shape[2])
-
-
-def gather_values(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Values of the given blocks, in order, as ``[num_kv_heads, len(block_ids) * block_size, head_dim]``."""
-    return kv_cache[1].index_select(1, block_ids).flatten(1, 2)
-
-
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values ``[T, KVH, D]`` at their flat slots (keys transposed per
-    block, see the module docstring)."""
-    if ops.write_kv_cache_kernel(k, v, kv_cache, slot_mapping):
-        return
-    block_size = kv_cache.shape[3]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    key_blocks(kv_cache)[:, blocks, :, offsets] = k.to(kv_cache.dtype)  # advanced indices first: [T, KVH, D]
-    values = kv_cache[1].flatten(1, 2)  # [KVH, num_blocks * block_size, D]
-    values.index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
 
 # --------------------------------------------------------------------------------------
@@ -255,13 +210,14 @@ def _attend(
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float, logit_softcap: Optional[float]
+    q: torch.Tensor, kv: LayerKV, plan: _DecodePlan, scale: float, logit_softcap: Optional[float]
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[1]
-    # Every sequence's visible blocks, padded to the longest: [KVH, Sd, L, D], read in place.
-    keys = gather_keys(kv_cache, plan.block_ids).view(num_kv_heads, num_seqs, -1, head_dim)
-    values = gather_values(kv_cache, plan.block_ids).view(num_kv_heads, num_seqs, -1, head_dim)
+    num_kv_heads = kv.num_kv_heads
+    dtype = kv.compute_dtype(q.dtype)
+    # Every sequence's visible blocks, padded to the longest: [KVH, Sd, L, D].
+    keys = kv.gather_keys(plan.block_ids, dtype).view(num_kv_heads, num_seqs, -1, head_dim)
+    values = kv.gather_values(plan.block_ids, dtype).view(num_kv_heads, num_seqs, -1, head_dim)
     # The query heads sharing a KV head become that head's "query rows": GQA without copying K/V.
     group = num_heads // num_kv_heads
     grouped = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).to(keys.dtype)
@@ -279,7 +235,7 @@ def _prefill_attention(
     q: torch.Tensor,  # [n, H, D] this sequence's new tokens
     k: torch.Tensor,  # [n, KVH, D]
     v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv: LayerKV,
     md: AttentionMetadata,
     seq: int,
     scale: float,
@@ -289,24 +245,21 @@ def _prefill_attention(
     context = md.context_lens[seq]
     seq_len = md.seq_lens[seq]
     device = q.device
-    # Attention runs in the cache's dtype: with a bf16 cache the keys were rounded on the way
-    # in anyway, and the flash kernel runs about twice as fast in bf16.
-    out_dtype, q = q.dtype, q.to(kv_cache.dtype)
-    if context == 0:
-        # Nothing cached before this chunk: its own keys are all there is to see.
+    out_dtype, q = q.dtype, q.to(kv.compute_dtype(q.dtype))
+    if context == 0 and not kv.is_quantized:
+        # Nothing cached before this chunk: its own keys are all there is to see (an int8
+        # cache reads them back quantized, as every later step will see them).
         keys, values, first_key = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), 0
     else:
         bs = md.block_size
-        num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
         # First key any of these queries can see; blocks before it are not read.
         first_visible = max(0, context - window + 1) if window else 0
         first_block = first_visible // bs
         block_ids = md.block_tables[seq, first_block:(seq_len - 1) // bs + 1].long()
         first_key = first_block * bs
         num_keys = seq_len - first_key
-        keys = gather_keys(kv_cache, block_ids)[:, :num_keys]
-        values = gather_values(kv_cache, block_ids)[:, :num_keys]
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        keys = kv.gather_keys(block_ids, q.dtype)[:, :num_keys]
+        values = kv.gather_values(block_ids, q.dtype)[:, :num_keys]
 
     mask = None
     is_causal = context == 0 and window is None
@@ -325,7 +278,7 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv: LayerKV,
     attn_metadata: AttentionMetadata,
     scale: float,
     sliding_window: Optional[int],
@@ -333,7 +286,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Paged attention: ``q [T, H, D]``, ``k, v [T, KVH, D]`` -> ``[T, H, D]``.
 
-    Writes this step's k/v into ``kv_cache`` at ``slot_mapping`` first, then each sequence's
+    Writes this step's k/v into the layer's cache ``kv`` at ``slot_mapping`` first, then each sequence's
     queries (positions ``context_len .. seq_len-1``) attend causally over its cached keys
     ``0 .. seq_len-1``; with ``sliding_window`` W, query i sees key j iff ``i - W < j <= i``
     (HF Gemma 3 / Mistral semantics). fp32 queries on the CPU take the fused kernel
@@ -344,35 +297,35 @@ def paged_attention(
     # One profiler label over the whole of attention (cache write included): `kvserve profile`
     # attributes time to it.
     with label("attention"):
-        write_kv_cache(k, v, kv_cache, attn_metadata.slot_mapping)
+        kv.write(k, v, attn_metadata.slot_mapping)
         if ops.enabled_for(q):
-            return _kernel_attention(q, kv_cache, attn_metadata, scale, sliding_window, logit_softcap)
-        return _torch_attention(q, k, v, kv_cache, attn_metadata, scale, sliding_window, logit_softcap)
+            return _kernel_attention(q, kv, attn_metadata, scale, sliding_window, logit_softcap)
+        return _torch_attention(q, k, v, kv, attn_metadata, scale, sliding_window, logit_softcap)
 
 
-def _kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+def _kernel_attention(q: torch.Tensor, kv: LayerKV, md: AttentionMetadata, scale: float,
                       window: Optional[int], logit_softcap: Optional[float]) -> torch.Tensor:
     out = torch.empty_like(q)
-    ops.paged_attention_kernel(out, q, kv_cache, md.block_tables, md.seq_lens_tensor, *kernel_rows(md),
+    ops.paged_attention_kernel(out, q, kv.data, kv.scales, md.block_tables, md.seq_lens_tensor, *kernel_rows(md),
                                scale, window, logit_softcap)
     return out
 
 
-def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
                      md: AttentionMetadata, scale: float, window: Optional[int],
                      logit_softcap: Optional[float]) -> torch.Tensor:
     plans = _decode_plans(md, window)
     if len(plans) == 1 and plans[0].rows is None:
-        return _decode_attention(q, kv_cache, plans[0], scale, logit_softcap)
+        return _decode_attention(q, kv, plans[0], scale, logit_softcap)
     out = torch.empty_like(q)
     for plan in plans:
-        out.index_copy_(0, plan.rows, _decode_attention(q.index_select(0, plan.rows), kv_cache, plan,
+        out.index_copy_(0, plan.rows, _decode_attention(q.index_select(0, plan.rows), kv, plan,
                                                         scale, logit_softcap))
     qsl = md.query_start_loc
     for seq, n in enumerate(md.query_lens):
         if n > 1:
             a, b = qsl[seq], qsl[seq + 1]
-            out[a:b] = _prefill_attention(q[a:b], k[a:b], v[a:b], kv_cache, md, seq, scale, window, logit_softcap)
+            out[a:b] = _prefill_attention(q[a:b], k[a:b], v[a:b], kv, md, seq, scale, window, logit_softcap)
     return out
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Optional
 
-from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs
+from kvserve.config import DEFAULT_MODEL, KV_CACHE_DTYPES, ConfigError, EngineArgs
 from kvserve.request import RequestRejected, SamplingParams
 
 
@@ -31,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     g.add_argument("--quantization", default=None, choices=["none", "bf16", "int8", "int4"],
                    help="weight format of the linear layers (activations stay in --dtype); "
                         "int4 reuses GGUF Q4_1 blocks; default with --dtype auto on a CPU with "

@@ -48,9 +48,6 @@ class ModelConfig:
     def is_sliding(self, layer_idx: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer_idx] == "sliding_attention"
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes, the seeds' formula."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
 
 @dataclass
@@ -94,6 +91,9 @@ class ParallelConfig:
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# KV cache dtypes (kvserve.kv_cache maps them to storage): auto = bfloat16 when the linear
+# weights are reduced, else the activation dtype; int8 = symmetric, a scale per token and head.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 @dataclass
@@ -117,9 +117,7 @@ class EngineArgs:
     # Linear-layer weight format: None (same as dtype) | "bf16" | "int8" | "int4" (CPU).
     # With dtype "auto" on a CPU with fast bf16: float32 activations and bf16 weights.
     quantization: Optional[str] = None
-    # KV cache dtype: auto = bfloat16 when the linear weights are reduced (bf16/int8/int4),
-    # else the activation dtype.
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def cache_config(self) -> CacheConfig:
         cfg = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -135,8 +133,8 @@ class EngineArgs:
             raise ConfigError("max_model_len must be >= 2")
         if self.quantization not in (None, "none", "bf16", "int8", "int4"):
             raise ConfigError(f"unknown quantization {self.quantization!r}; use bf16, int8 or int4")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads must be >= 1")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:

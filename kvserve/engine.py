@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
+from kvserve.kv_cache import KVCacheSpec
 from kvserve.kv_manager import KVCacheManager
 from kvserve.loader import load_model
 from kvserve.loader.resolve import ModelSource, resolve_model
@@ -112,9 +113,9 @@ class LLMEngine:
             raise ConfigError("device 'cuda' asked for but torch sees no CUDA device")
         self.dtype, self.weight_format = resolve_precision(args.dtype, args.quantization, self.device)
         if args.kv_cache_dtype != "auto":
-            self.kv_dtype = _DTYPES[args.kv_cache_dtype]
+            kv_dtype: Union[str, torch.dtype] = args.kv_cache_dtype
         else:
-            self.kv_dtype = torch.bfloat16 if self.weight_format else self.dtype
+            kv_dtype = torch.bfloat16 if self.weight_format else self.dtype
 
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
@@ -128,8 +129,8 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids))
 
         cache = args.cache_config()
-        kv_bytes_per_token = cfg.kv_bytes_per_token(torch.finfo(self.kv_dtype).bits // 8)
-        bytes_per_block = kv_bytes_per_token * cache.block_size
+        self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype)
+        bytes_per_block = self.kv_spec.bytes_per_block
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
         else:
@@ -146,22 +147,22 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_batched_tokens, args.max_num_seqs,
                                    self.max_model_len, args.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, cfg, num_blocks, cache.block_size, self.device,
-                                  kv_dtype=self.kv_dtype)
+        self.runner = ModelRunner(self.model, cfg, self.kv_spec, num_blocks, self.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
         self._pending_finished: set[str] = set()
 
     # ------------------------------------------------------------------ requests
+    @property
+    def kv_cache_tokens(self) -> int:
+        """How many tokens the KV pool holds."""
+        return self.num_blocks * self.kv_spec.block_size
+
     def describe_kv_cache(self) -> str:
-        cfg = self.model_config
-        return (f"KV cache: {self.num_blocks} blocks x {self.args.block_size} tokens = "
-                f"{self.num_blocks * self.args.block_size} tokens, "
-                f"{self.kv_cache_bytes / 2**20:.1f} MiB "
-                f"(2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} kv heads x "
-                f"{cfg.head_dim} head dim x {torch.finfo(self.kv_dtype).bits // 8} bytes per token); "
-                f"activations {str(self.dtype).removeprefix('torch.')}, linear weights "
+        return (f"KV cache: {self.num_blocks} blocks x {self.kv_spec.block_size} tokens = "
+                f"{self.kv_cache_tokens} tokens, {self.kv_cache_bytes / 2**20:.1f} MiB "
+                f"({self.kv_spec.describe_token()}); activations {str(self.dtype).removeprefix('torch.')}, linear weights "
                 f"{self.weight_format or str(self.dtype).removeprefix('torch.')}")
 
     def new_request_id(self) -> str:

@@ -7,7 +7,7 @@ reading blocks in place, no gathered copy) or gated activation in one call. They
 ``torch.utils.cpp_extension`` (cached in ``<venv>/kvserve-build``; ``scripts/setup.sh``
 builds them) and used only for fp32 activations on the CPU. Anything else, a machine without
 a compiler, or ``KVSERVE_CPU_OPS=0`` takes the torch reference below (for the cache write and
-attention, in kvserve.attention, which owns the cache layout), which the tests use as the
+attention, in kvserve.kv_cache and kvserve.attention), which the tests use as the
 ground truth for the kernels.
 """
 from __future__ import annotations
@@ -187,14 +187,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def write_kv_cache_kernel(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> bool:
-    """Store this step's keys/values ``[T, KVH, D]`` at their flat slots of the cache in the
-    kernel's layout (see kvserve.attention); False, writing nothing, where the kernel does
-    not apply (kvserve.attention then holds the torch path)."""
+def write_kv_cache_kernel(k: torch.Tensor, v: torch.Tensor, kv_data: torch.Tensor,
+                          kv_scales: Optional[torch.Tensor], slot_mapping: torch.Tensor) -> bool:
+    """Store this step's keys/values ``[T, KVH, D]`` at their flat slots of one layer's cache
+    (``kvserve.kv_cache.LayerKV``'s tensors; int8 caches quantize here); False, writing
+    nothing, where the kernel does not apply (``LayerKV.write_reference`` is the torch path)."""
     if not (enabled_for(k) and v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1):
         return False
-    _ext.write_kv_cache(k, v, kv_cache, slot_mapping)
+    _ext.write_kv_cache(k, v, kv_data, kv_scales, slot_mapping)
     return True
 
 
@@ -234,14 +234,16 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def paged_attention_kernel(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+def paged_attention_kernel(out: torch.Tensor, q: torch.Tensor, kv_data: torch.Tensor,
+                           kv_scales: Optional[torch.Tensor], block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, seq_ids: torch.Tensor, query_starts: torch.Tensor,
                            query_lens: torch.Tensor, scale: float, window: Optional[int],
                            softcap: Optional[float]) -> None:
-    """Causal attention over the paged cache (which must already hold the step's keys) for
+    """Causal attention over one layer's paged cache (``LayerKV``'s tensors, which must
+    already hold the step's keys; int8 values are scaled in registers) for
     sequences ``seq_ids``: ``query_lens[i]`` query rows from ``query_starts[i]`` of
     ``q [T, H, D]``, the last one at position ``seq_lens[seq] - 1``; written to the same rows
     of ``out``. Decode sequences are the one-query case. Only with the extension loaded;
     kvserve.attention holds the torch path."""
-    load_extension().paged_attention(out, q, kv_cache, block_tables, seq_lens, seq_ids, query_starts, query_lens,
+    load_extension().paged_attention(out, q, kv_data, kv_scales, block_tables, seq_lens, seq_ids, query_starts, query_lens,
                                      scale, window or 0, softcap or 0.0)

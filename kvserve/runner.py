@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvserve.attention import AttentionMetadata, allocate_kv_caches
+from kvserve.attention import AttentionMetadata
 from kvserve.batch import SchedulerOutput
 from kvserve.config import ModelConfig
+from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.request import Logprob, Request
 from kvserve.sampler import Sampler, build_sampling_metadata
 from kvserve.tracing import label
@@ -52,16 +53,15 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         model_config: ModelConfig,
+        kv_spec: KVCacheSpec,
         num_blocks: int,
-        block_size: int,
         device: torch.device,
-        kv_dtype: torch.dtype,
     ) -> None:
         self.model = model
         self.model_config = model_config
-        self.block_size = block_size
+        self.block_size = kv_spec.block_size
         self.device = device
-        self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, kv_dtype, device)
+        self.kv_cache = KVCache.allocate(kv_spec, num_blocks, device)
         self.sampler = Sampler()
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
@@ -131,7 +131,7 @@ class ModelRunner:
         phase = "model.forward.decode" if inputs.num_prefill_tokens == 0 else "model.forward.prefill"
         with label(phase):
             logits = self.model(
-                inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches,
+                inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache,
                 inputs.logits_indices,
             )
         out = RunnerOutput(num_prefill_tokens=inputs.num_prefill_tokens,

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from kvserve import ops
-from kvserve.attention import (
-    allocate_kv_caches, key_blocks, build_attention_metadata, get_attention_backend, paged_attention, write_kv_cache,
-)
+from kvserve.attention import build_attention_metadata, get_attention_backend, paged_attention
 from kvserve.config import ConfigError
+from kvserve.kv_cache import KVCacheSpec, LayerKV, allocate_kv_cache, quantize_int8
 from kvserve.models.testing import tiny_config
 
 H, KVH, D = 4, 2, 16
@@ -52,7 +51,7 @@ def dense_reference(q, k, v, q_positions, window: Optional[int], softcap: Option
 class Case:
     """Sequences with ``context_lens`` tokens already cached and ``query_lens`` new ones."""
 
-    def __init__(self, context_lens, query_lens, seed=0, spare_blocks=3):
+    def __init__(self, context_lens, query_lens, seed=0, spare_blocks=3, cache_dtype=torch.float32):
         gen = torch.Generator().manual_seed(seed)
         self.context_lens, self.query_lens = list(context_lens), list(query_lens)
         self.total = [c + q for c, q in zip(context_lens, query_lens)]
@@ -67,11 +66,19 @@ class Case:
             self.tables.append(ids[:n])
             ids = ids[n:]
         # Garbage (finite) everywhere: a wrong slot or block shows up as a wrong answer.
-        self.cache = torch.randn(2, KVH, sum(need) + spare_blocks, BLOCK, D, generator=gen)
+        shape = (2, KVH, sum(need) + spare_blocks, BLOCK, D)
+        if cache_dtype == torch.int8:
+            self.cache = LayerKV(torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8),
+                                 torch.rand(shape[:-1], generator=gen).half())
+        else:
+            self.cache = LayerKV(torch.randn(shape, generator=gen).to(cache_dtype))
         self.md = build_attention_metadata(self.tables, self.context_lens, self.query_lens, BLOCK)
+        self.write_context()
+
+    def write_context(self):
         ctx_md = build_attention_metadata(self.tables, [0] * len(self.total), self.context_lens, BLOCK)
-        write_kv_cache(torch.cat([k[:c] for k, c in zip(self.k, context_lens)]),
-                       torch.cat([v[:c] for v, c in zip(self.v, context_lens)]), self.cache, ctx_md.slot_mapping)
+        self.cache.write(torch.cat([k[:c] for k, c in zip(self.k, self.context_lens)]),
+                         torch.cat([v[:c] for v, c in zip(self.v, self.context_lens)]), ctx_md.slot_mapping)
 
     def run(self, window=None, softcap=None):
         new_k = torch.cat([k[c:] for k, c in zip(self.k, self.context_lens)])
@@ -109,8 +116,8 @@ def test_new_keys_and_values_land_in_their_slots():
     for s, table in enumerate(c.tables):
         for pos in range(c.total[s]):
             block, offset = table[pos // BLOCK], pos % BLOCK
-            assert torch.equal(key_blocks(c.cache)[:, block, :, offset], c.k[s][pos])
-            assert torch.equal(c.cache[1, :, block, offset], c.v[s][pos])
+            assert torch.equal(c.cache.block_keys(torch.tensor([block]))[:, 0, offset], c.k[s][pos])
+            assert torch.equal(c.cache.block_values(torch.tensor([block]))[:, 0, offset], c.v[s][pos])
 
 
 def test_chunked_prefill_equals_one_shot():
@@ -134,7 +141,7 @@ def test_sliding_decode_never_reads_blocks_outside_the_window():
     for table, length in zip(c.tables, c.total):
         first_visible = max(0, length - window)
         for block in table[: first_visible // BLOCK]:
-            c.cache[:, :, block] = float("nan")
+            c.cache.data[:, :, block] = float("nan")
     out = c.run(window)
     assert torch.isfinite(out).all()
     assert (out - c.reference(window)).abs().max() < 1e-5
@@ -144,7 +151,7 @@ def test_sliding_prefill_with_context_never_reads_blocks_outside_the_window():
     window = 4
     c = Case([17], [3], seed=2)
     for block in c.tables[0][: (17 - window + 1) // BLOCK]:
-        c.cache[:, :, block] = float("nan")
+        c.cache.data[:, :, block] = float("nan")
     out = c.run(window)
     assert torch.isfinite(out).all()
     assert (out - c.reference(window)).abs().max() < 1e-5
@@ -161,12 +168,30 @@ def test_derived_tensors_are_built_once_per_step_and_window(attention_path):
     assert all(c.md.derived[key] is plan for key, plan in plans.items())
 
 
-def test_allocate_kv_caches_layout():
+def test_allocate_kv_cache_layout():
     cfg = tiny_config("gemma3")
-    caches = allocate_kv_caches(cfg, num_blocks=7, block_size=16, dtype=torch.bfloat16, device="cpu")
-    assert len(caches) == cfg.num_hidden_layers
-    assert caches[0].shape == (2, cfg.num_key_value_heads, 7, 16, cfg.head_dim)
-    assert caches[0].dtype == torch.bfloat16 and not caches[0].any()
+    cache = allocate_kv_cache(cfg, num_blocks=7, block_size=16, dtype=torch.bfloat16, device="cpu")
+    assert len(cache) == cfg.num_hidden_layers and cache.num_blocks == 7
+    assert cache[0].data.shape == (2, cfg.num_key_value_heads, 7, 16, cfg.head_dim)
+    assert cache[0].data.dtype == torch.bfloat16 and not cache[0].data.any() and cache[0].scales is None
+    assert cache.num_bytes == 7 * cache.spec.bytes_per_block
+
+
+def test_allocate_int8_kv_cache_layout():
+    cfg = tiny_config("llama")
+    cache = allocate_kv_cache(cfg, num_blocks=5, block_size=16, dtype="int8", device="cpu")
+    assert cache[0].data.dtype == torch.int8 and cache[0].data.shape == (2, cfg.num_key_value_heads, 5, 16, cfg.head_dim)
+    assert cache[0].scales.dtype == torch.float16 and cache[0].scales.shape == (2, cfg.num_key_value_heads, 5, 16)
+    # The sizing formula counts the scales: it is what the pool really holds.
+    assert cache.num_bytes == 5 * cache.spec.bytes_per_block
+    assert cache.spec.bytes_per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 2)
+
+
+def test_int8_holds_at_least_1_9x_the_tokens_of_bf16():
+    for head_dim in (64, 256):  # SmolLM2's and Gemma 3's
+        bf16 = KVCacheSpec(30, 3, head_dim, 16, "bfloat16")
+        int8 = KVCacheSpec(30, 3, head_dim, 16, "int8")
+        assert bf16.bytes_per_token / int8.bytes_per_token >= 1.9
 
 
 def test_backend_table():
@@ -176,14 +201,11 @@ def test_backend_table():
 
 
 def test_bfloat16_close_to_reference():
-    c = Case(*CASES["mixed"], seed=4)
-    c.cache = c.cache.bfloat16()
+    c = Case(*CASES["mixed"], seed=4, cache_dtype=torch.bfloat16)
     c.k = [k.bfloat16() for k in c.k]
     c.v = [v.bfloat16() for v in c.v]
     c.q = [q.bfloat16() for q in c.q]
-    ctx_md = build_attention_metadata(c.tables, [0] * len(c.total), c.context_lens, BLOCK)
-    write_kv_cache(torch.cat([k[:n] for k, n in zip(c.k, c.context_lens)]),
-                   torch.cat([v[:n] for v, n in zip(c.v, c.context_lens)]), c.cache, ctx_md.slot_mapping)
+    c.write_context()
     out = c.run(5)
     assert out.dtype == torch.bfloat16
     assert (out.float() - c.reference(5)).abs().max() < 3e-2 * math.sqrt(D) / 4
@@ -193,11 +215,7 @@ def test_bfloat16_close_to_reference():
 def test_low_precision_cache_under_fp32_queries(cache_dtype):
     """The engine's default: fp32 activations over a 16-bit cache. Both paths stay within the
     cache's rounding of the reference (the kernel computes in fp32 after the load)."""
-    c = Case(*CASES["mixed"], seed=6)
-    c.cache = c.cache.to(cache_dtype)
-    ctx_md = build_attention_metadata(c.tables, [0] * len(c.total), c.context_lens, BLOCK)
-    write_kv_cache(torch.cat([k[:n] for k, n in zip(c.k, c.context_lens)]),
-                   torch.cat([v[:n] for v, n in zip(c.v, c.context_lens)]), c.cache, ctx_md.slot_mapping)
+    c = Case(*CASES["mixed"], seed=6, cache_dtype=cache_dtype)
     for window in (None, 5):
         out = c.run(window)
         assert out.dtype == torch.float32
@@ -209,3 +227,36 @@ def test_long_contexts_and_many_sequences():
     c = Case([700, 1, 333, 64, 1000], [1, 1, 1, 1, 1], seed=8)
     for window in (None, 100):
         assert (c.run(window) - c.reference(window)).abs().max() < 1e-5
+
+
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    """What an int8 cache holds for ``x``, as floats."""
+    values, scales = quantize_int8(x)
+    return values.float() * scales.float()[..., None]
+
+
+# The kernel multiplies the int8 values by int16 queries and softmax weights (each rounded to
+# 1/65534 of its row's range) in exact integer sums; the torch path attends over dequantized
+# copies in fp32. Against attention over exactly what the cache holds, that is the bound.
+INT16_ROUNDING_BOUND = {"kernel": 2e-4, "torch": 1e-5}
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+@pytest.mark.parametrize("softcap", [None, 20.0], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_int8_cache_equals_attention_over_its_dequantized_values(case, window, softcap, attention_path):
+    """Scales applied in registers (kernel) or to a gathered copy (torch) give attention over
+    what the cache holds; and that stays within int8 rounding of the fp32 answer."""
+    c = Case(*CASES[case], seed=11 + list(CASES).index(case), cache_dtype=torch.int8)
+    out = c.run(window, softcap)
+    exact = c.reference(window, softcap)
+    c.k, c.v = [dequantized(k) for k in c.k], [dequantized(v) for v in c.v]
+    assert (out - c.reference(window, softcap)).abs().max() < INT16_ROUNDING_BOUND[attention_path]
+    assert (out - exact).abs().max() < 5e-2
+
+
+def test_int8_long_contexts(attention_path):
+    c = Case([700, 1, 333], [1, 1, 9], seed=12, cache_dtype=torch.int8)
+    out = c.run(100)
+    c.k, c.v = [dequantized(k) for k in c.k], [dequantized(v) for v in c.v]
+    assert (out - c.reference(100)).abs().max() < INT16_ROUNDING_BOUND[attention_path]

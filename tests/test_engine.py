@@ -41,9 +41,10 @@ MODELS = [
 ]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("model,long_len,num_short", MODELS)
-def test_greedy_invariance(llm_factory, model, long_len, num_short):
-    base = llm_factory(model=model, dtype="float32")
+def test_greedy_invariance(llm_factory, model, long_len, num_short, kv_cache_dtype):
+    base = llm_factory(model=model, dtype="float32", kv_cache_dtype=kv_cache_dtype)
     prompts = _token_prompts(base, long_len, num_short)
     alone = [_greedy_tokens(base, [p])[0] for p in prompts]
     assert all(len(t) == GREEDY.max_tokens for t in alone)
@@ -58,7 +59,7 @@ def test_greedy_invariance(llm_factory, model, long_len, num_short):
 
     # A tiny token budget forces chunked prefill, mixed with decodes of the others.
     chunked = llm_factory(model=model, dtype="float32", max_num_batched_tokens=32,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     assert _greedy_tokens(chunked, prompts) == alone
 
     # A tiny KV budget forces preemption (by recompute): room for every prompt at once, not
@@ -70,9 +71,22 @@ def test_greedy_invariance(llm_factory, model, long_len, num_short):
     assert sum(blocks(len(p) + GREEDY.max_tokens) for p in prompts) > prompt_blocks
     small = llm_factory(model=model, dtype="float32",
                         num_blocks=max(longest_blocks, prompt_blocks),
-                        enable_prefix_caching=False)
+                        enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     assert _greedy_tokens(small, prompts) == alone
     assert small.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_int8_kv_cache_holds_1_9x_the_tokens_of_bf16(llm_factory, model):
+    """Same --kv-cache-memory, default weights: the pool's token count (what the start-up
+    line prints) is at least 1.9x with int8 KV, scales included."""
+    bf16 = llm_factory(model=model, kv_cache_dtype="bfloat16")
+    int8 = llm_factory(model=model, kv_cache_dtype="int8")
+    assert int8.engine.kv_cache_tokens >= 1.9 * bf16.engine.kv_cache_tokens
+    assert int8.engine.kv_cache_bytes <= bf16.engine.args.kv_cache_memory
+    line = int8.engine.describe_kv_cache()
+    assert f"= {int8.engine.kv_cache_tokens} tokens" in line and "bytes of scale" in line and "int8" in line
+    assert int8.generate(["The capital of France is"], GREEDY)[0].outputs[0].token_ids
 
 
 def test_prefix_sharing_allocates_shared_blocks_once(llm_factory):

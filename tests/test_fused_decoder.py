@@ -9,16 +9,17 @@ import pytest
 import torch
 
 from kvserve import ops
-from kvserve.attention import allocate_kv_caches, build_attention_metadata
+from kvserve.attention import build_attention_metadata
+from kvserve.kv_cache import allocate_kv_cache
 from kvserve.loader import load_model, resolve_model
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
 
-def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16) -> torch.Tensor:
+def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16, kv_dtype: str = "float32") -> torch.Tensor:
     """Two sequences: a 150-token prefill (in two chunks, spanning attention's 128-key
     partitions) beside a short one, then a mixed step, then two decodes; the hidden states."""
-    caches = allocate_kv_caches(cfg, n_blocks, block_size, torch.float32, "cpu")
+    caches = allocate_kv_cache(cfg, n_blocks, block_size, kv_dtype, "cpu")
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, cfg.vocab_size, (200,), generator=gen)
     tables = [list(range(0, 12)), list(range(12, 20))]
@@ -51,6 +52,29 @@ def test_fused_layers_match_the_python_model_exactly(name, weight_format):
             plain = _three_steps(model, cfg)
         # fp32 noise upstream moves some activations across a bf16 rounding boundary (one bf16
         # ulp, 0.4 %) before the int4 products: the bound is that rounding, not fp32 noise.
+        assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
+
+
+@pytest.mark.parametrize("weight_format", [None, "int4"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_fused_layers_match_the_python_model_exactly_with_int8_kv(name, weight_format):
+    """The native loop quantizes and reads an int8 cache through the same kernels."""
+    model, cfg = load_model(resolve_model(name), quantization=weight_format)
+    fused = model.model.fused_layers
+    native = _three_steps(model, cfg, kv_dtype="int8")
+    model.model.fused_layers = None
+    try:
+        layer_by_layer = _three_steps(model, cfg, kv_dtype="int8")
+    finally:
+        model.model.fused_layers = fused
+    assert torch.equal(native, layer_by_layer)
+    # And the plain-torch path (torch quantization, attention over a dequantized copy): the
+    # kernel's int16 queries and weights differ from it by ~1e-5, and such noise upstream moves
+    # some later layer's K/V across an int8 rounding boundary (one step, 1/127 of a head's
+    # range): the bound is that rounding, not fp32 noise.
+    if weight_format is None:
+        with ops.use_kernels(False):
+            plain = _three_steps(model, cfg, kv_dtype="int8")
         assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
 
 

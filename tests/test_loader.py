@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.attention import allocate_kv_caches, build_attention_metadata
+from kvserve.attention import build_attention_metadata
+from kvserve.kv_cache import allocate_kv_cache
 from kvserve.config import ConfigError
 from kvserve.loader import load_model, resolve_model
 from kvserve.loader.gguf import config_from_gguf, open_gguf, unpermute_rows
@@ -255,7 +256,7 @@ def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool) -> None
 
 
 def _logits(model, cfg, tokens: list[int]) -> torch.Tensor:
-    caches = allocate_kv_caches(cfg, 8, 16, torch.float32, "cpu")
+    caches = allocate_kv_cache(cfg, 8, 16, torch.float32, "cpu")
     md = build_attention_metadata([[5, 2, 7]], [0], [len(tokens)], 16)
     with torch.inference_mode():
         return model(torch.tensor(tokens), torch.arange(len(tokens)), md, caches,

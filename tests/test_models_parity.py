@@ -21,7 +21,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvserve.attention import allocate_kv_caches, build_attention_metadata  # noqa: E402
+from kvserve.attention import build_attention_metadata
+from kvserve.kv_cache import allocate_kv_cache  # noqa: E402
 from kvserve.loader import load_model, resolve_model  # noqa: E402
 from kvserve.loader.resolve import ModelSource  # noqa: E402
 from kvserve.models.testing import (  # noqa: E402
@@ -55,7 +56,7 @@ class PagedRunner:
         for n in need:
             self.tables.append(ids[:n])
             ids = ids[n:]
-        self.kv_caches = allocate_kv_caches(config, sum(need) + 3, BLOCK_SIZE, torch.float32, "cpu")
+        self.kv_caches = allocate_kv_cache(config, sum(need) + 3, BLOCK_SIZE, torch.float32, "cpu")
         self.lens = [0] * len(max_lens)
 
     @torch.inference_mode()

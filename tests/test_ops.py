@@ -66,32 +66,45 @@ def test_act_and_mul(activation):
     assert torch.allclose(got, want, rtol=2e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16", "int8"])
 def test_write_kv_cache_strided_inputs(cache_dtype):
-    """k/v arrive as strided views of the qkv projection; slots are arbitrary."""
-    from kvserve.attention import write_kv_cache
+    """k/v arrive as strided views of the qkv projection; slots are arbitrary. The kernel
+    writes (and for int8, quantizes) exactly what the torch reference does."""
+    from kvserve.kv_cache import KVCache, KVCacheSpec
 
     gen = torch.Generator().manual_seed(3)
-    kvh, d, t = 3, 8, 5
-    qkv = torch.randn(t, (2 + 2 * kvh) * d, generator=gen)
+    kvh, d, t = 3, 8, 6
+    qkv = torch.randn(t, (2 + 2 * kvh) * d, generator=gen) * 3
+    qkv[5] = 0  # an all-zero head vector: scale 0, values 0
+    qkv[4, 2 * d] = 1e4  # an outlier: the rest of its head rounds to few levels
     k = qkv[:, 2 * d:(2 + kvh) * d].view(t, kvh, d)
     v = qkv[:, (2 + kvh) * d:].view(t, kvh, d)
-    slots = torch.tensor([13, 0, 7, 22, 3])
-    got = torch.zeros(2, kvh, 6, 4, d, dtype=cache_dtype)
-    want = got.clone()
-    write_kv_cache(k, v, got, slots)
+    slots = torch.tensor([13, 0, 7, 22, 3, 9])
+    spec = KVCacheSpec(1, kvh, d, 4, cache_dtype)
+    got, want = KVCache.allocate(spec, 6, "cpu")[0], KVCache.allocate(spec, 6, "cpu")[0]
+    got.write(k, v, slots)
     with ops.use_kernels(False):
-        write_kv_cache(k, v, want, slots)
-    assert torch.equal(got, want)
+        want.write(k, v, slots)
+    assert torch.equal(got.data, want.data)
+    if cache_dtype == "int8":
+        assert torch.equal(got.scales, want.scales)
+        assert got.data.abs().max() == 127 and not got.scales[:, :, 9 // 4, 9 % 4].any()
+    ids = torch.arange(6)
+    stored = got.gather_keys(ids, torch.float32).transpose(0, 1)[slots]  # [t, KVH, D]
+    tolerance = {"float32": 0, "bfloat16": 2e-2, "float16": 2e-3, "int8": 1 / 254}[cache_dtype]
+    assert ((stored - k).abs() <= tolerance * k.abs().amax(-1, keepdim=True) + 1e-6).all()
+    stored_v = got.gather_values(ids, torch.float32).transpose(0, 1)[slots]
+    assert ((stored_v - v).abs() <= tolerance * v.abs().amax(-1, keepdim=True) + 1e-6).all()
 
 
 def test_models_route_through_the_kernels(monkeypatch):
     """A tiny model's prefill + decode call every fused op (fp32, CPU) and match the torch path."""
-    from kvserve.attention import allocate_kv_caches, build_attention_metadata
+    from kvserve.attention import build_attention_metadata
+    from kvserve.kv_cache import allocate_kv_cache
     from kvserve.models.testing import build_random_model, tiny_config
 
     def prefill_then_decode(model, cfg):
-        caches = allocate_kv_caches(cfg, 4, 16, torch.float32, "cpu")
+        caches = allocate_kv_cache(cfg, 4, 16, torch.float32, "cpu")
         ids = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
         first = model.model(ids[:11], torch.arange(11), build_attention_metadata([[2, 0]], [0], [11], 16), caches)
         second = model.model(ids[11:], torch.tensor([11]), build_attention_metadata([[2, 0]], [11], [1], 16), caches)
@@ -114,13 +127,14 @@ def test_models_route_through_the_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_paged_attention_kernel_matches_torch_path(block_size, cache_dtype):
     """Block sizes below, at and above the kernel's 16-key chunk; a mixed step (decodes,
     a first chunk and chunks with cached context, some spanning the kernel's 128-key
     partitions) on shuffled blocks, GQA, with and without a sliding window; both paths read
     the same cache."""
-    from kvserve.attention import build_attention_metadata, paged_attention, write_kv_cache
+    from kvserve.attention import build_attention_metadata, paged_attention
+    from kvserve.kv_cache import KVCache, KVCacheSpec, LayerKV
 
     gen = torch.Generator().manual_seed(block_size)
     heads, kv_heads, head_dim = 6, 2, 32
@@ -128,24 +142,38 @@ def test_paged_attention_kernel_matches_torch_path(block_size, cache_dtype):
     need = [-(-(c + n) // block_size) for c, n in zip(context, new)]
     order = torch.randperm(sum(need) + 2, generator=gen).tolist()
     tables = [order[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
-    cache = torch.randn(2, kv_heads, sum(need) + 2, block_size, head_dim, generator=gen).to(cache_dtype)
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, cache_dtype)
+    cache = KVCache.allocate(spec, sum(need) + 2, "cpu")[0]
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen) * (40 if cache_dtype == torch.int8 else 1))
     old = build_attention_metadata(tables, [0] * len(context), context, block_size)
     if sum(context):
-        write_kv_cache(torch.randn(sum(context), kv_heads, head_dim, generator=gen),
-                       torch.randn(sum(context), kv_heads, head_dim, generator=gen), cache, old.slot_mapping)
+        cache.write(torch.randn(sum(context), kv_heads, head_dim, generator=gen),
+                    torch.randn(sum(context), kv_heads, head_dim, generator=gen), old.slot_mapping)
+    clone = lambda: LayerKV(cache.data.clone(), None if cache.scales is None else cache.scales.clone())  # noqa: E731
+    compute_dtype = cache.compute_dtype(torch.float32)
     q = torch.randn(sum(new), heads, head_dim, generator=gen)
     k = torch.randn(sum(new), kv_heads, head_dim, generator=gen)
     v = torch.randn(sum(new), kv_heads, head_dim, generator=gen)
     for window in (None, 19):
         md = build_attention_metadata(tables, context, new, block_size)
-        fused = paged_attention(q, k, v, cache.clone(), md, head_dim ** -0.5, window)
+        fused = paged_attention(q, k, v, clone(), md, head_dim ** -0.5, window)
         with ops.use_kernels(False):
             md = build_attention_metadata(tables, context, new, block_size)
-            plain = paged_attention(q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype), cache.clone(), md,
+            plain = paged_attention(q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype), clone(), md,
                                     head_dim ** -0.5, window).float()
         # The torch path rounds q and the probabilities to a bf16 cache's dtype; the kernel
         # keeps them in fp32: the bound is bf16's rounding, or fp32 noise for an fp32 cache.
-        bound = 2e-2 if cache_dtype == torch.bfloat16 else 1e-5
+        # Over int8 the kernel rounds q and the weights to int16 (1/65534 of their range).
+        bound = {torch.bfloat16: 2e-2, torch.int8: 2e-4}.get(cache_dtype, 1e-5)
+        if cache_dtype == torch.int8:
+            # The portable loops (CPUs without AVX512-VNNI) sum the same integers: same bits.
+            ops._ext.set_portable_int8_attention(True)
+            try:
+                portable = paged_attention(q, k, v, clone(), build_attention_metadata(tables, context, new, block_size),
+                                           head_dim ** -0.5, window)
+            finally:
+                ops._ext.set_portable_int8_attention(False)
+            assert torch.equal(portable, fused)
         assert (fused - plain).abs().max() < bound, window
 
 

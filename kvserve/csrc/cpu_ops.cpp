@@ -14,6 +14,9 @@
 #include "quant_linear.h"
 
 #include <sys/mman.h>
+#if defined(__F16C__) || defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -40,6 +43,20 @@ inline float to_float(c10::BFloat16 x) {
 
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
+
+// n <= 16 fp16 values to fp32: c10::Half's conversion is bit manipulation per element
+// (~1 us for an int8 chunk's 32 scales); F16C converts 8 in one instruction.
+inline void half_to_float(const c10::Half* src, int64_t n, float* dst) {
+#if defined(__F16C__)
+  if (n == 16) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(src);
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(p)));
+    _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm_loadu_si128(p + 1)));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
 
 // exp(x) for x <= 0 with ~1 ulp error, written so that GCC vectorises a loop of it
 // (std::exp only vectorises under -ffast-math). Cephes' expf: x = n ln2 + r, |r| <= ln2/2,
@@ -70,6 +87,15 @@ inline float inv_rms(const float* x, int64_t n, double eps) {
 
 void check_fp32_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
+}
+
+// An int8 cache [2, KVH, NB, BS, D] and its fp16 scales [2, KVH, NB, BS].
+void check_int8_cache(const torch::Tensor& kv_cache, const torch::Tensor& scales) {
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kChar, "a KV cache with scales must be int8");
+  TORCH_CHECK(kv_cache.size(3) % 2 == 0 && kv_cache.size(4) % 2 == 0, "int8 KV needs an even block size and head dim");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.sizes() == kv_cache.sizes().slice(0, 4),
+              "kv_scales must be a contiguous fp16 [2, KVH, NB, BS]");
 }
 
 }  // namespace
@@ -142,6 +168,51 @@ void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n
 
 namespace {
 
+// One head vector x[0..D) of a token as int8: s = fp16(max|x| / 127), q[d] = round(x[d] / s)
+// clamped to +-127. The same fp32 operations as kvserve.kv_cache's quantize_int8 (round half
+// to even), so the two agree bit for bit.
+inline void quantize_int8_row(const float* x, int64_t D, int8_t* q, c10::Half* scale) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const c10::Half s_half(amax / 127.f);
+  *scale = s_half;
+  const float s = static_cast<float>(s_half);
+  for (int64_t d = 0; d < D; ++d)
+    q[d] = static_cast<int8_t>(s > 0.f ? std::min(std::max(std::nearbyint(x[d] / s), -127.f), 127.f) : 0.f);
+}
+
+// int8 blocks pair their elements for vpdpwssd (two int16 products summed per 32-bit lane):
+// keys [D/2][BS][2] (dims 2i, 2i+1 of a token side by side), values [BS/2][D][2] (tokens 2j,
+// 2j+1 of a dim side by side); see kvserve/kv_cache.py.
+inline int64_t int8_key_index(int64_t d, int64_t t, int64_t BS) { return ((d / 2) * BS + t) * 2 + d % 2; }
+inline int64_t int8_value_index(int64_t t, int64_t d, int64_t D) { return ((t / 2) * D + d) * 2 + t % 2; }
+
+void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_cache, torch::Tensor& scales,
+                   const torch::Tensor& slot_mapping) {
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  const int64_t BS = kv_cache.size(3), NB = kv_cache.size(2), head_elems = NB * BS * D;
+  int8_t* keys = kv_cache.data_ptr<int8_t>();
+  int8_t* values = keys + KVH * head_elems;
+  c10::Half* key_scales = scales.data_ptr<c10::Half>();
+  c10::Half* value_scales = key_scales + KVH * NB * BS;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  std::vector<int8_t> q(D);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
+    for (int64_t h = 0; h < KVH; ++h) {
+      int8_t* kdst = keys + h * head_elems + block * BS * D;
+      quantize_int8_row(k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), D, q.data(),
+                        key_scales + h * NB * BS + slots[t]);
+      for (int64_t d = 0; d < D; ++d) kdst[int8_key_index(d, offset, BS)] = q[d];
+      int8_t* vdst = values + h * head_elems + block * BS * D;
+      quantize_int8_row(v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), D, q.data(),
+                        value_scales + h * NB * BS + slots[t]);
+      for (int64_t d = 0; d < D; ++d) vdst[int8_value_index(offset, d, D)] = q[d];
+    }
+  }
+}
+
 template <typename cache_t>
 void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_cache,
                    const torch::Tensor& slot_mapping) {
@@ -168,21 +239,33 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
 }  // namespace
 
 // Store k, v [T, KVH, D] (fp32, any row/head strides, contiguous head_dim) at their flat slots
-// of kv_cache [2, KVH, num_blocks, block_size, D], converting to the cache's dtype. Keys are
-// stored transposed per block, [D, block_size] (see kvserve/attention.py).
-void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
+// of kv_cache [2, KVH, num_blocks, block_size, D], converting to the cache's dtype, or, with
+// kv_scales [2, KVH, num_blocks, block_size] (fp16), quantizing to the int8 cache. Keys are
+// stored transposed per block, [D, block_size] (see kvserve/kv_cache.py).
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, c10::optional<torch::Tensor> kv_scales,
+                    torch::Tensor slot_mapping) {
   check_fp32_cpu(k, "k");
   check_fp32_cpu(v, "v");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v head_dim must be contiguous");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be a contiguous [2, KVH, NB, BS, D]");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
   auto slots = slot_mapping.contiguous();
+  if (kv_scales) {
+    check_int8_cache(kv_cache, *kv_scales);
+    write_kv_int8(k, v, kv_cache, *kv_scales, slots);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "write_kv_cache", [&] {
     write_kv_impl<scalar_t>(k, v, kv_cache, slots);
   });
 }
 
 namespace {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
 
 constexpr int64_t kKeyChunk = 16;  // keys per inner tile: one 16-float vector of scores
 constexpr int64_t kQueryTile = 16;  // queries per work item (times G heads = rows)
@@ -204,6 +287,45 @@ inline void store_normalized_row(float* out, int64_t o_s0, int64_t o_s1, int64_t
   const float inv = 1.0f / sum;
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+}
+
+// The online softmax of one score row over one chunk of keys [j0, j0 + 16): x holds the scaled
+// scores (soft-capped here); keys in [lo, hi] and below n_keys are visible. Writes the weights
+// p (relative to the row's new maximum; 0 where hidden), updates the row's max and sum, and
+// returns the factor that rescales the row's earlier accumulators.
+inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int64_t hi, float softcap,
+                           float& row_max, float& row_sum, float* p) {
+  // Masking by a 0/1 factor rather than branches keeps these loops vectorised.
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float visible[kKeyChunk];
+#pragma omp simd
+  for (int64_t t = 0; t < kKeyChunk; ++t) {
+    const int64_t key = j0 + t;
+    visible[t] = (t < n_keys) & (key <= hi) & (key >= lo) ? 1.f : 0.f;
+  }
+  if (softcap > 0.f) {
+    for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = std::tanh(x[t] / softcap) * softcap;
+  }
+  float chunk_max = kNegInf;
+#pragma omp simd reduction(max : chunk_max)
+  for (int64_t t = 0; t < kKeyChunk; ++t) chunk_max = std::max(chunk_max, visible[t] > 0.f ? x[t] : kNegInf);
+  if (chunk_max == kNegInf) {  // nothing visible to this row
+#pragma omp simd
+    for (int64_t t = 0; t < kKeyChunk; ++t) p[t] = 0.f;
+    return 1.f;
+  }
+  const float new_max = std::max(row_max, chunk_max);
+  const float correction = exp_nonpositive(row_max - new_max);  // ~0 on the row's first chunk
+  float p_sum = 0.f;
+#pragma omp simd reduction(+ : p_sum)
+  for (int64_t t = 0; t < kKeyChunk; ++t) {
+    // A masked key may score above the max: clamp before exp, then zero it.
+    p[t] = visible[t] * exp_nonpositive(std::min(x[t] - new_max, 0.f));
+    p_sum += p[t];
+  }
+  row_sum = row_sum * correction + p_sum;
+  row_max = new_max;
+  return correction;
 }
 
 // Attention of a tile of one sequence's queries (all G query heads of one KV head) over the
@@ -312,39 +434,10 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
         float p[kRowBlock][kKeyChunk];
         float correction[kRowBlock];
         for (int64_t b = 0; b < nr; ++b) {
-          const int64_t r = r0 + b;
-          // Masking by a 0/1 factor rather than branches keeps these loops vectorised.
-          constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-          float x[kKeyChunk], visible[kKeyChunk];
+          float x[kKeyChunk];
 #pragma omp simd
-          for (int64_t t = 0; t < kKeyChunk; ++t) {
-            const int64_t key = j0 + t;
-            visible[t] = (t < n_keys) & (key <= hi[b]) & (key >= lo[b]) ? 1.f : 0.f;
-            x[t] = (sc[b][t] + sc_odd[b][t]) * scale;
-          }
-          if (softcap > 0.f) {
-            for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = std::tanh(x[t] / softcap) * softcap;
-          }
-          float chunk_max = kNegInf;
-#pragma omp simd reduction(max : chunk_max)
-          for (int64_t t = 0; t < kKeyChunk; ++t) chunk_max = std::max(chunk_max, visible[t] > 0.f ? x[t] : kNegInf);
-          if (chunk_max == kNegInf) {  // nothing visible to this row
-            correction[b] = 1.f;
-#pragma omp simd
-            for (int64_t t = 0; t < kKeyChunk; ++t) p[b][t] = 0.f;
-            continue;
-          }
-          const float new_max = std::max(row_max[r], chunk_max);
-          correction[b] = exp_nonpositive(row_max[r] - new_max);  // ~0 on the row's first chunk
-          float p_sum = 0.f;
-#pragma omp simd reduction(+ : p_sum)
-          for (int64_t t = 0; t < kKeyChunk; ++t) {
-            // A masked key may score above the max: clamp before exp, then zero it.
-            p[b][t] = visible[t] * exp_nonpositive(std::min(x[t] - new_max, 0.f));
-            p_sum += p[b][t];
-          }
-          row_sum[r] = row_sum[r] * correction[b] + p_sum;
-          row_max[r] = new_max;
+          for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = (sc[b][t] + sc_odd[b][t]) * scale;
+          correction[b] = softmax_chunk(x, j0, n_keys, lo[b], hi[b], softcap, row_max[r0 + b], row_sum[r0 + b], p[b]);
         }
         for (int64_t b = nr; b < kRowBlock; ++b) {
           correction[b] = 1.f;
@@ -419,6 +512,198 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc + r * D, row_sum[r], D);
 }
 
+// ---- int8 caches: integer products -------------------------------------------------------
+// A tile reading an int8 cache quantizes its query rows to int16 (one fp32 scale per row) and,
+// per chunk, its softmax weights times the tokens' value scales to int16 (one scale per row and
+// chunk); vpdpwssd then multiplies 32 int16 pairs with int8 values widened in one instruction,
+// summing exactly in int32 (so in any order). The per-token key scale, the query scale and the
+// weight scale are applied to the sums in fp32. Nothing is dequantized; int16 keeps the
+// queries and weights to 1/65534 of their range, far inside int8's rounding of K and V.
+
+// x[0..n) as int16 with one scale s = max|x| / 32767: out[i] = round(x[i] / s); returns s.
+inline float quantize_int16(const float* x, int64_t n, int16_t* out) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = amax / 32767.f;
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<int16_t>(std::nearbyint(std::min(std::max(x[i] * inv, -32767.f), 32767.f)));
+  return s;
+}
+
+// Tests force the portable loops (machines without AVX512-VNNI) to compare them with the
+// vector path: integer sums, so the two agree bit for bit.
+std::atomic<bool> g_portable_int8_attention{false};
+
+inline int32_t int16_pair(const int16_t* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));
+  return pair;
+}
+
+// isum[b][t] = sum_d q16[b][d] * key(d, offset + t) of one block's keys ([D/2][BS][2]), for
+// t < n_keys; 0 beyond.
+inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, int64_t BS, int64_t offset,
+                              int64_t n_keys, int64_t D, int32_t (*isum)[kKeyChunk]) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
+    const __mmask32 mask = n_keys >= kKeyChunk ? 0xFFFFFFFFu : (1u << (2 * n_keys)) - 1u;
+    __m512i acc[kRowBlock];
+    for (int64_t b = 0; b < kRowBlock; ++b) acc[b] = _mm512_setzero_si512();
+    const int8_t* src = kblock + offset * 2;
+    for (int64_t dp = 0; dp < D / 2; ++dp, src += 2 * BS) {
+      const __m512i k = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src));
+      for (int64_t b = 0; b < kRowBlock; ++b)
+        acc[b] = _mm512_dpwssd_epi32(acc[b], k, _mm512_set1_epi32(int16_pair(q16[b] + 2 * dp)));
+    }
+    for (int64_t b = 0; b < kRowBlock; ++b) _mm512_storeu_si512(isum[b], acc[b]);
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < kRowBlock; ++b) {
+    for (int64_t t = 0; t < kKeyChunk; ++t) {
+      int32_t sum = 0;
+      for (int64_t d = 0; t < n_keys && d < D; ++d)
+        sum += int32_t{q16[b][d]} * int32_t{kblock[int8_key_index(d, offset + t, BS)]};
+      isum[b][t] = sum;
+    }
+  }
+}
+
+// products[b][d] = sum_t w16[b][t] * value(first + t, d) over the chunk's 2 * num_pairs tokens
+// from `first` (even) of one block's values ([BS/2][D][2]).
+inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vblock, int64_t D, int64_t first,
+                              int64_t num_pairs, int32_t* products) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
+    for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
+      __m512i acc[kRowBlock];
+      for (int64_t b = 0; b < kRowBlock; ++b) acc[b] = _mm512_setzero_si512();
+      const int8_t* src = vblock + ((first / 2) * D + d0) * 2;
+      for (int64_t j = 0; j < num_pairs; ++j, src += 2 * D) {
+        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+        for (int64_t b = 0; b < kRowBlock; ++b)
+          acc[b] = _mm512_dpwssd_epi32(acc[b], v, _mm512_set1_epi32(int16_pair(w16[b] + 2 * j)));
+      }
+      for (int64_t b = 0; b < kRowBlock; ++b) _mm512_storeu_si512(products + b * D + d0, acc[b]);
+    }
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < kRowBlock; ++b) {
+    for (int64_t d = 0; d < D; ++d) {
+      int32_t sum = 0;
+      for (int64_t t = 0; t < 2 * num_pairs; ++t)
+        sum += int32_t{w16[b][t]} * int32_t{vblock[int8_value_index(first + t, d, D)]};
+      products[b * D + d] = sum;
+    }
+  }
+}
+
+// attention_tile for an int8 cache (its heads' fp16 scales beside it): the same tiles, chunks,
+// partitions and online softmax, with the integer products above.
+template <int64_t kD>
+void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
+                         const int8_t* khead, const int8_t* vhead, const c10::Half* kscales,
+                         const c10::Half* vscales, const int32_t* table, int64_t BS, int64_t d_runtime, int64_t G,
+                         int64_t first_query_pos, int64_t num_queries, int64_t first_row, int64_t kvh, float scale,
+                         int64_t window, float softcap, int64_t key_begin, int64_t key_end, float* partial,
+                         std::vector<float>& work) {
+  const int64_t D = kD > 0 ? kD : d_runtime;
+  const int64_t rows = num_queries * G;
+  const int64_t q16_floats = (rows * D + 1) / 2;  // the int16 queries, in floats of the buffer
+  work.resize(rows * D + 3 * rows + q16_floats + kRowBlock * D);
+  float* acc = work.data();  // [rows, D]; row_max and row_sum follow (copied out together)
+  float* row_max = acc + rows * D;
+  float* row_sum = row_max + rows;
+  float* q_scale = row_sum + rows;
+  int16_t* q16 = reinterpret_cast<int16_t*>(q_scale + rows);  // [rows, D]
+  int32_t* products = reinterpret_cast<int32_t*>(q_scale + rows + q16_floats);  // [kRowBlock, D]
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + rows, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    q_scale[r] = quantize_int16(q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1, D, q16 + r * D);
+
+  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
+  // Values pair tokens (2j, 2j + 1) of a block: chunks start at even positions (an odd first
+  // key brings the key before it along, hidden by the window that excluded it; partitions
+  // start at multiples of 128, so it is never another partition's).
+  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window)) & ~int64_t{1};
+  for (int64_t j0 = first_key; j0 <= last_key;) {
+    const int64_t block = table[j0 / BS], offset = j0 % BS;
+    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
+    const int64_t n_keys = j1 - j0;
+    if (j1 % BS == 0) {  // see attention_tile
+      const int64_t last_block = last_key / BS;
+      const int64_t from = j0 == first_key ? j1 / BS : j1 / BS + kPrefetchBlocks - 1;
+      for (int64_t b = from; b < j1 / BS + kPrefetchBlocks && b <= last_block; ++b) {
+        const char* kn = reinterpret_cast<const char*>(khead + table[b] * BS * D);
+        const char* vn = reinterpret_cast<const char*>(vhead + table[b] * BS * D);
+        for (int64_t off = 0; off < BS * D; off += 64) {
+          __builtin_prefetch(kn + off);
+          __builtin_prefetch(vn + off);
+        }
+        __builtin_prefetch(kscales + table[b] * BS);
+        __builtin_prefetch(vscales + table[b] * BS);
+      }
+    }
+    float key_mul[kKeyChunk] = {}, value_mul[kKeyChunk] = {};
+    half_to_float(kscales + block * BS + offset, n_keys, key_mul);
+    half_to_float(vscales + block * BS + offset, n_keys, value_mul);
+#pragma omp simd
+    for (int64_t t = 0; t < kKeyChunk; ++t) key_mul[t] *= scale;
+    const int8_t* kblock = khead + block * BS * D;
+    const int8_t* vblock = vhead + block * BS * D;
+
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t nr = std::min(kRowBlock, rows - r0);
+      const int16_t* qr[kRowBlock];
+      int64_t lo[kRowBlock], hi[kRowBlock];
+      bool any_visible = false;
+      for (int64_t b = 0; b < kRowBlock; ++b) {
+        const int64_t r = r0 + std::min(b, nr - 1);  // padding rows repeat the last one, unused
+        qr[b] = q16 + r * D;
+        hi[b] = first_query_pos + r / G;
+        lo[b] = window > 0 ? hi[b] - window + 1 : 0;
+        any_visible |= j0 <= hi[b] && j1 > lo[b];
+      }
+      if (!any_visible) continue;
+
+      int32_t isum[kRowBlock][kKeyChunk];
+      int8_chunk_scores(qr, kblock, BS, offset, n_keys, D, isum);
+      float p[kRowBlock][kKeyChunk], w_scale[kRowBlock], correction[kRowBlock];
+      int16_t w16[kRowBlock][kKeyChunk] = {};
+      for (int64_t b = 0; b < nr; ++b) {
+        const int64_t r = r0 + b;
+        float x[kKeyChunk];
+#pragma omp simd
+        for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = static_cast<float>(isum[b][t]) * q_scale[r] * key_mul[t];
+        correction[b] = softmax_chunk(x, j0, n_keys, lo[b], hi[b], softcap, row_max[r], row_sum[r], p[b]);
+#pragma omp simd
+        for (int64_t t = 0; t < kKeyChunk; ++t) p[b][t] *= value_mul[t];
+        w_scale[b] = quantize_int16(p[b], kKeyChunk, w16[b]);
+      }
+      int8_chunk_values(w16, vblock, D, offset, (n_keys + 1) / 2, products);
+      for (int64_t b = 0; b < nr; ++b) {
+        float* a = acc + (r0 + b) * D;
+        const int32_t* prod = products + b * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] = a[d] * correction[b] + static_cast<float>(prod[d]) * w_scale[b];
+      }
+    }
+    j0 = j1;
+  }
+  if (partial != nullptr) {
+    std::copy(acc, acc + rows * D + 2 * rows, partial);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc + r * D, row_sum[r], D);
+}
+
 // Combine a tile's per-partition partials (each [rows, D] unnormalised accumulators, then
 // [rows] maxima, then [rows] sums, as attention_tile leaves them) in partition order:
 // rescale to the common maximum, sum, normalise, write the rows of `out`.
@@ -444,7 +729,7 @@ void merge_partitions(const float* const* parts, int64_t num_parts, int64_t rows
 
 template <int64_t kD, typename cache_t>
 void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
-                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& seq_ids,
+                    const c10::Half* scales, const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& seq_ids,
                     const torch::Tensor& query_starts, const torch::Tensor& query_lens, double scale,
                     int64_t window, double softcap) {
   const int64_t H = q.size(1), D = kD > 0 ? kD : q.size(2);
@@ -522,11 +807,21 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
       const int64_t last_pos = first_query_pos + num_queries - 1;
       auto run_part = [&](int64_t part, float* partial) {
         const auto [lo, hi] = key_range(first_key, last_pos, part);
-        attention_tile<kD, cache_t>(q.data_ptr<float>(), q.stride(0), q.stride(1), out_data, out.stride(0),
-                                    out.stride(1), keys + it.kv_head * NB * BS * D, values + it.kv_head * NB * BS * D,
-                                    tables + s * table_width, BS, D, G, first_query_pos, num_queries, first_row,
-                                    it.kv_head, static_cast<float>(scale), window, static_cast<float>(softcap), lo,
-                                    hi, partial, work);
+        const cache_t* khead = keys + it.kv_head * NB * BS * D;
+        const cache_t* vhead = values + it.kv_head * NB * BS * D;
+        const int32_t* table = tables + s * table_width;
+        if constexpr (std::is_same_v<cache_t, int8_t>) {
+          attention_tile_int8<kD>(q.data_ptr<float>(), q.stride(0), q.stride(1), out_data, out.stride(0), out.stride(1),
+                                  khead, vhead, scales + it.kv_head * NB * BS, scales + (KVH + it.kv_head) * NB * BS,
+                                  table, BS, D, G, first_query_pos, num_queries, first_row, it.kv_head,
+                                  static_cast<float>(scale), window, static_cast<float>(softcap), lo, hi, partial,
+                                  work);
+        } else {
+          attention_tile<kD, cache_t>(q.data_ptr<float>(), q.stride(0), q.stride(1), out_data, out.stride(0),
+                                      out.stride(1), khead, vhead, table, BS, D, G, first_query_pos, num_queries,
+                                      first_row, it.kv_head, static_cast<float>(scale), window,
+                                      static_cast<float>(softcap), lo, hi, partial, work);
+        }
       };
       if (it.partial_offset >= 0) {  // one partition of a split decode: merged after the loop
         run_part(it.first_part, partials.data() + it.partial_offset);
@@ -566,8 +861,8 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
 // query_starts[i].. of q [T, H, D], the last at position seq_lens[seq] - 1; the query at
 // position p sees keys (p - window, p] (all of [0, p] without a window). Results go to the
 // same rows of out.
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                     torch::Tensor seq_lens, torch::Tensor seq_ids, torch::Tensor query_starts,
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, c10::optional<torch::Tensor> kv_scales,
+                     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor seq_ids, torch::Tensor query_starts,
                      torch::Tensor query_lens, double scale, int64_t window, double softcap) {
   check_fp32_cpu(q, "q");
   check_fp32_cpu(out, "out");
@@ -579,16 +874,26 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: int32");
   for (const auto* t : {&seq_ids, &query_starts, &query_lens})
     TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "seq_ids/query_starts/query_lens: int64");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_attention", [&] {
+  auto run_typed = [&](auto cache_type, const c10::Half* scales) {
+    using cache_t = typename decltype(cache_type)::type;
     const int64_t head_dim = q.size(2);
     auto run = [&](auto head_dim_constant) {
-      attention_impl<decltype(head_dim_constant)::value, scalar_t>(out, q, kv_cache, block_tables, seq_lens, seq_ids,
-                                                                   query_starts, query_lens, scale, window, softcap);
+      attention_impl<decltype(head_dim_constant)::value, cache_t>(out, q, kv_cache, scales, block_tables, seq_lens,
+                                                                  seq_ids, query_starts, query_lens, scale, window,
+                                                                  softcap);
     };
     if (head_dim == 64) run(std::integral_constant<int64_t, 64>{});
     else if (head_dim == 128) run(std::integral_constant<int64_t, 128>{});
     else if (head_dim == 256) run(std::integral_constant<int64_t, 256>{});
     else run(std::integral_constant<int64_t, 0>{});
+  };
+  if (kv_scales) {
+    check_int8_cache(kv_cache, *kv_scales);
+    run_typed(TypeTag<int8_t>{}, kv_scales->data_ptr<c10::Half>());
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_attention", [&] {
+    run_typed(TypeTag<scalar_t>{}, nullptr);
   });
 }
 
@@ -704,6 +1009,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk_", &rope_qk_);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("paged_attention", &paged_attention);
+  m.def("set_portable_int8_attention", [](bool portable) { g_portable_int8_attention = portable; });
   m.def("act_and_mul", &act_and_mul);
   m.def("top_k_rows", &top_k_rows);
   m.def("q4_linear", &q4_linear);

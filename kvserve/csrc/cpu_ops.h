@@ -7,8 +7,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double
 void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
               double eps, double norm_offset);
-void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slot_mapping);
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, c10::optional<torch::Tensor> kv_scales,
+                    torch::Tensor slot_mapping);
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, c10::optional<torch::Tensor> kv_scales,
+                     torch::Tensor block_tables,
                      torch::Tensor seq_lens, torch::Tensor seq_ids, torch::Tensor query_starts,
                      torch::Tensor query_lens, double scale, int64_t window, double softcap);
 torch::Tensor act_and_mul(torch::Tensor x, int64_t act);

@@ -126,9 +126,10 @@ class FusedDecoderLayers {
   // rope tables [T, D] for global and local layers; attention metadata as paged_attention's.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor local_cos,
                         torch::Tensor local_sin, const std::vector<torch::Tensor>& kv_caches,
-                        torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
+                        const std::vector<torch::Tensor>& kv_scales, torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
                         torch::Tensor seq_ids, torch::Tensor query_starts, torch::Tensor query_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+    TORCH_CHECK(kv_scales.empty() || kv_scales.size() == layers_.size(), "one KV scale tensor per layer, or none");
     const int64_t T = hidden.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
     hidden = hidden.contiguous();  // the residual stream, updated in place (the caller's fresh embeddings)
     pybind11::gil_scoped_release no_gil;
@@ -143,8 +144,10 @@ class FusedDecoderLayers {
       auto attn = torch::empty({T, H, D}, hidden.options());
       {
         RECORD_FUNCTION("attention", std::vector<c10::IValue>());  // the label kvserve profile counts
-        write_kv_cache(k, v, kv_caches[i], slot_mapping);
-        paged_attention(attn, q, kv_caches[i], block_tables, seq_lens, seq_ids, query_starts, query_lens,
+        const c10::optional<torch::Tensor> scales =
+            kv_scales.empty() ? c10::nullopt : c10::optional<torch::Tensor>(kv_scales[i]);
+        write_kv_cache(k, v, kv_caches[i], scales, slot_mapping);
+        paged_attention(attn, q, kv_caches[i], scales, block_tables, seq_lens, seq_ids, query_starts, query_lens,
                         layer.scale, layer.window, layer.softcap);
       }
       auto out = layer.o(attn.view({T, H * D}));

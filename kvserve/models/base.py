@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kvserve.attention import AttentionMetadata
+from kvserve.kv_cache import KVCache
 from kvserve.config import ConfigError, ModelConfig
 
 
@@ -30,7 +31,7 @@ class PagedCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64, tokens of several sequences flattened
         positions: torch.Tensor,  # [T] int64
         attn_metadata: AttentionMetadata,
-        kv_caches: list[torch.Tensor],  # one per layer, see attention.py layout
+        kv_caches: KVCache,  # every layer's paged KV (kvserve.kv_cache)
         logits_indices: torch.Tensor,  # [S'] int64 rows of T whose logits are wanted
     ) -> torch.Tensor:  # [S', vocab] float32
         hidden = self.model(input_ids, positions, attn_metadata, kv_caches)

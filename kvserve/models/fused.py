@@ -24,6 +24,7 @@ from torch import nn
 
 from kvserve import ops
 from kvserve.attention import AttentionMetadata, kernel_rows
+from kvserve.kv_cache import KVCache
 from kvserve.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear
 
 logger = logging.getLogger(__name__)
@@ -77,14 +78,15 @@ class FusedDecoderLayers:
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  local_rope: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata,
-                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                 kv_caches: KVCache) -> torch.Tensor:
         md = attn_metadata
+        data, scales = kv_caches.native_views()
         return self.native.forward(hidden, rope[0].contiguous(), rope[1].contiguous(), local_rope[0].contiguous(),
-                                   local_rope[1].contiguous(), kv_caches, md.slot_mapping, md.block_tables,
+                                   local_rope[1].contiguous(), data, scales, md.slot_mapping, md.block_tables,
                                    md.seq_lens_tensor, *kernel_rows(md))
 
-    def applies_to(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
-        return ops.enabled_for(hidden) and all(cache.is_contiguous() for cache in kv_caches)
+    def applies_to(self, hidden: torch.Tensor, kv_caches: KVCache) -> bool:
+        return ops.enabled_for(hidden) and all(layer.data.is_contiguous() for layer in kv_caches)
 
 
 def attach_fused_layers(model: nn.Module) -> Optional[FusedDecoderLayers]:

@@ -15,6 +15,7 @@ from torch import nn
 
 from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
+from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ModelConfig
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, rope_cos_sin
@@ -43,7 +44,7 @@ class Gemma3Attention(nn.Module):
         self.attention = get_attention_backend(attn_backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, kv_cache: LayerKV) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         ops.rope_qk_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -68,7 +69,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
 
     def forward(self, hidden: torch.Tensor, rope: dict[bool, tuple[torch.Tensor, torch.Tensor]],
-                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, kv_cache: LayerKV) -> torch.Tensor:
         cos, sin = rope[self.self_attn.is_sliding]
         attn = self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata, kv_cache)
         hidden = hidden + self.post_attention_layernorm(attn)
@@ -92,7 +93,7 @@ class Gemma3Model(nn.Module):
         self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
         cfg = self.config
         hidden = self.embed_tokens(input_ids)
         # HF rounds the scale to float32 and then to the weights' dtype before multiplying; so

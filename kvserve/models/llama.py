@@ -13,6 +13,7 @@ from torch import nn
 
 from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
+from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import RMSNorm, RopeFrequencies, rope_cos_sin
@@ -52,7 +53,7 @@ class LlamaAttention(nn.Module):
         self.attention = get_attention_backend(attn_backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, kv_cache: LayerKV) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         ops.rope_qk_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -73,7 +74,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, kv_cache: LayerKV) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -91,7 +92,7 @@ class LlamaModel(nn.Module):
         self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # Rope tables for this step's positions only (a few hundred floats), shared by all layers.
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq(positions.device), hidden.dtype)

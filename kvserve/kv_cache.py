@@ -1,0 +1,271 @@
+"""The KV cache as one object: layout, dtype, quantization scales, sizing and the views that
+attention and the C++ kernels read. Nothing else describes the layout.
+
+Layout, per layer: ``data [2, num_kv_heads, num_blocks, block_size, head_dim]`` (index 0 =
+keys, 1 = values). Token ``i`` of a sequence lives at offset ``i % block_size`` of block
+``block_table[i // block_size]``, in every head. Heads come first so that a head's blocks are
+contiguous. Values are stored ``[block_size, head_dim]`` per block; keys are stored
+transposed, ``[head_dim, block_size]`` per block (``key_blocks()``): the scores of a query
+against a block are then a sum over ``d`` of ``q[d]`` times a contiguous row of the block's
+keys, vector operations over the block's tokens with no horizontal sums, which is how the CPU
+kernels compute them.
+
+INT8 (``kv_cache_dtype="int8"``): symmetric, one scale per token and KV head, for keys and
+values separately, in ``scales [2, num_kv_heads, num_blocks, block_size]`` (fp16). Within a
+block the int8 elements are paired for the CPU's int16 dot-product instruction (two products
+summed per 32-bit lane): keys ``[head_dim / 2, block_size, 2]`` (dims 2i and 2i+1 of a token
+side by side), values ``[block_size / 2, head_dim, 2]`` (tokens 2j and 2j+1 of a dim side by
+side); ``block_keys``/``block_values`` read either layout back as ``[.., block_size, head_dim]``. A token's
+K (or V) head vector ``x`` is stored as ``round(x / s)`` clamped to +-127 with
+``s = fp16(max|x| / 127)``. Why this grouping: a token is written once, when it is computed,
+so a per-token scale never changes afterwards (a per-block scale would have to requantize the
+block as it fills, and prefix-cached blocks would depend on what was written after them); per
+KV head because heads differ in range by an order of magnitude; and the scale factors out of
+both products: ``q . k_t = s_t * (q . k8_t)`` and ``sum_t p_t v_t = sum_t (p_t s_t) v8_t``, so
+attention applies it once per token in registers and never materialises a dequantized block.
+Two fp16 scales per token and head cost 4 bytes against the 2 x head_dim int8 values: head
+dim 64 holds 1.94x the tokens of bf16 in the same memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Union
+
+import torch
+
+from kvserve import ops
+from kvserve.config import ConfigError, ModelConfig
+
+# Storage dtype of each kv_cache_dtype name (config.KV_CACHE_DTYPES lists the choices).
+_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SCALE_DTYPE = torch.float16
+INT8_MAX = 127
+
+
+def kv_dtype_name(dtype: Union[str, torch.dtype]) -> str:
+    """The canonical name (``float32``, ``bfloat16``, ``float16``, ``int8``) of a KV dtype."""
+    if isinstance(dtype, torch.dtype):
+        for name, storage in _STORAGE.items():
+            if storage == dtype:
+                return name
+        raise ConfigError(f"unsupported KV cache dtype {dtype}")
+    name = _ALIASES.get(dtype, dtype)
+    if name not in _STORAGE:
+        raise ConfigError(f"unknown kv_cache_dtype {dtype!r}; use one of {', '.join(_STORAGE)}")
+    return name
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one token costs and how the tensors are shaped; torch dtypes derived from ``dtype``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # a kv_dtype_name (a torch dtype or an alias is normalised to one)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", kv_dtype_name(self.dtype))
+        if self.is_quantized and (self.block_size % 2 or self.head_dim % 2):
+            raise ConfigError(f"an int8 KV cache pairs tokens and dims: block size ({self.block_size}) "
+                              f"and head dim ({self.head_dim}) must be even")
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: Union[str, torch.dtype]) -> "KVCacheSpec":
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return _STORAGE[self.dtype]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.dtype == "int8"
+
+    @property
+    def element_bytes(self) -> int:
+        return self.storage_dtype.itemsize
+
+    @property
+    def scale_bytes_per_head(self) -> int:
+        """Bytes of scales per token, KV head and K-or-V: 0 for float caches."""
+        return SCALE_DTYPE.itemsize if self.is_quantized else 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv heads x (head dim x element bytes + scale bytes)."""
+        return (2 * self.num_layers * self.num_kv_heads
+                * (self.head_dim * self.element_bytes + self.scale_bytes_per_head))
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def describe_token(self) -> str:
+        """The bytes-per-token formula with this cache's numbers, for the start-up line."""
+        per_head = f"{self.head_dim} head dim x {self.element_bytes} bytes"
+        if self.is_quantized:
+            per_head = f"({per_head} + {self.scale_bytes_per_head} bytes of scale)"
+        return (f"2 x {self.num_layers} layers x {self.num_kv_heads} kv heads x {per_head} "
+                f"= {self.bytes_per_token} bytes per token, {self.dtype}")
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache: ``data`` in the layout above and, for int8, its ``scales``."""
+
+    data: torch.Tensor  # [2, KVH, NB, BS, D]
+    scales: Optional[torch.Tensor] = None  # [2, KVH, NB, BS] fp16, int8 caches only
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[3]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.data.shape[4]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.scales is not None
+
+    def compute_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the torch path attends in: the cache's for float caches (a bf16 cache
+        rounded its keys on the way in anyway, and SDPA runs twice as fast in bf16), the
+        activations' for int8."""
+        return activation_dtype if self.is_quantized else self.data.dtype
+
+    def key_blocks(self) -> torch.Tensor:
+        """The keys as stored: ``[KVH, NB, head_dim, block_size]`` for float caches, ``[KVH,
+        NB, head_dim / 2, block_size, 2]`` for int8."""
+        _, kvh, nb, bs, d = self.data.shape
+        if self.is_quantized:
+            return self.data[0].view(kvh, nb, d // 2, bs, 2)
+        return self.data[0].view(kvh, nb, d, bs)
+
+    def value_blocks(self) -> torch.Tensor:
+        """The values as stored: ``[KVH, NB, block_size, head_dim]`` for float caches, ``[KVH,
+        NB, block_size / 2, head_dim, 2]`` for int8."""
+        _, kvh, nb, bs, d = self.data.shape
+        if self.is_quantized:
+            return self.data[1].view(kvh, nb, bs // 2, d, 2)
+        return self.data[1]
+
+    def block_keys(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """The stored keys of these blocks as ``[KVH, n, block_size, head_dim]`` (a copy)."""
+        keys = self.key_blocks().index_select(1, block_ids)
+        if self.is_quantized:  # [KVH, n, D/2, BS, 2] -> [KVH, n, BS, D/2, 2]
+            return keys.permute(0, 1, 3, 2, 4).reshape(*keys.shape[:2], self.block_size, self.head_dim)
+        return keys.transpose(2, 3)
+
+    def block_values(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """The stored values of these blocks as ``[KVH, n, block_size, head_dim]``."""
+        values = self.value_blocks().index_select(1, block_ids)
+        if self.is_quantized:  # [KVH, n, BS/2, D, 2] -> [KVH, n, BS/2, 2, D]
+            return values.transpose(3, 4).reshape(*values.shape[:2], self.block_size, self.head_dim)
+        return values
+
+    def gather_keys(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Keys of the given blocks, in order, as ``[num_kv_heads, len(block_ids) * block_size,
+        head_dim]`` in ``dtype`` (dequantized for int8: the torch reference path's copy)."""
+        return self._dequantize(self.block_keys(block_ids).flatten(1, 2), 0, block_ids, dtype)
+
+    def gather_values(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Values of the given blocks, like ``gather_keys``."""
+        return self._dequantize(self.block_values(block_ids).flatten(1, 2), 1, block_ids, dtype)
+
+    def _dequantize(self, x: torch.Tensor, kv: int, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.scales is None:
+            return x.to(dtype)
+        scales = self.scales[kv].index_select(1, block_ids).flatten(1, 2)  # [KVH, n * BS]
+        return (x.float() * scales.float()[..., None]).to(dtype)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store this step's keys/values ``[T, KVH, D]`` at their flat slots (the fused write
+        kernel where it applies, else plain torch; the two agree bit for bit)."""
+        if ops.write_kv_cache_kernel(k, v, self.data, self.scales, slot_mapping):
+            return
+        self.write_reference(k, v, slot_mapping)
+
+    def write_reference(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        block_size = self.block_size
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        if self.scales is not None:
+            k, k_scales = quantize_int8(k)
+            v, v_scales = quantize_int8(v)
+            self.scales[0, :, blocks, offsets] = k_scales.transpose(0, 1)  # [KVH, T]
+            self.scales[1, :, blocks, offsets] = v_scales.transpose(0, 1)
+            # Advanced indices apart from each other go first: [T, KVH, D/2, 2] and [T, KVH, D].
+            self.key_blocks()[:, blocks, :, offsets] = k.unflatten(-1, (-1, 2))
+            self.value_blocks()[:, blocks, offsets // 2, :, offsets % 2] = v
+            return
+        self.key_blocks()[:, blocks, :, offsets] = k.to(self.data.dtype)  # [T, KVH, D]
+        values = self.data[1].flatten(1, 2)  # [KVH, num_blocks * block_size, D]
+        values.index_copy_(1, slot_mapping, v.transpose(0, 1).to(self.data.dtype))
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> (int8 values, fp16 scales ``[...]``), symmetric per row; the write
+    kernel computes exactly this (same fp32 operations, round half to even)."""
+    x = x.float()
+    scales = (x.abs().amax(dim=-1) / INT8_MAX).to(SCALE_DTYPE)
+    s = scales.float()[..., None]
+    q = torch.where(s > 0, torch.round(x / s), torch.zeros_like(x)).clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scales
+
+
+class KVCache:
+    """Every layer's ``LayerKV``, allocated once for the pool's ``num_blocks`` blocks."""
+
+    def __init__(self, spec: KVCacheSpec, layers: list[LayerKV]) -> None:
+        self.spec = spec
+        self.layers = layers
+
+    @classmethod
+    def allocate(cls, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> "KVCache":
+        """Zero-filled, not ``empty``: padded block-table entries and masked keys are still
+        read, and uninitialised memory could hold NaNs, which survive a zero attention weight."""
+        shape = (2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
+        layers = []
+        for _ in range(spec.num_layers):
+            data = ops.empty_huge_pages(shape, spec.storage_dtype, device).zero_()
+            scales = None
+            if spec.is_quantized:
+                scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            layers.append(LayerKV(data, scales))
+        return cls(spec, layers)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layers[0].data.shape[2] if self.layers else 0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers
+                   for t in (layer.data, layer.scales) if t is not None)
+
+    def __getitem__(self, layer: int) -> LayerKV:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[LayerKV]:
+        return iter(self.layers)
+
+    def native_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(data tensors, scale tensors — empty for float caches), as decoder.cpp takes them."""
+        return ([layer.data for layer in self.layers],
+                [layer.scales for layer in self.layers if layer.scales is not None])
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: Union[str, torch.dtype],
+                      device: torch.device | str) -> KVCache:
+    """A cache for ``config``'s layers (tests and tools; the runner allocates from its spec)."""
+    return KVCache.allocate(KVCacheSpec.for_model(config, block_size, dtype), num_blocks, device)
