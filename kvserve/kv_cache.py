@@ -10,24 +10,31 @@ against a block are then a sum over ``d`` of ``q[d]`` times a contiguous row of 
 keys, vector operations over the block's tokens with no horizontal sums, which is how the CPU
 kernels compute them.
 
-INT8 (``kv_cache_dtype="int8"``): symmetric, one scale per token and KV head, for keys and
-values separately, in ``scales [2, num_kv_heads, num_blocks, block_size]`` (fp16). Within a
-block the int8 elements are paired for the CPU's int16 dot-product instruction (two products
-summed per 32-bit lane): keys ``[head_dim / 2, block_size, 2]`` (dims 2i and 2i+1 of a token
-side by side), values ``[block_size / 2, head_dim, 2]`` (tokens 2j and 2j+1 of a dim side by
-side); ``block_keys``/``block_values`` read either layout back as ``[.., block_size, head_dim]``. A token's
-K (or V) head vector ``x`` is stored as ``round(x / s)`` clamped to +-127 with
-``s = fp16(max|x| / 127)``. Why this grouping: a token is written once, when it is computed,
-so a per-token scale never changes afterwards (a per-block scale would have to requantize the
-block as it fills, and prefix-cached blocks would depend on what was written after them); per
-KV head because heads differ in range by an order of magnitude; and the scale factors out of
-both products: ``q . k_t = s_t * (q . k8_t)`` and ``sum_t p_t v_t = sum_t (p_t s_t) v8_t``, so
-attention applies it once per token in registers and never materialises a dequantized block.
-Two fp16 scales per token and head cost 4 bytes against the 2 x head_dim int8 values: head
-dim 64 holds 1.94x the tokens of bf16 in the same memory.
+INT8 (``kv_cache_dtype="int8"``): symmetric int8 with fp16 scales, for keys and values
+separately, one scale per token, KV head and group of 64 dims, in ``scales [2, num_kv_heads,
+num_blocks, groups, block_size]``. Before quantizing, each head vector is rotated by the
+normalised Walsh-Hadamard transform H (orthonormal and its own inverse): ``q . k = Hq . Hk``
+and ``sum_t p_t v_t = H sum_t p_t Hv_t``, so attention works in the rotated basis (queries
+rotated on the way in, outputs rotated back) and never needs the original. The rotation
+spreads a few outlier channels over all dims, which per-token scales cannot absorb: measured
+top-1 agreement with a bf16 cache (teacher-forced, 312 / 2,200 tokens) went from 98.7 / 98.2 %
+to 99.0 / 99.1 % on SmolLM2 and from 97.1 / 95.4 % to 100 / 98.5 % on Gemma 3 (with 64-dim
+groups; one scale per 256-dim head: 98.4 % on the short text). Why per token: a token is
+written once, when it is computed, so its scales never change afterwards (a per-block scale
+would have to requantize the block as it fills, and prefix-cached blocks would depend on what
+was written after them). Scales factor out of the products (``Hq . Hk_t = s_t (Hq . k8_t)``,
+and ``p_t v_t`` takes ``p_t s_t``), so attention applies them per token in registers and never
+materialises a dequantized block. Cost: 2 bytes per 64 int8 values, so a head of 64 holds 1.94x
+the tokens of bf16 in the same memory.
+
+Within a block the int8 elements are paired for the CPU's int16 dot-product instruction (two
+products summed per 32-bit lane): keys ``[head_dim / 2, block_size, 2]`` (dims 2i and 2i+1 of
+a token side by side), values ``[block_size / 2, head_dim, 2]`` (tokens 2j and 2j+1 of a dim
+side by side); ``block_keys``/``block_values`` read either back as ``[.., block_size, head_dim]``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
@@ -41,6 +48,11 @@ _STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": tor
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SCALE_DTYPE = torch.float16
 INT8_MAX = 127
+INT8_GROUP = 64  # dims per scale (fewer when the head is smaller)
+
+
+def int8_group_size(head_dim: int) -> int:
+    return min(INT8_GROUP, head_dim)
 
 
 def kv_dtype_name(dtype: Union[str, torch.dtype]) -> str:
@@ -68,9 +80,9 @@ class KVCacheSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", kv_dtype_name(self.dtype))
-        if self.is_quantized and (self.block_size % 2 or self.head_dim % 2):
-            raise ConfigError(f"an int8 KV cache pairs tokens and dims: block size ({self.block_size}) "
-                              f"and head dim ({self.head_dim}) must be even")
+        if self.is_quantized and (self.block_size % 2 or self.head_dim < 16 or self.head_dim & (self.head_dim - 1)):
+            raise ConfigError(f"an int8 KV cache pairs tokens and rotates heads: it needs an even block size "
+                              f"(got {self.block_size}) and a power-of-two head dim >= 16 (got {self.head_dim})")
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: Union[str, torch.dtype]) -> "KVCacheSpec":
@@ -89,9 +101,13 @@ class KVCacheSpec:
         return self.storage_dtype.itemsize
 
     @property
+    def scale_groups(self) -> int:
+        """Scales per token, KV head and K-or-V: 0 for float caches."""
+        return self.head_dim // int8_group_size(self.head_dim) if self.is_quantized else 0
+
+    @property
     def scale_bytes_per_head(self) -> int:
-        """Bytes of scales per token, KV head and K-or-V: 0 for float caches."""
-        return SCALE_DTYPE.itemsize if self.is_quantized else 0
+        return self.scale_groups * SCALE_DTYPE.itemsize
 
     @property
     def bytes_per_token(self) -> int:
@@ -117,7 +133,7 @@ class LayerKV:
     """One layer's cache: ``data`` in the layout above and, for int8, its ``scales``."""
 
     data: torch.Tensor  # [2, KVH, NB, BS, D]
-    scales: Optional[torch.Tensor] = None  # [2, KVH, NB, BS] fp16, int8 caches only
+    scales: Optional[torch.Tensor] = None  # [2, KVH, NB, groups, BS] fp16, int8 caches only
 
     @property
     def block_size(self) -> int:
@@ -183,8 +199,8 @@ class LayerKV:
     def _dequantize(self, x: torch.Tensor, kv: int, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.scales is None:
             return x.to(dtype)
-        scales = self.scales[kv].index_select(1, block_ids).flatten(1, 2)  # [KVH, n * BS]
-        return (x.float() * scales.float()[..., None]).to(dtype)
+        scales = self.scales[kv].index_select(1, block_ids).transpose(2, 3).flatten(1, 2)  # [KVH, n * BS, groups]
+        return dequantize_int8(x, scales).to(dtype)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's keys/values ``[T, KVH, D]`` at their flat slots (the fused write
@@ -199,8 +215,8 @@ class LayerKV:
         if self.scales is not None:
             k, k_scales = quantize_int8(k)
             v, v_scales = quantize_int8(v)
-            self.scales[0, :, blocks, offsets] = k_scales.transpose(0, 1)  # [KVH, T]
-            self.scales[1, :, blocks, offsets] = v_scales.transpose(0, 1)
+            self.scales[0, :, blocks, :, offsets] = k_scales  # [T, KVH, groups]
+            self.scales[1, :, blocks, :, offsets] = v_scales
             # Advanced indices apart from each other go first: [T, KVH, D/2, 2] and [T, KVH, D].
             self.key_blocks()[:, blocks, :, offsets] = k.unflatten(-1, (-1, 2))
             self.value_blocks()[:, blocks, offsets // 2, :, offsets % 2] = v
@@ -210,14 +226,36 @@ class LayerKV:
         values.index_copy_(1, slot_mapping, v.transpose(0, 1).to(self.data.dtype))
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., D]`` -> (int8 values, fp16 scales ``[...]``), symmetric per row; the write
-    kernel computes exactly this (same fp32 operations, round half to even)."""
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """``H x`` over the last dim (a power of two), H the normalised Walsh-Hadamard matrix, in the
+    butterfly order of the write kernel's (so the two agree bit for bit)."""
+    d = x.shape[-1]
     x = x.float()
-    scales = (x.abs().amax(dim=-1) / INT8_MAX).to(SCALE_DTYPE)
+    h = 1
+    while h < d:
+        pairs = x.unflatten(-1, (d // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return x * float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> (int8 values of ``H x``, fp16 scales ``[..., groups]``), symmetric per
+    group of ``int8_group_size(D)`` dims; the write kernel computes exactly this (the same fp32
+    operations, round half to even)."""
+    x = hadamard_transform(x)
+    grouped = x.unflatten(-1, (-1, int8_group_size(x.shape[-1])))
+    scales = (grouped.abs().amax(dim=-1) / INT8_MAX).to(SCALE_DTYPE)
     s = scales.float()[..., None]
-    q = torch.where(s > 0, torch.round(x / s), torch.zeros_like(x)).clamp_(-INT8_MAX, INT8_MAX)
-    return q.to(torch.int8), scales
+    q = torch.where(s > 0, torch.round(grouped / s), torch.zeros_like(grouped)).clamp_(-INT8_MAX, INT8_MAX)
+    return q.flatten(-2).to(torch.int8), scales
+
+
+def dequantize_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 head vectors ``[..., D]`` that ``quantize_int8`` stored as (values, scales)."""
+    x = values.float().unflatten(-1, (scales.shape[-1], -1)) * scales.float()[..., None]
+    return hadamard_transform(x.flatten(-2))
 
 
 class KVCache:
@@ -237,7 +275,8 @@ class KVCache:
             data = ops.empty_huge_pages(shape, spec.storage_dtype, device).zero_()
             scales = None
             if spec.is_quantized:
-                scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+                scales = torch.zeros((*shape[:3], spec.scale_groups, spec.block_size), dtype=SCALE_DTYPE,
+                                     device=device)
             layers.append(LayerKV(data, scales))
         return cls(spec, layers)
 

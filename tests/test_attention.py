@@ -16,7 +16,7 @@ import torch
 from kvserve import ops
 from kvserve.attention import build_attention_metadata, get_attention_backend, paged_attention
 from kvserve.config import ConfigError
-from kvserve.kv_cache import KVCacheSpec, LayerKV, allocate_kv_cache, quantize_int8
+from kvserve.kv_cache import KVCacheSpec, LayerKV, allocate_kv_cache, dequantize_int8, quantize_int8
 from kvserve.models.testing import tiny_config
 
 H, KVH, D = 4, 2, 16
@@ -69,7 +69,7 @@ class Case:
         shape = (2, KVH, sum(need) + spare_blocks, BLOCK, D)
         if cache_dtype == torch.int8:
             self.cache = LayerKV(torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8),
-                                 torch.rand(shape[:-1], generator=gen).half())
+                                 torch.rand((*shape[:3], 1, BLOCK), generator=gen).half())
         else:
             self.cache = LayerKV(torch.randn(shape, generator=gen).to(cache_dtype))
         self.md = build_attention_metadata(self.tables, self.context_lens, self.query_lens, BLOCK)
@@ -181,7 +181,7 @@ def test_allocate_int8_kv_cache_layout():
     cfg = tiny_config("llama")
     cache = allocate_kv_cache(cfg, num_blocks=5, block_size=16, dtype="int8", device="cpu")
     assert cache[0].data.dtype == torch.int8 and cache[0].data.shape == (2, cfg.num_key_value_heads, 5, 16, cfg.head_dim)
-    assert cache[0].scales.dtype == torch.float16 and cache[0].scales.shape == (2, cfg.num_key_value_heads, 5, 16)
+    assert cache[0].scales.dtype == torch.float16 and cache[0].scales.shape == (2, cfg.num_key_value_heads, 5, 1, 16)
     # The sizing formula counts the scales: it is what the pool really holds.
     assert cache.num_bytes == 5 * cache.spec.bytes_per_block
     assert cache.spec.bytes_per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 2)
@@ -231,8 +231,7 @@ def test_long_contexts_and_many_sequences():
 
 def dequantized(x: torch.Tensor) -> torch.Tensor:
     """What an int8 cache holds for ``x``, as floats."""
-    values, scales = quantize_int8(x)
-    return values.float() * scales.float()[..., None]
+    return dequantize_int8(*quantize_int8(x))
 
 
 # The kernel multiplies the int8 values by int16 queries and softmax weights (each rounded to

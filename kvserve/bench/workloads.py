@@ -68,6 +68,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "W3": WorkloadSpec("W3", "single stream", num_requests=1, prompt_len=(256, 256), output_len=256),
     "W4": WorkloadSpec("W4", "shared prefix", num_requests=32, prompt_len=(32, 32), output_len=32,
                        shared_prefix_len=1024),
+    "W5": WorkloadSpec("W5", "long context", num_requests=8, prompt_len=(4096, 4096), output_len=256),
 }
 
 

@@ -89,13 +89,16 @@ void check_fp32_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
 }
 
-// An int8 cache [2, KVH, NB, BS, D] and its fp16 scales [2, KVH, NB, BS].
+// An int8 cache [2, KVH, NB, BS, D] and its fp16 scales [2, KVH, NB, D / group, BS].
 void check_int8_cache(const torch::Tensor& kv_cache, const torch::Tensor& scales) {
   TORCH_CHECK(kv_cache.scalar_type() == torch::kChar, "a KV cache with scales must be int8");
-  TORCH_CHECK(kv_cache.size(3) % 2 == 0 && kv_cache.size(4) % 2 == 0, "int8 KV needs an even block size and head dim");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
-                  scales.sizes() == kv_cache.sizes().slice(0, 4),
-              "kv_scales must be a contiguous fp16 [2, KVH, NB, BS]");
+  const int64_t BS = kv_cache.size(3), D = kv_cache.size(4);
+  TORCH_CHECK(BS % 2 == 0 && D >= 16 && (D & (D - 1)) == 0,
+              "int8 KV needs an even block size and a power-of-two head dim >= 16");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 5 &&
+                  scales.size(0) == 2 && scales.size(1) == kv_cache.size(1) && scales.size(2) == kv_cache.size(2) &&
+                  scales.size(3) == D / std::min<int64_t>(64, D) && scales.size(4) == BS,
+              "kv_scales must be a contiguous fp16 [2, KVH, NB, head_dim / group, BS]");
 }
 
 }  // namespace
@@ -168,18 +171,48 @@ void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n
 
 namespace {
 
-// One head vector x[0..D) of a token as int8: s = fp16(max|x| / 127), q[d] = round(x[d] / s)
-// clamped to +-127. The same fp32 operations as kvserve.kv_cache's quantize_int8 (round half
-// to even), so the two agree bit for bit.
-inline void quantize_int8_row(const float* x, int64_t D, int8_t* q, c10::Half* scale) {
-  float amax = 0.f;
+// x <- H x in place, H the normalised Walsh-Hadamard matrix of order D (a power of two): the
+// butterflies in kvserve.kv_cache.hadamard_transform's order, so the two agree bit for bit.
+// An int8 cache holds rotated heads (see kvserve/kv_cache.py); H is its own inverse.
+inline void hadamard_(float* x, int64_t D) {
+  for (int64_t h = 1; h < D; h *= 2) {
+    for (int64_t i = 0; i < D; i += 2 * h) {
+#pragma omp simd
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) x[d] *= norm;
+}
+
+inline int64_t int8_group_size(int64_t D) { return std::min<int64_t>(64, D); }
+
+// One head vector x[0..D) of a token as int8: y = H x, then per group of int8_group_size(D)
+// dims s = fp16(max|y| / 127), q[d] = round(y[d] / s) clamped to +-127; scale g goes to
+// scales[g * scale_stride]. The same fp32 operations as kvserve.kv_cache's quantize_int8
+// (round half to even), so the two agree bit for bit.
+inline void quantize_int8_head(const float* x, int64_t D, float* y, int8_t* q, c10::Half* scales,
+                               int64_t scale_stride) {
+  std::copy(x, x + D, y);
+  hadamard_(y, D);
+  const int64_t group = int8_group_size(D);
+  for (int64_t g = 0; g * group < D; ++g) {
+    const float* yg = y + g * group;
+    float amax = 0.f;
 #pragma omp simd reduction(max : amax)
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
-  const c10::Half s_half(amax / 127.f);
-  *scale = s_half;
-  const float s = static_cast<float>(s_half);
-  for (int64_t d = 0; d < D; ++d)
-    q[d] = static_cast<int8_t>(s > 0.f ? std::min(std::max(std::nearbyint(x[d] / s), -127.f), 127.f) : 0.f);
+    for (int64_t d = 0; d < group; ++d) amax = std::max(amax, std::fabs(yg[d]));
+    const c10::Half s_half(amax / 127.f);
+    scales[g * scale_stride] = s_half;
+    const float s = static_cast<float>(s_half);
+    for (int64_t d = 0; d < group; ++d)
+      q[g * group + d] =
+          static_cast<int8_t>(s > 0.f ? std::min(std::max(std::nearbyint(yg[d] / s), -127.f), 127.f) : 0.f);
+  }
 }
 
 // int8 blocks pair their elements for vpdpwssd (two int16 products summed per 32-bit lane):
@@ -188,26 +221,30 @@ inline void quantize_int8_row(const float* x, int64_t D, int8_t* q, c10::Half* s
 inline int64_t int8_key_index(int64_t d, int64_t t, int64_t BS) { return ((d / 2) * BS + t) * 2 + d % 2; }
 inline int64_t int8_value_index(int64_t t, int64_t d, int64_t D) { return ((t / 2) * D + d) * 2 + t % 2; }
 
+// Scales [2, KVH, NB, groups, BS]: head h's scales of block b start at ((h * NB) + b) * groups * BS.
 void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_cache, torch::Tensor& scales,
                    const torch::Tensor& slot_mapping) {
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
   const int64_t BS = kv_cache.size(3), NB = kv_cache.size(2), head_elems = NB * BS * D;
+  const int64_t groups = scales.size(3);
   int8_t* keys = kv_cache.data_ptr<int8_t>();
   int8_t* values = keys + KVH * head_elems;
   c10::Half* key_scales = scales.data_ptr<c10::Half>();
-  c10::Half* value_scales = key_scales + KVH * NB * BS;
+  c10::Half* value_scales = key_scales + KVH * NB * groups * BS;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   std::vector<int8_t> q(D);
+  std::vector<float> rotated(D);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t block = slots[t] / BS, offset = slots[t] % BS;
     for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t scale_at = (h * NB + block) * groups * BS + offset;
       int8_t* kdst = keys + h * head_elems + block * BS * D;
-      quantize_int8_row(k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), D, q.data(),
-                        key_scales + h * NB * BS + slots[t]);
+      quantize_int8_head(k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), D, rotated.data(), q.data(),
+                         key_scales + scale_at, BS);
       for (int64_t d = 0; d < D; ++d) kdst[int8_key_index(d, offset, BS)] = q[d];
       int8_t* vdst = values + h * head_elems + block * BS * D;
-      quantize_int8_row(v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), D, q.data(),
-                        value_scales + h * NB * BS + slots[t]);
+      quantize_int8_head(v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), D, rotated.data(), q.data(),
+                         value_scales + scale_at, BS);
       for (int64_t d = 0; d < D; ++d) vdst[int8_value_index(offset, d, D)] = q[d];
     }
   }
@@ -572,13 +609,13 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
   }
 }
 
-// products[b][d] = sum_t w16[b][t] * value(first + t, d) over the chunk's 2 * num_pairs tokens
-// from `first` (even) of one block's values ([BS/2][D][2]).
-inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vblock, int64_t D, int64_t first,
-                              int64_t num_pairs, int32_t* products) {
+// products[b][d] = sum_t w16[b][t] * value(first + t, d) for d in [d_begin, d_end), over the
+// chunk's 2 * num_pairs tokens from `first` (even) of one block's values ([BS/2][D][2]).
+inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vblock, int64_t D, int64_t d_begin,
+                              int64_t d_end, int64_t first, int64_t num_pairs, int32_t* products) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
-    for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
+    for (int64_t d0 = d_begin; d0 < d_end; d0 += kKeyChunk) {
       __m512i acc[kRowBlock];
       for (int64_t b = 0; b < kRowBlock; ++b) acc[b] = _mm512_setzero_si512();
       const int8_t* src = vblock + ((first / 2) * D + d0) * 2;
@@ -593,7 +630,7 @@ inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vbl
   }
 #endif
   for (int64_t b = 0; b < kRowBlock; ++b) {
-    for (int64_t d = 0; d < D; ++d) {
+    for (int64_t d = d_begin; d < d_end; ++d) {
       int32_t sum = 0;
       for (int64_t t = 0; t < 2 * num_pairs; ++t)
         sum += int32_t{w16[b][t]} * int32_t{vblock[int8_value_index(first + t, d, D)]};
@@ -602,8 +639,9 @@ inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vbl
   }
 }
 
-// attention_tile for an int8 cache (its heads' fp16 scales beside it): the same tiles, chunks,
-// partitions and online softmax, with the integer products above.
+// attention_tile for an int8 cache (its heads' scales beside it, [groups, BS] per block): the
+// same tiles, chunks, partitions and online softmax, with the integer products above, in the
+// cache's rotated basis (queries rotated here; paged_attention rotates the outputs back).
 template <int64_t kD>
 void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
                          const int8_t* khead, const int8_t* vhead, const c10::Half* kscales,
@@ -611,21 +649,29 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
                          int64_t first_query_pos, int64_t num_queries, int64_t first_row, int64_t kvh, float scale,
                          int64_t window, float softcap, int64_t key_begin, int64_t key_end, float* partial,
                          std::vector<float>& work) {
+  constexpr int64_t kMaxGroups = 8;  // head dims up to 512
   const int64_t D = kD > 0 ? kD : d_runtime;
+  const int64_t group = int8_group_size(D), groups = D / group;
+  TORCH_CHECK(groups <= kMaxGroups, "int8 KV: head dim too large");
   const int64_t rows = num_queries * G;
   const int64_t q16_floats = (rows * D + 1) / 2;  // the int16 queries, in floats of the buffer
-  work.resize(rows * D + 3 * rows + q16_floats + kRowBlock * D);
+  work.resize(rows * D + 3 * rows + q16_floats + kRowBlock * D + D);
   float* acc = work.data();  // [rows, D]; row_max and row_sum follow (copied out together)
   float* row_max = acc + rows * D;
   float* row_sum = row_max + rows;
   float* q_scale = row_sum + rows;
   int16_t* q16 = reinterpret_cast<int16_t*>(q_scale + rows);  // [rows, D]
   int32_t* products = reinterpret_cast<int32_t*>(q_scale + rows + q16_floats);  // [kRowBlock, D]
+  float* rotated = q_scale + rows + q16_floats + kRowBlock * D;  // [D]
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + rows, 0.f);
-  for (int64_t r = 0; r < rows; ++r)
-    q_scale[r] = quantize_int16(q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1, D, q16 + r * D);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1;
+    std::copy(qr, qr + D, rotated);
+    hadamard_(rotated, D);
+    q_scale[r] = quantize_int16(rotated, D, q16 + r * D);
+  }
 
   const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
   // Values pair tokens (2j, 2j + 1) of a block: chunks start at even positions (an odd first
@@ -646,15 +692,20 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
           __builtin_prefetch(kn + off);
           __builtin_prefetch(vn + off);
         }
-        __builtin_prefetch(kscales + table[b] * BS);
-        __builtin_prefetch(vscales + table[b] * BS);
+        for (int64_t off = 0; off < groups * BS; off += 32) {
+          __builtin_prefetch(kscales + table[b] * groups * BS + off);
+          __builtin_prefetch(vscales + table[b] * groups * BS + off);
+        }
       }
     }
-    float key_mul[kKeyChunk] = {}, value_mul[kKeyChunk] = {};
-    half_to_float(kscales + block * BS + offset, n_keys, key_mul);
-    half_to_float(vscales + block * BS + offset, n_keys, value_mul);
+    // Per group and token: score scale x key scale, and the value scale (0 past the chunk).
+    float key_mul[kMaxGroups][kKeyChunk] = {}, value_mul[kMaxGroups][kKeyChunk] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      half_to_float(kscales + (block * groups + g) * BS + offset, n_keys, key_mul[g]);
+      half_to_float(vscales + (block * groups + g) * BS + offset, n_keys, value_mul[g]);
 #pragma omp simd
-    for (int64_t t = 0; t < kKeyChunk; ++t) key_mul[t] *= scale;
+      for (int64_t t = 0; t < kKeyChunk; ++t) key_mul[g][t] *= scale;
+    }
     const int8_t* kblock = khead + block * BS * D;
     const int8_t* vblock = vhead + block * BS * D;
 
@@ -672,26 +723,41 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
       }
       if (!any_visible) continue;
 
-      int32_t isum[kRowBlock][kKeyChunk];
-      int8_chunk_scores(qr, kblock, BS, offset, n_keys, D, isum);
-      float p[kRowBlock][kKeyChunk], w_scale[kRowBlock], correction[kRowBlock];
-      int16_t w16[kRowBlock][kKeyChunk] = {};
+      float x[kRowBlock][kKeyChunk] = {};
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t isum[kRowBlock][kKeyChunk];
+        const int16_t* qg[kRowBlock];
+        for (int64_t b = 0; b < kRowBlock; ++b) qg[b] = qr[b] + g * group;
+        int8_chunk_scores(qg, kblock + g * group * BS, BS, offset, n_keys, group, isum);
+        for (int64_t b = 0; b < nr; ++b) {
+#pragma omp simd
+          for (int64_t t = 0; t < kKeyChunk; ++t) x[b][t] += static_cast<float>(isum[b][t]) * key_mul[g][t];
+        }
+      }
+      float p[kRowBlock][kKeyChunk], correction[kRowBlock];
       for (int64_t b = 0; b < nr; ++b) {
         const int64_t r = r0 + b;
-        float x[kKeyChunk];
 #pragma omp simd
-        for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = static_cast<float>(isum[b][t]) * q_scale[r] * key_mul[t];
-        correction[b] = softmax_chunk(x, j0, n_keys, lo[b], hi[b], softcap, row_max[r], row_sum[r], p[b]);
-#pragma omp simd
-        for (int64_t t = 0; t < kKeyChunk; ++t) p[b][t] *= value_mul[t];
-        w_scale[b] = quantize_int16(p[b], kKeyChunk, w16[b]);
+        for (int64_t t = 0; t < kKeyChunk; ++t) x[b][t] *= q_scale[r];
+        correction[b] = softmax_chunk(x[b], j0, n_keys, lo[b], hi[b], softcap, row_max[r], row_sum[r], p[b]);
       }
-      int8_chunk_values(w16, vblock, D, offset, (n_keys + 1) / 2, products);
-      for (int64_t b = 0; b < nr; ++b) {
-        float* a = acc + (r0 + b) * D;
-        const int32_t* prod = products + b * D;
+      for (int64_t g = 0; g < groups; ++g) {
+        int16_t w16[kRowBlock][kKeyChunk] = {};
+        float w_scale[kRowBlock];
+        for (int64_t b = 0; b < nr; ++b) {
+          float w[kKeyChunk];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] = a[d] * correction[b] + static_cast<float>(prod[d]) * w_scale[b];
+          for (int64_t t = 0; t < kKeyChunk; ++t) w[t] = p[b][t] * value_mul[g][t];
+          w_scale[b] = quantize_int16(w, kKeyChunk, w16[b]);
+        }
+        int8_chunk_values(w16, vblock, D, g * group, (g + 1) * group, offset, (n_keys + 1) / 2, products);
+        for (int64_t b = 0; b < nr; ++b) {
+          float* a = acc + (r0 + b) * D;
+          const int32_t* prod = products + b * D;
+#pragma omp simd
+          for (int64_t d = g * group; d < (g + 1) * group; ++d)
+            a[d] = a[d] * correction[b] + static_cast<float>(prod[d]) * w_scale[b];
+        }
       }
     }
     j0 = j1;
@@ -735,6 +801,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
   const int64_t H = q.size(1), D = kD > 0 ? kD : q.size(2);
   const int64_t KVH = kv_cache.size(1), NB = kv_cache.size(2), BS = kv_cache.size(3);
   const int64_t G = H / KVH;
+  const int64_t scale_groups = std::is_same_v<cache_t, int8_t> ? D / int8_group_size(D) : 0;
   const int64_t table_width = block_tables.size(1);
   const cache_t* keys = kv_cache.data_ptr<cache_t>();
   const cache_t* values = keys + KVH * NB * BS * D;
@@ -812,7 +879,8 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
         const int32_t* table = tables + s * table_width;
         if constexpr (std::is_same_v<cache_t, int8_t>) {
           attention_tile_int8<kD>(q.data_ptr<float>(), q.stride(0), q.stride(1), out_data, out.stride(0), out.stride(1),
-                                  khead, vhead, scales + it.kv_head * NB * BS, scales + (KVH + it.kv_head) * NB * BS,
+                                  khead, vhead, scales + it.kv_head * NB * scale_groups * BS,
+                                  scales + (KVH + it.kv_head) * NB * scale_groups * BS,
                                   table, BS, D, G, first_query_pos, num_queries, first_row, it.kv_head,
                                   static_cast<float>(scale), window, static_cast<float>(softcap), lo, hi, partial,
                                   work);
@@ -890,6 +958,12 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
   if (kv_scales) {
     check_int8_cache(kv_cache, *kv_scales);
     run_typed(TypeTag<int8_t>{}, kv_scales->data_ptr<c10::Half>());
+    // The int8 cache holds rotated heads, so the outputs came out rotated: H is its own inverse.
+    const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+    float* out_data = out.data_ptr<float>();
+    at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) hadamard_(out_data + (i / H) * out.stride(0) + (i % H) * out.stride(1), D);
+    });
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_attention", [&] {
