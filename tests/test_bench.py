@@ -37,7 +37,8 @@ def test_workloads_have_the_design_shapes():
     shapes = {name: (s.num_requests, s.prompt_len, s.output_len, s.shared_prefix_len)
               for name, s in WORKLOADS.items()}
     assert shapes == {"W1": (16, (32, 512), 64, 0), "W2": (32, (64, 64), 256, 0),
-                      "W3": (1, (256, 256), 256, 0), "W4": (32, (32, 32), 32, 1024)}
+                      "W3": (1, (256, 256), 256, 0), "W4": (32, (32, 32), 32, 1024),
+                      "W5": (8, (4096, 4096), 256, 0)}
     w1a, w1b = (build_workload(WORKLOADS["W1"], 49152) for _ in range(2))
     assert w1a.prompts == w1b.prompts  # a fixed seed: every engine sees identical tokens
     assert all(32 <= len(p) <= 512 for p in w1a.prompts)

@@ -674,10 +674,13 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
   }
 
   const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
-  // Values pair tokens (2j, 2j + 1) of a block: chunks start at even positions (an odd first
-  // key brings the key before it along, hidden by the window that excluded it; partitions
-  // start at multiples of 128, so it is never another partition's).
-  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window)) & ~int64_t{1};
+  // Chunks sit on a grid of 16 positions (keys before the first visible one come along,
+  // hidden by the window that excluded them; partitions start at multiples of 128, so they are
+  // never another partition's). A key's chunk then depends on its position alone, not on the
+  // tile's first query, and so do the per-chunk int16 weight scales: a row's arithmetic is the
+  // same in a decode, a prefill chunk or a recompute. It also starts value pairs (2j, 2j + 1)
+  // on even positions.
+  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window)) & ~(kKeyChunk - 1);
   for (int64_t j0 = first_key; j0 <= last_key;) {
     const int64_t block = table[j0 / BS], offset = j0 % BS;
     const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
