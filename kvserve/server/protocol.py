@@ -3,9 +3,9 @@ kvserve's extra sampling fields (top_k, min_p, repetition_penalty, ...)."""
 from __future__ import annotations
 
 import time
-from typing import ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.request import SamplingParams
 
@@ -27,6 +27,35 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    # "schema" shadows a BaseModel attribute; the alias keeps the wire name.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: Optional[bool] = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's structured_outputs: exactly one of the constraint fields."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    regex: Optional[str] = Field(None, min_length=1)
+    choice: Optional[list[Annotated[str, Field(min_length=1)]]] = Field(None, min_length=1)
+    grammar: Optional[str] = Field(None, min_length=1)
+    json_object: Optional[bool] = None
+
+    model_config = ConfigDict(populate_by_name=True)
 
 
 class SamplingRequest(BaseModel):
@@ -55,6 +84,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
 
     def base_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """SamplingParams for this request; raises ValueError naming a bad logit_bias key."""
@@ -107,6 +138,38 @@ class CompletionRequest(SamplingRequest):
         return self.base_sampling_params(max_tokens, self.logprobs)
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; absent: no arguments
+    strict: Optional[bool] = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ContentPart(BaseModel, extra="allow"):
     type: str
     text: Optional[str] = None
@@ -116,6 +179,8 @@ class ChatMessage(BaseModel, extra="allow"):
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a "tool" turn: the result of that call
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -124,6 +189,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     add_generation_prompt: Optional[bool] = True
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = True
 
     def to_sampling_params(self) -> SamplingParams:
         # None: generate up to the context, as OpenAI's chat endpoint does.
@@ -206,6 +274,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -224,9 +293,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Optional[UsageInfo] = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
