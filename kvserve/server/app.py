@@ -9,6 +9,7 @@ import secrets
 from typing import Optional
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.server.chat import create_chat_completion
@@ -18,7 +19,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                      CompletionRequest, CompletionResponse, DetokenizeRequest,
                                      DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                                     TokenizeRequest, TokenizeResponse)
+                                     TOKEN_ID_MARK, TokenizeRequest, TokenizeResponse)
 from kvserve.server.serving import ServingContext, check_text
 from kvserve.server.streams import AdmissionGate
 
@@ -125,9 +126,33 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
         ctx.check_model(body.model)
         return DetokenizeResponse(prompt=await ctx.decode(body.tokens))
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = served_spec(get_openapi(
+                title=app.title, version=app.version, description=app.description,
+                routes=app.routes), ctx.vocab_size)
+        return app.openapi_schema
+
+    app.openapi = openapi
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
+
+
+def served_spec(spec: dict, vocab_size: int) -> dict:
+    """The OpenAPI spec with what only the running server knows: token ids are below the
+    vocabulary size (the server refuses others with a 400)."""
+    def walk(node):
+        if isinstance(node, dict):
+            if node.pop(TOKEN_ID_MARK, False):
+                node["maximum"] = vocab_size - 1
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(spec)
+    return spec
 
 
 def _is_loopback(host: str) -> bool:

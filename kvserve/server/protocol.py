@@ -13,6 +13,15 @@ from kvserve.request import SamplingParams
 MAX_N = 128
 MAX_LOGPROBS = 20
 
+# Token ids: integers, never booleans; the upper bound (the vocabulary) is added to the
+# served spec by the app, which knows the model.
+TOKEN_ID_MARK = "x-kvserve-token-id"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+PromptInput = Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds,
+                    Annotated[list[TokenIds], Field(min_length=1)]]
+
 
 class ErrorInfo(BaseModel):
     message: str
@@ -25,28 +34,35 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request body part: validated strictly, so the server accepts what the OpenAPI spec
+    says and nothing else (no ``true`` for an integer, no ``1`` for a string)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestModel):
     name: str = Field(min_length=1, max_length=64)
     description: Optional[str] = None
     # "schema" shadows a BaseModel attribute; the alias keeps the wire name.
     json_schema: dict[str, Any] = Field(alias="schema")
     strict: Optional[bool] = None
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, strict=True)
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(RequestModel):
     """vLLM's structured_outputs: exactly one of the constraint fields."""
 
     json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
@@ -55,10 +71,10 @@ class StructuredOutputsRequest(BaseModel):
     grammar: Optional[str] = Field(None, min_length=1)
     json_object: Optional[bool] = None
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, strict=True)
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "default";
     OpenAI clients send explicit nulls."""
 
@@ -81,7 +97,7 @@ class SamplingRequest(BaseModel):
     repetition_penalty: Optional[float] = Field(None, gt=0.0)
     min_tokens: Optional[int] = Field(None, ge=0)
     ignore_eos: Optional[bool] = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     response_format: Optional[ResponseFormat] = None
@@ -121,9 +137,6 @@ class SamplingRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
-
-
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     echo: Optional[bool] = False
@@ -138,44 +151,44 @@ class CompletionRequest(SamplingRequest):
         return self.base_sampling_params(max_tokens, self.logprobs)
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(RequestModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None  # a JSON schema; absent: no arguments
     strict: Optional[bool] = None
 
 
-class ChatTool(BaseModel):
+class ChatTool(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(RequestModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
+class ToolCall(RequestModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ContentPart(BaseModel, extra="allow"):
+class ContentPart(RequestModel, extra="allow"):
     type: str
     text: Optional[str] = None
 
 
-class ChatMessage(BaseModel, extra="allow"):
+class ChatMessage(RequestModel, extra="allow"):
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
@@ -200,10 +213,10 @@ class ChatCompletionRequest(SamplingRequest):
         return self.base_sampling_params(max_tokens, logprobs)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -214,9 +227,9 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

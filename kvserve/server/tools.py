@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvserve.server.errors import bad_request
-from kvserve.server.protocol import ChatCompletionRequest, ChatTool, ToolCall
+from kvserve.server.protocol import ChatCompletionRequest, ChatTool, FunctionCall, ToolCall
 from kvserve.structured import StructuredOutputsParams
 
 CALL_OPEN = "<tool_call>"
@@ -223,7 +223,7 @@ def _parse_call(body: str, plan: ToolPlan) -> Optional[ToolCall]:
 def _call(name: str, arguments: Any) -> ToolCall:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=new_call_id(), function={"name": name, "arguments": arguments})
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))
 
 
 class AutoContentFilter:
