@@ -56,7 +56,8 @@ def test_spec_states_the_limits(server):
     assert token_lists[0]["minItems"] == 1
     assert token_lists[0]["items"] == {"type": "integer", "minimum": 0,
                                        "maximum": engine.model_config.vocab_size - 1}
-    assert schemas["TokenizeRequest"]["properties"]["messages"]["anyOf"][0]["minItems"] == 1
+    assert schemas["TokenizeRequest"]["properties"]["messages"]["minItems"] == 1
+    assert schemas["TokenizeRequest"]["oneOf"] == [{"required": ["prompt"]}, {"required": ["messages"]}]
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     assert "x-kvserve-token-id" not in httpx.get(url + "/openapi.json").text
     # And the bound it states is the one enforced.

@@ -10,7 +10,7 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
@@ -83,7 +83,7 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
                                 status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         # Reading engine stats takes the engine lock: keep that off the event loop.
         body = await asyncio.to_thread(metrics.render)

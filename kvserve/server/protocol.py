@@ -65,13 +65,15 @@ class ResponseFormat(RequestModel):
 class StructuredOutputsRequest(RequestModel):
     """vLLM's structured_outputs: exactly one of the constraint fields."""
 
-    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
-    regex: Optional[str] = Field(None, min_length=1)
-    choice: Optional[list[Annotated[str, Field(min_length=1)]]] = Field(None, min_length=1)
-    grammar: Optional[str] = Field(None, min_length=1)
-    json_object: Optional[bool] = None
+    json_: Union[dict[str, Any], str] = Field(None, alias="json")
+    regex: str = Field(None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] = Field(None, min_length=1)
+    grammar: str = Field(None, min_length=1)
+    json_object: Literal[True] = None
 
-    model_config = ConfigDict(populate_by_name=True, strict=True)
+    model_config = ConfigDict(populate_by_name=True, strict=True, json_schema_extra={
+        "oneOf": [{"required": [name]} for name in ("json", "regex", "choice", "grammar",
+                                                     "json_object")]})
 
 
 class SamplingRequest(RequestModel):
@@ -184,8 +186,8 @@ class ToolCall(RequestModel):
 
 
 class ContentPart(RequestModel, extra="allow"):
-    type: str
-    text: Optional[str] = None
+    type: Literal["text"]  # the only kind these text models take
+    text: str
 
 
 class ChatMessage(RequestModel, extra="allow"):
@@ -197,6 +199,11 @@ class ChatMessage(RequestModel, extra="allow"):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    # top_logprobs needs logprobs: true (the server refuses it otherwise; the spec says so).
+    model_config = ConfigDict(strict=True, json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -214,9 +221,14 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(RequestModel):
+    """Exactly one of prompt and messages."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    prompt: str = None
+    messages: list[ChatMessage] = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
