@@ -27,7 +27,10 @@ logger = logging.getLogger("kvserve")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500)}
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# A streamed answer: server-sent events whose data is one JSON chunk (or "[DONE]").
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"]}}}
 
 
 class APIKeyMiddleware:
@@ -141,9 +144,16 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
 
 def served_spec(spec: dict, vocab_size: int) -> dict:
     """The OpenAPI spec with what only the running server knows: token ids are below the
-    vocabulary size (the server refuses others with a 400)."""
+    vocabulary size (the server refuses others with a 400); bounds pydantic left as raw
+    ge/le keys are written as JSON Schema keywords."""
+    keywords = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
     def walk(node):
         if isinstance(node, dict):
+            if node.get("type") in ("integer", "number"):
+                for raw, keyword in keywords.items():
+                    if raw in node:
+                        node[keyword] = node.pop(raw)
             if node.pop(TOKEN_ID_MARK, False):
                 node["maximum"] = vocab_size - 1
             for value in node.values():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from kvserve.request import SamplingParams
 
@@ -15,8 +15,16 @@ MAX_LOGPROBS = 20
 
 # Token ids: integers, never booleans; the upper bound (the vocabulary) is added to the
 # served spec by the app, which knows the model.
+def _integral(value: Any) -> Any:
+    # JSON Schema's "integer" includes 2.0 (booleans stay refused: they are not numbers).
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Pydantic writes a validated type's bounds as raw ge/le keys; the app's served_spec turns
+# them into JSON Schema's minimum/maximum.
+Integer = Annotated[int, BeforeValidator(_integral)]
 TOKEN_ID_MARK = "x-kvserve-token-id"
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
+TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 PromptInput = Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds,
@@ -81,12 +89,12 @@ class SamplingRequest(RequestModel):
     OpenAI clients send explicit nulls."""
 
     model: Optional[str] = None
-    n: Optional[int] = Field(None, ge=1, le=MAX_N)
+    n: Optional[Integer] = Field(None, ge=1, le=MAX_N)
     temperature: Optional[float] = Field(None, ge=0.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[Integer] = Field(None, ge=1)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**63)  # int64, as OpenAI
+    seed: Optional[Integer] = Field(None, ge=-(2**63), lt=2**63)  # int64, as OpenAI
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[str, float]] = None
@@ -94,10 +102,10 @@ class SamplingRequest(RequestModel):
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     user: Optional[str] = None
     # kvserve / vLLM extras
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: Optional[Integer] = Field(None, ge=-1)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     repetition_penalty: Optional[float] = Field(None, gt=0.0)
-    min_tokens: Optional[int] = Field(None, ge=0)
+    min_tokens: Optional[Integer] = Field(None, ge=0)
     ignore_eos: Optional[bool] = False
     stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: Optional[bool] = False
@@ -142,7 +150,7 @@ class SamplingRequest(RequestModel):
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     echo: Optional[bool] = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None
 
     # OpenAI's default for the legacy completions endpoint.
@@ -199,15 +207,20 @@ class ChatMessage(RequestModel, extra="allow"):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    # top_logprobs needs logprobs: true (the server refuses it otherwise; the spec says so).
-    model_config = ConfigDict(strict=True, json_schema_extra={
-        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
-        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
+    # What the server refuses, the spec says: top_logprobs needs logprobs: true, and a
+    # tool_choice other than "none" needs tools.
+    model_config = ConfigDict(strict=True, json_schema_extra={"allOf": [
+        {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+        {"if": {"properties": {"tool_choice": {"not": {"enum": ["none", None]}}},
+                "required": ["tool_choice"]},
+         "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
+    ]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    top_logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: Optional[Integer] = Field(None, ge=1)
     add_generation_prompt: Optional[bool] = True
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
