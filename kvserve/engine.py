@@ -21,6 +21,7 @@ from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected
 from kvserve.runner import ModelRunner
 from kvserve.sampler import make_generator
 from kvserve.scheduler import Scheduler
+from kvserve.structured.grammar import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
 from kvserve.tracing import label
 
@@ -149,6 +150,8 @@ class LLMEngine:
                                    self.max_model_len, args.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, cfg, self.kv_spec, num_blocks, self.device)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured outputs; llguidance's view of the vocabulary is built on first use.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer.hf, cfg.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
         self._pending_finished: set[str] = set()
@@ -197,6 +200,8 @@ class LLMEngine:
                 raise EngineBusy(f"too many waiting requests "
                                  f"(max_waiting_requests={self.args.max_waiting_requests})")
             prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+            grammar = (self.grammar_compiler.compile(params.structured_outputs)
+                       if params.structured_outputs is not None else None)
             arrival = arrival_time if arrival_time is not None else time.monotonic()
             children = []
             for i in range(params.n):
@@ -208,6 +213,10 @@ class LLMEngine:
                 if params.seed is not None:
                     # Siblings get distinct streams derived from the one seed.
                     child.generator = make_generator(params.seed + i, self.device)
+                if grammar is not None:
+                    child.grammar = grammar.new_state()
+                if params.prompt_logprobs is not None and i == 0:
+                    child.prompt_logprobs = []  # siblings share the prompt: one computes them
                 children.append(child)
             self.scheduler.check_fits(children[0])
         except RequestRejected:
@@ -252,7 +261,9 @@ class LLMEngine:
             stats.num_seqs = len(sched.chunks)
             with label("scheduler.update"):
                 updated = self.scheduler.update_from_output(sched, runner_out.sampled)
-            stop_string_hits = []
+            for rid, entries in runner_out.prompt_logprobs.items():
+                self.output_processor.add_prompt_logprobs(rid, entries)
+            stop_string_hits = self._advance_grammars(updated)
             with label("detokenizer"):
                 for req in updated:
                     if self.output_processor.process_new_token(req, runner_out.logprobs.get(req.request_id)):
@@ -262,7 +273,8 @@ class LLMEngine:
                             stop_string_hits.append(req.request_id)
                     touched.add(req.request_id)
             if stop_string_hits:
-                self.scheduler.finish_requests(stop_string_hits, RequestStatus.FINISHED_STOPPED)
+                self.scheduler.finish_requests(list(dict.fromkeys(stop_string_hits)),
+                                               RequestStatus.FINISHED_STOPPED)
             self.counters.generation_tokens += len(runner_out.sampled)
         with label("detokenizer"):
             outputs = self.output_processor.outputs_for(touched)
@@ -278,6 +290,24 @@ class LLMEngine:
             if len(self.counters.step_history) > 100_000:
                 del self.counters.step_history[:50_000]
         return outputs
+
+    @staticmethod
+    def _advance_grammars(updated: list[Request]) -> list[str]:
+        """Feed each constrained request's new token to its grammar; the ids of those whose
+        grammar has reached its end (nothing but EOS can follow), which finish now."""
+        done = []
+        for req in updated:
+            if req.grammar is None or req.is_finished:
+                continue
+            if not req.grammar.accept(req.output_token_ids[-1]):
+                # Only reachable if every allowed token was masked away after the grammar
+                # (e.g. min_tokens blocking the EOS it allowed): end rather than go off-grammar.
+                logger.warning("request %s: sampled token refused by its grammar (%s); stopping",
+                               req.request_id, req.grammar.error)
+                done.append(req.request_id)
+            elif req.grammar.is_terminated:
+                done.append(req.request_id)
+        return done
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

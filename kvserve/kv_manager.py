@@ -71,6 +71,9 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        if (request.prompt_logprobs is not None
+                and len(request.prompt_logprobs) < request.num_prompt_tokens - 1):
+            return [], 0  # a cached token's logits are never computed: its logprob would be lost
         num_tokens = request.num_tokens
         max_hit_blocks = (num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_hit_blocks)

@@ -83,10 +83,14 @@ class RequestGroup:
         )
         if self.finished:
             self.final_emitted = True
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None] + list(first.prompt_logprobs)
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outputs,
                              finished=self.finished, metrics=metrics,
-                             num_cached_tokens=first.num_cached_tokens)
+                             num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
 
 class OutputProcessor:
@@ -145,6 +149,11 @@ class OutputProcessor:
         if request.is_finished or stopped:
             request.finished_time = now
         return stopped
+
+    def add_prompt_logprobs(self, request_id: str, entries: list[dict[int, Logprob]]) -> None:
+        entry = self.seq_by_request_id.get(request_id)
+        if entry is not None and entry[1].request.prompt_logprobs is not None:
+            entry[1].request.prompt_logprobs.extend(entries)
 
     def mark_finished(self, request: Request) -> None:
         if request.finished_time is None:

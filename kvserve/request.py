@@ -37,6 +37,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: Optional[int] = None  # number of top alternatives to return (0: only the sampled)
+    # Logprobs of the prompt's tokens (top alternatives as for logprobs); the first is None.
+    prompt_logprobs: Optional[int] = None
+    # A grammar the output must match (kvserve.structured.StructuredOutputsParams).
+    structured_outputs: Optional[Any] = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -75,6 +79,10 @@ class SamplingParams:
             raise RequestRejected("min_tokens must not exceed max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestRejected(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise RequestRejected(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if vocab_size is not None:
             for tok in list(self.logit_bias or {}) + list(self.stop_token_ids):
                 if not 0 <= int(tok) < vocab_size:
@@ -112,6 +120,12 @@ class Request:
     prefix_leader: Optional["Request"] = None
     # Per-request RNG owned by the runner/sampler (a torch.Generator); opaque here.
     generator: Any = None
+    # Grammar state (kvserve.structured.grammar.GrammarState) when the output is constrained:
+    # the sampler masks with it, the engine advances it with each accepted token.
+    grammar: Any = None
+    # Prompt logprobs computed so far ({token_id: Logprob} for prompt tokens 1, 2, ...), when
+    # asked for; the prefix cache is bypassed until they are all computed.
+    prompt_logprobs: Optional[list] = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -225,3 +239,5 @@ class RequestOutput:
     finished: bool
     metrics: Optional[RequestMetrics] = None
     num_cached_tokens: int = 0
+    # Per prompt token: None for the first, then {token_id: Logprob} (when asked for).
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None

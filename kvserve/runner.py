@@ -22,6 +22,8 @@ from kvserve.tracing import label
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    # Request id -> logprobs of the prompt tokens this step's chunk predicted, in order.
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -35,6 +37,10 @@ class ModelInputs:
     sampled_requests: list[Request]
     num_prefill_tokens: int
     num_decode_tokens: int
+    # Prompt logprobs: logits rows after the sampled ones, the prompt token each row predicts,
+    # and (request, number of rows) in row order.
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_owners: list[tuple[Request, int]] = field(default_factory=list)
 
 
 def token_slice(request: Request, start: int, end: int) -> list[int]:
@@ -77,6 +83,9 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampled_requests: list[Request] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_owners: list[tuple[Request, int]] = []
         n_prefill = n_decode = 0
 
         offset = 0
@@ -91,6 +100,15 @@ class ModelRunner:
             table = np.asarray(chunk.block_ids, dtype=np.int64)
             block_tables[row, :len(table)] = table
             slot_mapping[offset:offset + n] = table[pos // block_size] * block_size + pos % block_size
+            if req.prompt_logprobs is not None:
+                # Position p's logits predict prompt token p + 1; those already computed (a
+                # chunk recomputed after preemption) are not asked again.
+                first = max(start, len(req.prompt_logprobs))
+                last = min(end, req.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_rows.extend(range(offset + first - start, offset + last - start))
+                    prompt_targets.extend(req.prompt_token_ids[first + 1:last + 1])
+                    prompt_owners.append((req, last - first))
             offset += n
             query_start_loc.append(offset)
             context_lens.append(start)
@@ -118,10 +136,12 @@ class ModelRunner:
             input_ids=torch.from_numpy(input_ids).to(dev),
             positions=torch.from_numpy(positions).to(dev),
             attn_metadata=attn,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.int64, device=dev),
             sampled_requests=sampled_requests,
             num_prefill_tokens=n_prefill,
             num_decode_tokens=n_decode,
+            prompt_targets=prompt_targets,
+            prompt_owners=prompt_owners,
         )
 
     @torch.inference_mode()
@@ -136,6 +156,11 @@ class ModelRunner:
             )
         out = RunnerOutput(num_prefill_tokens=inputs.num_prefill_tokens,
                            num_decode_tokens=inputs.num_decode_tokens)
+        num_sampled = len(inputs.sampled_requests)
+        if inputs.prompt_targets:
+            with label("prompt_logprobs"):
+                self._prompt_logprobs(logits[num_sampled:], inputs, out)
+            logits = logits[:num_sampled]
         if not inputs.sampled_requests:
             return out
         with label("sampler"):
@@ -147,3 +172,18 @@ class ModelRunner:
             if sampler_out.logprobs is not None and sampler_out.logprobs[i] is not None:
                 out.logprobs[req.request_id] = sampler_out.logprobs[i]
         return out
+
+    def _prompt_logprobs(self, logits: torch.Tensor, inputs: ModelInputs, out: RunnerOutput) -> None:
+        targets = torch.tensor(inputs.prompt_targets, dtype=torch.int64, device=logits.device)
+        num_top = max(req.sampling_params.prompt_logprobs for req, _ in inputs.prompt_owners)
+        entries = Sampler.target_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, num_top)
+        row = 0
+        for req, count in inputs.prompt_owners:
+            wanted = req.sampling_params.prompt_logprobs
+            chunk = []
+            for entry in entries[row:row + count]:
+                # Keep the target (first) and this request's own number of alternatives.
+                items = list(entry.items())
+                chunk.append(dict(items[:1] + [kv for kv in items[1:] if kv[1].rank <= wanted]))
+            out.prompt_logprobs[req.request_id] = chunk
+            row += count

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from kvserve import ops
@@ -62,6 +63,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     # Per-row number of logprob alternatives (None: row did not ask); None if no row asked.
     num_logprobs: Optional[list[Optional[int]]]
+    # Structured outputs: (row indices, [R, V] bool allowed tokens, on the host) of the rows
+    # whose output follows a grammar; None when no row does.
+    allowed_tokens: Optional[tuple[list[int], np.ndarray]] = None
 
     @property
     def no_penalties(self) -> bool:
@@ -169,13 +173,29 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
     if any(p.logprobs is not None for p in params):
         num_logprobs = [p.logprobs for p in params]
 
+    allowed_tokens = None
+    if any(r.grammar is not None for r in requests):
+        allowed_tokens = grammar_masks(requests, vocab_size)
+
     return SamplingMetadata(
         num_rows=num_rows, all_greedy=all_greedy, all_random=all_random,
         greedy_mask=greedy_mask, temperature=temperature, top_k=top_k, top_p=top_p,
         min_p=min_p, logit_bias=logit_bias, min_tokens_blocked=min_tokens_blocked,
         repetition_penalty=repetition, frequency_penalty=frequency, presence_penalty=presence,
         prompt_mask=prompt_mask, output_counts=output_counts, generators=generators,
-        num_logprobs=num_logprobs)
+        num_logprobs=num_logprobs, allowed_tokens=allowed_tokens)
+
+
+def grammar_masks(requests: Sequence[Request], vocab_size: int) -> tuple[list[int], np.ndarray]:
+    """Each constrained row's allowed next tokens: the grammar writes a bitmask (one bit per
+    token) on the host, unpacked to bools in one numpy pass."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    words = (vocab_size + 31) // 32
+    bitmask = np.empty((len(rows), words), dtype=np.int32)
+    for j, i in enumerate(rows):
+        requests[i].grammar.fill_bitmask(bitmask, j)
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    return rows, allowed.view(np.bool_)
 
 
 def _padded_ids(token_lists: list[list[int]], vocab_size: int,
@@ -241,7 +261,10 @@ class Sampler:
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logit_bias, min_tokens blocking, then penalties. Never modifies the input tensor."""
+        """Grammar masks, logit_bias, min_tokens blocking, then penalties. Never modifies the
+        input tensor."""
+        if md.allowed_tokens is not None:
+            logits = apply_allowed_tokens(logits, *md.allowed_tokens)
         if md.logit_bias is not None:
             rows, toks, vals = md.logit_bias
             logits = logits.index_put((rows, toks), vals, accumulate=True)
@@ -266,6 +289,26 @@ class Sampler:
             threshold = md.min_p * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
         return exponential_race(probs, md.generators)
+
+    @staticmethod
+    def target_logprobs(logprobs: torch.Tensor, targets: torch.Tensor,
+                        num_top: int) -> list[dict[int, Logprob]]:
+        """Per row: the target token's logprob and rank, then the top ``num_top`` (prompt
+        logprobs: the target is the prompt's next token, not a sampled one)."""
+        chosen = logprobs.gather(1, targets.unsqueeze(1))
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        top_lp: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if num_top > 0:
+            values, indices = ops.top_k(logprobs, num_top)
+            top_lp, top_ids = values.tolist(), indices.tolist()
+        result = []
+        for i, (tok, lp) in enumerate(zip(targets.tolist(), chosen.squeeze(1).tolist())):
+            entry = {tok: Logprob(tok, lp, ranks[i])}
+            for j in range(num_top):
+                entry.setdefault(top_ids[i][j], Logprob(top_ids[i][j], top_lp[i][j], j + 1))
+            result.append(entry)
+        return result
 
     @staticmethod
     def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor,
@@ -297,6 +340,24 @@ class Sampler:
                     entry[tok] = Logprob(tok, top_lp[i][j], j + 1)
             result.append(entry)
         return result
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: list[int], allowed: np.ndarray) -> torch.Tensor:
+    """-inf outside each constrained row's allowed tokens (a new tensor). On the CPU this is
+    one single-threaded numpy select: torch's threaded masked_fill costs several times more
+    for a few rows of a 50k vocabulary (thread start-up), and the mask is on the host anyway."""
+    neg_inf = np.float32(-np.inf)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        values = logits.numpy()
+        if len(rows) == values.shape[0]:  # every row constrained (rows are 0..S-1 in order)
+            return torch.from_numpy(np.where(allowed, values, neg_inf))
+        out = values.copy()
+        out[rows] = np.where(allowed, values[rows], neg_inf)
+        return torch.from_numpy(out)
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    mask = torch.from_numpy(allowed).to(logits.device)
+    masked = torch.where(mask, logits.index_select(0, index), float("-inf"))
+    return logits.index_copy(0, index, masked)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

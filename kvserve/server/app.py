@@ -9,7 +9,8 @@ import secrets
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
@@ -18,7 +19,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                      CompletionRequest, CompletionResponse, DetokenizeRequest,
                                      DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                                     TokenizeRequest, TokenizeResponse)
+                                     TOKEN_ID_MARK, TokenizeRequest, TokenizeResponse)
 from kvserve.server.serving import ServingContext, check_text
 from kvserve.server.streams import AdmissionGate
 
@@ -26,7 +27,10 @@ logger = logging.getLogger("kvserve")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500)}
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# A streamed answer: server-sent events whose data is one JSON chunk (or "[DONE]").
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"]}}}
 
 
 class APIKeyMiddleware:
@@ -82,7 +86,7 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
                                 status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         # Reading engine stats takes the engine lock: keep that off the event loop.
         body = await asyncio.to_thread(metrics.render)
@@ -125,9 +129,40 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
         ctx.check_model(body.model)
         return DetokenizeResponse(prompt=await ctx.decode(body.tokens))
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = served_spec(get_openapi(
+                title=app.title, version=app.version, description=app.description,
+                routes=app.routes), ctx.vocab_size)
+        return app.openapi_schema
+
+    app.openapi = openapi
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
+
+
+def served_spec(spec: dict, vocab_size: int) -> dict:
+    """The OpenAPI spec with what only the running server knows: token ids are below the
+    vocabulary size (the server refuses others with a 400); bounds pydantic left as raw
+    ge/le keys are written as JSON Schema keywords."""
+    keywords = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") in ("integer", "number"):
+                for raw, keyword in keywords.items():
+                    if raw in node:
+                        node[keyword] = node.pop(raw)
+            if node.pop(TOKEN_ID_MARK, False):
+                node["maximum"] = vocab_size - 1
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(spec)
+    return spec
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the model's chat template, then generation, streamed or not."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.protocol import (ChatCompletionChoice, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatCompletionStreamChoice,
                                      ChatCompletionStreamResponse, ChatResponseMessage,
-                                     DeltaMessage, UsageInfo)
+                                     DeltaFunctionCall, DeltaMessage, DeltaToolCall, ToolCall,
+                                     UsageInfo)
+from kvserve.server import tools
 from kvserve.server.serving import SSE_DONE, OutputObserver, ServingContext, sse
 from kvserve.server.streams import EngineJob, EngineStreams, respond
 
@@ -27,13 +30,26 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     params = ctx.sampling_params(body)
-    prompt_ids = await ctx.chat_prompt_ids(body.messages, bool(body.add_generation_prompt))
+    plan = tools.plan_tools(body)
+    structured = ctx.structured_spec(body)
+    if plan.forced:
+        if structured is not None:
+            raise bad_request(f"tool_choice {plan.mode!r} constrains the output itself; it "
+                              f"cannot be combined with {structured[0]}", param=structured[0])
+        try:
+            structured = ("tools", plan.spec())
+        except KeyError as exc:
+            raise bad_request(f"unknown tool {exc}", param="tool_choice") from None
+    if structured is not None:
+        await ctx.compile_grammar(structured[1], structured[0])
+        params = dataclasses.replace(params, structured_outputs=structured[1])
+    prompt_ids = await ctx.chat_prompt_ids(body.messages, bool(body.add_generation_prompt), plan)
     explicit_max = body.max_completion_tokens is not None or body.max_tokens is not None
     params = ctx.fit_to_context(params, len(prompt_ids), "messages", explicit_max)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = EngineStreams(ctx.async_engine, [EngineJob(prompt_ids, params, request_id)],
                             raw_request, ctx.gate)
-    return await respond(streams, _ChatWriter(ctx, body, params, request_id, len(prompt_ids)),
+    return await respond(streams, _ChatWriter(ctx, body, params, request_id, len(prompt_ids), plan),
                          bool(body.stream))
 
 
@@ -44,7 +60,23 @@ class _ChatWriter:
     params: SamplingParams
     request_id: str
     num_prompt_tokens: int
+    plan: tools.ToolPlan
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def _message(self, text: str, finish_reason: Optional[str]
+                 ) -> tuple[Optional[str], list[ToolCall], Optional[str]]:
+        """(content, tool calls, finish reason) of one finished choice."""
+        calls: list[ToolCall] = []
+        content: Optional[str] = text
+        if self.plan.forced:
+            calls = tools.forced_calls(text, self.plan) or []
+            if calls:
+                content = None
+        elif self.plan.mode == "auto":
+            content, calls = tools.parse_auto(text, self.plan)
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return content, calls, finish_reason
 
     def _usage(self, final: Optional[RequestOutput]) -> UsageInfo:
         completion = sum(len(c.token_ids) for c in final.outputs) if final else 0
@@ -61,11 +93,15 @@ class _ChatWriter:
             observe(job_index, output)
             if output.finished:
                 final = output
-        choices = [ChatCompletionChoice(
-            index=c.index, message=ChatResponseMessage(role="assistant", content=c.text),
-            logprobs=(self._logprobs(c.logprobs or [], c.token_ids)
-                      if self.params.logprobs is not None else None),
-            finish_reason=c.finish_reason) for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            content, calls, finish_reason = self._message(c.text, c.finish_reason)
+            choices.append(ChatCompletionChoice(
+                index=c.index, message=ChatResponseMessage(role="assistant", content=content,
+                                                           tool_calls=calls or None),
+                logprobs=(self._logprobs(c.logprobs or [], c.token_ids)
+                          if self.params.logprobs is not None else None),
+                finish_reason=finish_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created,
                                       model=self.ctx.model_name, choices=choices,
                                       usage=self._usage(final))
@@ -87,6 +123,8 @@ class _ChatWriter:
                 index=i, delta=DeltaMessage(role="assistant", content=""))])
         logprobs_sent = [0] * self.params.n
         finished = [False] * self.params.n
+        # With tools, content is held back where it may be a call (auto) or is one (forced).
+        filters = [tools.AutoContentFilter() for _ in range(self.params.n)]
         final: Optional[RequestOutput] = None
         try:
             async for job_index, output in streams:
@@ -102,12 +140,41 @@ class _ChatWriter:
                             start = logprobs_sent[c.index]
                             logprobs = self._logprobs(new, c.token_ids[start:start + len(new)])
                             logprobs_sent[c.index] += len(new)
-                    if not c.delta_text and logprobs is None and c.finish_reason is None:
+                    delta_text = c.delta_text
+                    finish_reason = c.finish_reason
+                    calls: list[ToolCall] = []
+                    if self.plan.forced:
+                        delta_text = ""
+                    elif self.plan.mode == "auto":
+                        delta_text = filters[c.index].delta(c.text)
+                    if finish_reason is not None and self.plan.renders_tools:
+                        content, calls, finish_reason = self._message(c.text, finish_reason)
+                        if self.plan.mode == "auto":
+                            delta_text += filters[c.index].rest(content) if calls else \
+                                c.text[filters[c.index].sent:]
+                        elif not calls:
+                            delta_text = c.text  # not a complete call: the text as it is
+                    if not delta_text and logprobs is None and finish_reason is None:
                         continue
-                    finished[c.index] = c.finish_reason is not None
+                    finished[c.index] = finish_reason is not None
+                    if calls:
+                        if delta_text or logprobs is not None:
+                            yield self._chunk([ChatCompletionStreamChoice(
+                                index=c.index, delta=DeltaMessage(content=delta_text or None),
+                                logprobs=logprobs)])
+                        # Each call whole, in one delta (id, name and arguments together).
+                        yield self._chunk([ChatCompletionStreamChoice(
+                            index=c.index, delta=DeltaMessage(tool_calls=[
+                                DeltaToolCall(index=k, id=call.id, type="function",
+                                              function=DeltaFunctionCall(
+                                                  name=call.function.name,
+                                                  arguments=call.function.arguments))
+                                for k, call in enumerate(calls)]),
+                            finish_reason=finish_reason)])
+                        continue
                     yield self._chunk([ChatCompletionStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.delta_text or None),
-                        logprobs=logprobs, finish_reason=c.finish_reason)])
+                        index=c.index, delta=DeltaMessage(content=delta_text or None),
+                        logprobs=logprobs, finish_reason=finish_reason)])
             if self.body.include_usage_chunk:
                 yield self._chunk([], usage=self._usage(final))
         except APIError as exc:

@@ -1,6 +1,7 @@
 """POST /v1/completions: one prompt or a batch (strings or token ids), streamed or not."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from fastapi.responses import Response
 
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server.errors import APIError, bad_request, error_body
-from kvserve.server.logprobs import completion_logprobs
+from kvserve.server.logprobs import completion_logprobs, concat_completion_logprobs
 from kvserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                      UsageInfo)
 from kvserve.server.serving import SSE_DONE, OutputObserver, ServingContext, sse
@@ -57,10 +58,14 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest,
     ctx.check_stream_options(body)
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported: kvserve does not "
-                          "compute logprobs of prompt tokens", param="echo")
     params = ctx.sampling_params(body)
+    if body.echo and body.logprobs is not None:
+        # The prompt's own logprobs come back with the echoed prompt (lm-eval's loglikelihood).
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+    structured = ctx.structured_spec(body)
+    if structured is not None:
+        await ctx.compile_grammar(structured[1], structured[0])
+        params = dataclasses.replace(params, structured_outputs=structured[1])
     prompts = await _prompts(ctx, body.prompt)
     per_prompt = [ctx.fit_to_context(params, len(p.token_ids), "prompt", body.max_tokens is not None)
                   for p in prompts]
@@ -123,6 +128,9 @@ class _CompletionWriter:
                     logprobs, _ = completion_logprobs(c.logprobs or [], c.token_ids,
                                                       self.params.logprobs, self.ctx.token_text,
                                                       text_offset=len(echo))
+                    prompt = self._prompt_logprobs(job_index, output)
+                    if prompt is not None:
+                        logprobs = concat_completion_logprobs(prompt, logprobs)
                 choices.append(CompletionChoice(index=self._choice_index(job_index, c.index),
                                                 text=echo + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason))
@@ -143,7 +151,7 @@ class _CompletionWriter:
                     index = self._choice_index(job_index, c.index)
                     state = states.setdefault(index, _ChoiceState(echo=self.echoes[job_index],
                                                                   text_offset=len(self.echoes[job_index])))
-                    chunk = self._chunk(state, index, c)
+                    chunk = self._chunk(state, index, c, job_index, output)
                     if chunk is not None:
                         yield sse(chunk)
             if self.body.include_usage_chunk:
@@ -156,12 +164,24 @@ class _CompletionWriter:
             yield sse(error_body(f"generation failed: {exc}", type="server_error"))
         yield SSE_DONE
 
-    def _chunk(self, state: _ChoiceState, index: int, c) -> Optional[CompletionResponse]:
+    def _prompt_logprobs(self, job_index: int, output: RequestOutput):
+        """The echoed prompt's logprobs (first token null), when asked for."""
+        if self.params.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        logprobs, _ = completion_logprobs(output.prompt_logprobs,
+                                          self.prompts[job_index].token_ids,
+                                          self.params.prompt_logprobs, self.ctx.token_text)
+        return logprobs
+
+    def _chunk(self, state: _ChoiceState, index: int, c, job_index: int,
+               output: RequestOutput) -> Optional[CompletionResponse]:
         if state.finished:
             return None
         text = c.delta_text
+        prompt_logprobs = None
         if state.echo:
             text, state.echo = state.echo + text, ""
+            prompt_logprobs = self._prompt_logprobs(job_index, output)
         logprobs = None
         if self.params.logprobs is not None:
             new = (c.logprobs or [])[state.logprobs_sent:]
@@ -170,6 +190,9 @@ class _CompletionWriter:
                 logprobs, state.text_offset = completion_logprobs(
                     new, ids, self.params.logprobs, self.ctx.token_text, state.text_offset)
                 state.logprobs_sent += len(new)
+            if prompt_logprobs is not None:
+                logprobs = (concat_completion_logprobs(prompt_logprobs, logprobs)
+                            if logprobs is not None else prompt_logprobs)
         if not text and logprobs is None and c.finish_reason is None:
             return None
         state.finished = c.finish_reason is not None

@@ -75,9 +75,26 @@ def _describe_validation_error(err: dict) -> tuple[str, Optional[str]]:
         parts.append(str(p))
     path = ".".join(parts)
     message = err.get("msg", "invalid value")
+    if err.get("type") in ("string_too_short", "too_short") and \
+            (err.get("ctx") or {}).get("min_length") == 1 and path:
+        return f"{path} is empty ({message.split(' after validation')[0].lower()})", path
     if not loc:
         message = f"the request body must be a JSON object (Content-Type: application/json): {message}"
     return (f"{path}: {message}" if path else message), (path or None)
+
+
+def _drop_other_union_branches(errors: list[dict]) -> list[dict]:
+    """A value of a union type that fails gets one error per member. Where the value had a
+    member's type but broke its constraints (an empty string for a string-or-list prompt),
+    that error is the one to report, not "should be a list" from the other members."""
+    def field(err: dict) -> tuple:
+        return tuple(p for p in err.get("loc", ()) if not (isinstance(p, str) and (
+            p in _TYPE_TAGS or not p.isidentifier() or p[:1].isupper() or "[" in p)))
+
+    constraint_fields = {field(e) for e in errors if not str(e.get("type", "")).endswith("_type")}
+    kept = [e for e in errors
+            if not (str(e.get("type", "")).endswith("_type") and field(e) in constraint_fields)]
+    return kept or errors
 
 
 def install_error_handlers(app: FastAPI, on_server_rejection: Optional[Callable[[], None]] = None,
@@ -103,7 +120,7 @@ def install_error_handlers(app: FastAPI, on_server_rejection: Optional[Callable[
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         count(request, 400)
         # OpenAI answers bad parameters with 400, not FastAPI's 422.
-        errors = list(exc.errors())
+        errors = _drop_other_union_branches(list(exc.errors()))
         described = [_describe_validation_error(e) for e in errors] or [("invalid request", None)]
         message = "; ".join(dict.fromkeys(m for m, _ in described))
         return bad_request(message, param=described[0][1]).response()

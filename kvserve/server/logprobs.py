@@ -24,20 +24,24 @@ def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
     return ranked[:num_top]
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num_top: int,
+def completion_logprobs(entries: list[Optional[dict[int, Logprob]]], token_ids: list[int], num_top: int,
                         token_text: TokenText, text_offset: int = 0) -> tuple[CompletionLogprobs, int]:
     """``text_offset``: where the first of these tokens starts in the returned text.
     Returns the logprobs and the offset just past the last token (for the next stream chunk)."""
     out = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries):
         text = token_text.text(token_id)
-        chosen: Optional[Logprob] = entry.get(token_id)
         out.tokens.append(text)
-        out.token_logprobs.append(_finite(chosen.logprob) if chosen else None)
-        top = {token_text.text(t): _finite(lp.logprob) for t, lp in _top(entry, num_top)}
-        if chosen is not None:
-            top.setdefault(text, _finite(chosen.logprob))
-        out.top_logprobs.append(top)
+        if entry is None:  # the first prompt token: nothing predicts it
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            chosen: Optional[Logprob] = entry.get(token_id)
+            out.token_logprobs.append(_finite(chosen.logprob) if chosen else None)
+            top = {token_text.text(t): _finite(lp.logprob) for t, lp in _top(entry, num_top)}
+            if chosen is not None:
+                top.setdefault(text, _finite(chosen.logprob))
+            out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
         # Offsets count characters of the text; a token holding part of a character adds none.
         text_offset += len(token_text.token_bytes(token_id).decode("utf-8", errors="ignore"))
@@ -57,3 +61,11 @@ def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num_t
                                      bytes=list(token_text.token_bytes(t)))
                           for t, lp in _top(entry, num_top)]))
     return ChatChoiceLogprobs(content=content)
+
+
+def concat_completion_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    """The prompt's logprobs (echo) followed by the generated tokens'."""
+    return CompletionLogprobs(tokens=first.tokens + second.tokens,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              top_logprobs=first.top_logprobs + second.top_logprobs,
+                              text_offset=first.text_offset + second.text_offset)

@@ -3,15 +3,32 @@ kvserve's extra sampling fields (top_k, min_p, repetition_penalty, ...)."""
 from __future__ import annotations
 
 import time
-from typing import ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from kvserve.request import SamplingParams
 
 # OpenAI's own limits for these.
 MAX_N = 128
 MAX_LOGPROBS = 20
+
+# Token ids: integers, never booleans; the upper bound (the vocabulary) is added to the
+# served spec by the app, which knows the model.
+def _integral(value: Any) -> Any:
+    # JSON Schema's "integer" includes 2.0 (booleans stay refused: they are not numbers).
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Pydantic writes a validated type's bounds as raw ge/le keys; the app's served_spec turns
+# them into JSON Schema's minimum/maximum.
+Integer = Annotated[int, BeforeValidator(_integral)]
+TOKEN_ID_MARK = "x-kvserve-token-id"
+TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+PromptInput = Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds,
+                    Annotated[list[TokenIds], Field(min_length=1)]]
 
 
 class ErrorInfo(BaseModel):
@@ -25,21 +42,59 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request body part: validated strictly, so the server accepts what the OpenAPI spec
+    says and nothing else (no ``true`` for an integer, no ``1`` for a string)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class JsonSchemaFormat(RequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    # "schema" shadows a BaseModel attribute; the alias keeps the wire name.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: Optional[bool] = None
+
+    model_config = ConfigDict(populate_by_name=True, strict=True)
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's structured_outputs: exactly one of the constraint fields."""
+
+    json_: Union[dict[str, Any], str] = Field(None, alias="json")
+    regex: str = Field(None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] = Field(None, min_length=1)
+    grammar: str = Field(None, min_length=1)
+    json_object: Literal[True] = None
+
+    model_config = ConfigDict(populate_by_name=True, strict=True, json_schema_extra={
+        "oneOf": [{"required": [name]} for name in ("json", "regex", "choice", "grammar",
+                                                     "json_object")]})
+
+
+class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "default";
     OpenAI clients send explicit nulls."""
 
     model: Optional[str] = None
-    n: Optional[int] = Field(None, ge=1, le=MAX_N)
+    n: Optional[Integer] = Field(None, ge=1, le=MAX_N)
     temperature: Optional[float] = Field(None, ge=0.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[Integer] = Field(None, ge=1)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**63)  # int64, as OpenAI
+    seed: Optional[Integer] = Field(None, ge=-(2**63), lt=2**63)  # int64, as OpenAI
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[str, float]] = None
@@ -47,14 +102,16 @@ class SamplingRequest(BaseModel):
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     user: Optional[str] = None
     # kvserve / vLLM extras
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: Optional[Integer] = Field(None, ge=-1)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     repetition_penalty: Optional[float] = Field(None, gt=0.0)
-    min_tokens: Optional[int] = Field(None, ge=0)
+    min_tokens: Optional[Integer] = Field(None, ge=0)
     ignore_eos: Optional[bool] = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
 
     def base_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """SamplingParams for this request; raises ValueError naming a bad logit_bias key."""
@@ -90,13 +147,10 @@ class SamplingRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
-
-
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     echo: Optional[bool] = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None
 
     # OpenAI's default for the legacy completions endpoint.
@@ -107,23 +161,70 @@ class CompletionRequest(SamplingRequest):
         return self.base_sampling_params(max_tokens, self.logprobs)
 
 
-class ContentPart(BaseModel, extra="allow"):
-    type: str
-    text: Optional[str] = None
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; absent: no arguments
+    strict: Optional[bool] = None
 
 
-class ChatMessage(BaseModel, extra="allow"):
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(RequestModel, extra="allow"):
+    type: Literal["text"]  # the only kind these text models take
+    text: str
+
+
+class ChatMessage(RequestModel, extra="allow"):
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a "tool" turn: the result of that call
 
 
 class ChatCompletionRequest(SamplingRequest):
+    # What the server refuses, the spec says: top_logprobs needs logprobs: true, and a
+    # tool_choice other than "none" needs tools.
+    model_config = ConfigDict(strict=True, json_schema_extra={"allOf": [
+        {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+        {"if": {"properties": {"tool_choice": {"not": {"enum": ["none", None]}}},
+                "required": ["tool_choice"]},
+         "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
+    ]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    top_logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: Optional[Integer] = Field(None, ge=1)
     add_generation_prompt: Optional[bool] = True
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = True
 
     def to_sampling_params(self) -> SamplingParams:
         # None: generate up to the context, as OpenAI's chat endpoint does.
@@ -132,10 +233,15 @@ class ChatCompletionRequest(SamplingRequest):
         return self.base_sampling_params(max_tokens, logprobs)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
+    """Exactly one of prompt and messages."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    prompt: str = None
+    messages: list[ChatMessage] = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -146,9 +252,9 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):
@@ -206,6 +312,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -224,9 +331,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Optional[UsageInfo] = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

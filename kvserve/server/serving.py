@@ -15,7 +15,10 @@ from kvserve.config import ConfigError
 from kvserve.request import RequestOutput, RequestRejected, SamplingParams
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server import tools
 from kvserve.server.protocol import ChatMessage, SamplingRequest
+from kvserve.server.tools import ToolPlan
+from kvserve.structured import StructuredOutputsParams
 from kvserve.server.streams import AdmissionGate
 from kvserve.server.token_text import TokenText
 
@@ -86,6 +89,47 @@ class ServingContext:
             raise bad_request(str(exc)) from None
         return params
 
+    @staticmethod
+    def structured_spec(body: SamplingRequest) -> Optional[tuple[str, StructuredOutputsParams]]:
+        """(the parameter that asked, the grammar spec) from response_format or
+        structured_outputs; None for free text."""
+        specs = []
+        fmt = body.response_format
+        if fmt is not None and fmt.type == "json_object":
+            specs.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise bad_request("response_format of type json_schema needs a json_schema "
+                                  "object ({name, schema, strict})", param="response_format")
+            specs.append(("response_format", StructuredOutputsParams(
+                json=fmt.json_schema.json_schema, strict=bool(fmt.json_schema.strict))))
+        so = body.structured_outputs
+        if so is not None:
+            fields: dict[str, Any] = {name: value for name, value in
+                                      (("json", so.json_), ("regex", so.regex),
+                                       ("choice", so.choice), ("grammar", so.grammar))
+                                      if value is not None}
+            if so.json_object:
+                fields["json_object"] = True
+            if len(fields) != 1:
+                raise bad_request("structured_outputs needs exactly one of json, regex, choice, "
+                                  f"grammar, json_object (got {sorted(fields) or 'none'})",
+                                  param="structured_outputs")
+            specs.append(("structured_outputs", StructuredOutputsParams(**fields)))
+        if len(specs) > 1:
+            raise bad_request("give response_format or structured_outputs, not both",
+                              param="structured_outputs")
+        return specs[0] if specs else None
+
+    async def compile_grammar(self, spec: StructuredOutputsParams, param: str) -> None:
+        """Compile (or find in the cache) off the event loop, so that the engine's own
+        compile at admission is a cache hit; a spec that does not compile is a 400."""
+        compiler = self.async_engine.engine.grammar_compiler
+        try:
+            await asyncio.to_thread(compiler.compile, spec)
+        except RequestRejected as exc:
+            raise bad_request(str(exc), param=param, code="invalid_grammar") from None
+
     def fit_to_context(self, params: SamplingParams, num_prompt_tokens: int, param: str,
                        max_tokens_given: bool) -> SamplingParams:
         """Refuse a prompt that leaves no room to generate, or an explicit max_tokens beyond
@@ -113,7 +157,10 @@ class ServingContext:
         return await self.in_engine(lambda engine: engine.tokenizer.encode(text))
 
     async def chat_prompt_ids(self, messages: list[ChatMessage],
-                              add_generation_prompt: bool = True) -> list[int]:
+                              add_generation_prompt: bool = True,
+                              tool_plan: Optional[ToolPlan] = None) -> list[int]:
+        if not messages:
+            raise bad_request("messages must hold at least one message", param="messages")
         conversation = [chat_message_dict(m, i) for i, m in enumerate(messages)]
 
         def render(engine) -> list[int]:
@@ -122,9 +169,18 @@ class ServingContext:
                 raise bad_request(f"model {self.model_name} has no chat template, so it cannot "
                                   f"serve chat requests; use /v1/completions", param="messages",
                                   code="no_chat_template")
+            native = tools.template_takes_tools(tokenizer.hf.chat_template)
+            turns = tools.messages_for_template(conversation, native)
+            extra = {}
+            if tool_plan is not None and tool_plan.renders_tools:
+                if native:
+                    extra["tools"] = tools.tool_dicts(tool_plan)
+                else:
+                    turns = tools.add_default_tool_prompt(turns, tool_plan)
             try:
-                # The template carries BOS where the model wants one; encode_chat adds none.
-                return tokenizer.encode_chat(conversation, add_generation_prompt)
+                # The template carries BOS where the model wants one; so no special tokens.
+                text = tokenizer.apply_chat_template(turns, add_generation_prompt, **extra)
+                return tokenizer.encode(text, add_special_tokens=False)
             except ConfigError as exc:
                 raise bad_request(str(exc), param="messages", code="no_chat_template") from None
             except RequestRejected as exc:  # the template refused the conversation
@@ -157,9 +213,14 @@ def chat_message_dict(message: ChatMessage, index: int) -> dict:
                                   param=f"messages.{index}.content")
             texts.append(part.text)
         text = "\n".join(texts)
-    out = {"role": message.role, "content": check_text(text, f"messages.{index}.content")}
+    out: dict[str, Any] = {"role": message.role,
+                           "content": check_text(text, f"messages.{index}.content")}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [c.model_dump(mode="json") for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
 
 
