@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 class ConfigError(ValueError):
@@ -120,6 +120,9 @@ class EngineArgs:
     # KV cache dtype: auto = bfloat16 when the linear weights are reduced (bf16/int8/int4),
     # else the activation dtype.
     kv_cache_dtype: str = "auto"
+    # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4}
+    # (a dict or its JSON string); None: off. See kvserve/spec/config.py for every key.
+    speculative_config: Optional[Any] = None
 
     def cache_config(self) -> CacheConfig:
         cfg = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -142,4 +145,6 @@ class EngineArgs:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ConfigError("max_waiting_requests must be >= 0")
         self.cache_config()
+        from kvserve.spec.config import parse_speculative_config  # spec imports this module
+        parse_speculative_config(self.speculative_config)
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs).validate()

@@ -20,6 +20,7 @@ from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected
 from kvserve.runner import ModelRunner
 from kvserve.sampler import make_generator
 from kvserve.scheduler import Scheduler
+from kvserve.spec import Speculator, build_speculator, parse_speculative_config
 from kvserve.tokenizer import Tokenizer
 from kvserve.tracing import label
 
@@ -149,6 +150,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, cfg, num_blocks, cache.block_size, self.device,
                                   kv_dtype=self.kv_dtype)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.spec_config = parse_speculative_config(args.speculative_config)
+        self.speculator: Optional[Speculator] = (build_speculator(self.spec_config)
+                                                 if self.spec_config else None)
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
         self._pending_finished: set[str] = set()
@@ -239,6 +243,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.speculator is not None:
+            with label("spec.propose"):
+                self.speculator.propose(self.scheduler.running)
         with label("scheduler.schedule"):
             sched = self.scheduler.schedule()
         touched: set[str] = set(self._pending_finished)
@@ -249,20 +256,26 @@ class LLMEngine:
             stats.num_prefill_tokens = runner_out.num_prefill_tokens
             stats.num_decode_tokens = runner_out.num_decode_tokens
             stats.num_seqs = len(sched.chunks)
+            logprobs = runner_out.logprobs
+            num_appended = 0
+
+            def on_token(req: Request, j: int) -> bool:
+                # Detokenize each new token in order; a stop string ends the request here.
+                nonlocal num_appended
+                num_appended += 1
+                lps = logprobs.get(req.request_id)
+                return self.output_processor.process_new_token(req, lps[j] if lps else None)
+
             with label("scheduler.update"):
-                updated = self.scheduler.update_from_output(sched, runner_out.sampled)
-            stop_string_hits = []
-            with label("detokenizer"):
-                for req in updated:
-                    if self.output_processor.process_new_token(req, runner_out.logprobs.get(req.request_id)):
-                        if req.is_finished:  # the stop string came with the last allowed token
-                            req.status = RequestStatus.FINISHED_STOPPED
-                        else:
-                            stop_string_hits.append(req.request_id)
-                    touched.add(req.request_id)
-            if stop_string_hits:
-                self.scheduler.finish_requests(stop_string_hits, RequestStatus.FINISHED_STOPPED)
-            self.counters.generation_tokens += len(runner_out.sampled)
+                updated = self.scheduler.update_from_output(sched, runner_out.sampled, on_token)
+            touched.update(req.request_id for req in updated)
+            if self.speculator is not None:
+                for chunk in sched.chunks:
+                    tokens = runner_out.sampled.get(chunk.request.request_id)
+                    if chunk.spec_token_ids and tokens is not None:
+                        self.speculator.observe(chunk.request.request_id, len(chunk.spec_token_ids),
+                                                len(tokens) - 1)
+            self.counters.generation_tokens += num_appended
         with label("detokenizer"):
             outputs = self.output_processor.outputs_for(touched)
         self.counters.finished_requests += sum(1 for o in outputs if o.finished)
@@ -294,4 +307,16 @@ class LLMEngine:
             "generation_tokens": self.counters.generation_tokens,
             "aborted_requests": self.counters.aborted_requests,
             "rejected_requests": self.counters.rejected_requests,
+            **self.spec_stats(),
+        }
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding totals: draft tokens verified, accepted, and the mean number
+        of tokens a verify step yields (accepted drafts + 1); zeros when speculation is off."""
+        st = self.speculator.stats if self.speculator is not None else None
+        return {
+            "spec_num_steps": st.num_spec_steps if st else 0,
+            "spec_draft_tokens": st.num_draft_tokens if st else 0,
+            "spec_accepted_tokens": st.num_accepted_tokens if st else 0,
+            "spec_mean_accepted_length": st.mean_accepted_length if st else 0.0,
         }
