@@ -92,7 +92,9 @@ def load_text(name: str) -> str:
     if not os.path.isfile(path):
         raise ConfigError(f"no workload text {name!r} (looked for {path})")
     with open(path, encoding="utf-8") as f:
-        return f.read()
+        # No trailing newline: the model writes it, merged with the next line's indent as its
+        # tokenizer would (a prompt ending in a bare newline is an unnatural tokenization).
+        return f.read().rstrip()
 
 
 @dataclass
