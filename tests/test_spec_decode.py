@@ -131,3 +131,27 @@ def test_temperature_one_samples_the_targets_distribution(llm_factory, monkeypat
     import kvserve.runner
     monkeypatch.setattr(kvserve.runner, "accept_run", lambda drafts, target: list(drafts) + [target[-1]])
     assert total_variation(ref, _continuations(on, prompt, params, n)) > 0.2
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(llm_factory):
+    on = llm_factory(model="smollm2-135m-instruct", dtype="float32", speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)
+    first = _tokens(on, [PROMPTS[0]], params)
+    assert _tokens(on, [PROMPTS[0]], params) == first
+
+
+def test_speculative_config_reaches_the_engine_from_every_entry_point():
+    from kvserve.cli import build_parser, engine_args_from
+    from kvserve.config import ConfigError, EngineArgs
+    from kvserve.server.metrics import ServerMetrics
+    from kvserve.spec import SpeculativeConfig
+
+    for command in (["serve"], ["generate", "hi"], ["chat"], ["bench", "throughput"], ["profile"]):
+        ns = build_parser().parse_args(command + ["--speculative-config", NGRAM])
+        assert engine_args_from(ns).speculative_config == SpeculativeConfig(num_speculative_tokens=4)
+    with pytest.raises(ConfigError, match="unknown speculative method"):
+        EngineArgs(speculative_config={"method": "eagle"}).validate()
+    text = ServerMetrics(lambda: {"spec_draft_tokens": 10, "spec_accepted_tokens": 7, "spec_num_steps": 3,
+                                  "spec_mean_accepted_length": 3.33}).render().decode()
+    assert "kvserve:spec_decode_num_accepted_tokens_total 7.0" in text
+    assert "kvserve:spec_decode_mean_accepted_length 3.33" in text

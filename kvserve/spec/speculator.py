@@ -69,6 +69,8 @@ class Speculator:
     def propose(self, running: Sequence[Request]) -> int:
         """Set ``spec_token_ids`` on the running requests that draft this step; returns how
         many got drafts. The scheduler trims drafts to its budget and length limits."""
+        for r in running:
+            r.spec_token_ids = []  # a request left out of the last step keeps none stale
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         if len(self._state) > 2 * len(running) + 64:
             alive = {r.request_id for r in running}
