@@ -105,7 +105,10 @@ def test_ngram_proposes_what_followed_the_most_recent_longest_match():
     # Only the 2-gram [6, 7] matches; its most recent earlier occurrence is at 6.
     assert d.propose([9, 6, 7, 2, 4, 6, 7]) == [2, 4, 6]
     assert d.propose([1, 2, 3, 4]) == []  # no earlier occurrence
-    assert d.propose([3, 3, 3, 3], k=2) == [3]  # a run: the match may overlap the suffix
+    # A run or a repeated span near the end: the copy overlaps itself (period = distance).
+    assert d.propose([3, 3, 3, 3], k=2) == [3, 3]
+    assert d.propose([9, 1, 2, 1, 2], k=5) == [1, 2, 1, 2, 1]
+    assert d.propose([5, 6, 7, 1, 2, 7, 1, 2], k=4) == [7, 1, 2, 7]
     assert d.propose(seq, k=1) == [8]
     # Token ids above one byte: a byte-level match across token boundaries is not a match.
     assert d.propose([0x0100, 0x0200, 0x01000000, 0x02000000, 7, 0x0100, 0x0200]) == [0x01000000, 0x02000000, 7]

@@ -34,7 +34,19 @@ class NgramDrafter:
                 if pos < 0:
                     break
                 if pos % _ITEM == 0:
-                    start = pos // _ITEM + n
-                    return list(token_ids[start:start + k])
+                    return _copy_forward(token_ids, pos // _ITEM + n, k)
                 end = pos + len(needle) - 1  # misaligned byte match: look further left
         return []
+
+
+def _copy_forward(token_ids: Sequence[int], start: int, k: int) -> list[int]:
+    """The k tokens from ``start`` on, continuing past the end of the sequence the way an
+    LZ77 copy overlaps itself: a match d tokens back predicts a period-d repetition (a run
+    of one token, a repeated line) for all k drafts, not just the tokens seen so far."""
+    num = len(token_ids)
+    distance = num - start  # the predicted token at position p is the one at p - distance
+    out: list[int] = []
+    for p in range(num, num + k):
+        src = p - distance
+        out.append(token_ids[src] if src < num else out[src - num])
+    return out
