@@ -13,11 +13,16 @@ class ScheduledChunk:
     A decode step is a chunk of one token; a prefill (or a chunk of one) is several. The
     chunk needs logits (and a sampled token) only when it reaches the end of the request's
     known tokens: ``needs_sample``.
+
+    A speculating decode also carries ``spec_token_ids``: the chunk is the request's last
+    token followed by these drafts (``num_new_tokens`` counts them), logits are wanted at
+    every one of its positions, and the runner returns the accepted run of tokens.
     """
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table after this step's allocation
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def start_position(self) -> int:
@@ -25,11 +30,18 @@ class ScheduledChunk:
 
     @property
     def needs_sample(self) -> bool:
-        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+        return (self.request.num_computed_tokens + self.num_new_tokens
+                >= self.request.num_tokens + len(self.spec_token_ids))
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this chunk needs: one per verified position, one to sample."""
+        return len(self.spec_token_ids) + 1 if self.needs_sample else 0
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_new_tokens > 1 or self.request.num_computed_tokens < self.request.num_prompt_tokens
+        return (self.num_new_tokens - len(self.spec_token_ids) > 1
+                or self.request.num_computed_tokens < self.request.num_prompt_tokens)
 
 
 @dataclass

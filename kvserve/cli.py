@@ -11,6 +11,7 @@ import time
 from typing import Optional
 
 from kvserve.config import DEFAULT_MODEL, KV_CACHE_DTYPES, ConfigError, EngineArgs
+from kvserve.spec.config import parse_speculative_config
 from kvserve.request import RequestRejected, SamplingParams
 
 
@@ -37,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "int4 reuses GGUF Q4_1 blocks; default with --dtype auto on a CPU with "
                         "AVX512-BF16: bf16")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def _parse_bytes(text: str) -> int:
@@ -57,6 +60,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching,
         enable_chunked_prefill=not ns.no_chunked_prefill, num_threads=ns.num_threads,
         seed=ns.seed, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
+        speculative_config=parse_speculative_config(ns.speculative_config),
     )
     return dataclasses.replace(args, **overrides)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 class ConfigError(ValueError):
@@ -118,6 +118,9 @@ class EngineArgs:
     # With dtype "auto" on a CPU with fast bf16: float32 activations and bf16 weights.
     quantization: Optional[str] = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4}
+    # (a dict or its JSON string); None: off. See kvserve/spec/config.py for every key.
+    speculative_config: Optional[Any] = None
 
     def cache_config(self) -> CacheConfig:
         cfg = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -140,4 +143,6 @@ class EngineArgs:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ConfigError("max_waiting_requests must be >= 0")
         self.cache_config()
+        from kvserve.spec.config import parse_speculative_config  # spec imports this module
+        parse_speculative_config(self.speculative_config)
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs).validate()

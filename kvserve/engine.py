@@ -22,6 +22,7 @@ from kvserve.runner import ModelRunner
 from kvserve.sampler import make_generator
 from kvserve.scheduler import Scheduler
 from kvserve.structured.grammar import GrammarCompiler
+from kvserve.spec import Speculator, build_speculator, parse_speculative_config
 from kvserve.tokenizer import Tokenizer
 from kvserve.tracing import label
 
@@ -152,6 +153,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs; llguidance's view of the vocabulary is built on first use.
         self.grammar_compiler = GrammarCompiler(self.tokenizer.hf, cfg.vocab_size, self.eos_token_ids)
+        self.spec_config = parse_speculative_config(args.speculative_config)
+        self.speculator: Optional[Speculator] = (build_speculator(self.spec_config)
+                                                 if self.spec_config else None)
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
         self._pending_finished: set[str] = set()
@@ -249,6 +253,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.speculator is not None:
+            with label("spec.propose"):
+                self.speculator.propose(self.scheduler.running)
         with label("scheduler.schedule"):
             sched = self.scheduler.schedule()
         touched: set[str] = set(self._pending_finished)
@@ -259,23 +266,30 @@ class LLMEngine:
             stats.num_prefill_tokens = runner_out.num_prefill_tokens
             stats.num_decode_tokens = runner_out.num_decode_tokens
             stats.num_seqs = len(sched.chunks)
+            logprobs = runner_out.logprobs
+            num_appended = 0
+
+            def on_token(req: Request, j: int) -> bool:
+                # Detokenize each new token in order and advance its grammar; a stop string, or
+                # a grammar that has reached its end, ends the request here.
+                nonlocal num_appended
+                num_appended += 1
+                lps = logprobs.get(req.request_id)
+                stop_string = self.output_processor.process_new_token(req, lps[j] if lps else None)
+                return self._advance_grammar(req) or stop_string
+
             with label("scheduler.update"):
-                updated = self.scheduler.update_from_output(sched, runner_out.sampled)
+                updated = self.scheduler.update_from_output(sched, runner_out.sampled, on_token)
             for rid, entries in runner_out.prompt_logprobs.items():
                 self.output_processor.add_prompt_logprobs(rid, entries)
-            stop_string_hits = self._advance_grammars(updated)
-            with label("detokenizer"):
-                for req in updated:
-                    if self.output_processor.process_new_token(req, runner_out.logprobs.get(req.request_id)):
-                        if req.is_finished:  # the stop string came with the last allowed token
-                            req.status = RequestStatus.FINISHED_STOPPED
-                        else:
-                            stop_string_hits.append(req.request_id)
-                    touched.add(req.request_id)
-            if stop_string_hits:
-                self.scheduler.finish_requests(list(dict.fromkeys(stop_string_hits)),
-                                               RequestStatus.FINISHED_STOPPED)
-            self.counters.generation_tokens += len(runner_out.sampled)
+            touched.update(req.request_id for req in updated)
+            if self.speculator is not None:
+                for chunk in sched.chunks:
+                    tokens = runner_out.sampled.get(chunk.request.request_id)
+                    if chunk.spec_token_ids and tokens is not None:
+                        self.speculator.observe(chunk.request.request_id, len(chunk.spec_token_ids),
+                                                len(tokens) - 1)
+            self.counters.generation_tokens += num_appended
         with label("detokenizer"):
             outputs = self.output_processor.outputs_for(touched)
         self.counters.finished_requests += sum(1 for o in outputs if o.finished)
@@ -292,22 +306,18 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _advance_grammars(updated: list[Request]) -> list[str]:
-        """Feed each constrained request's new token to its grammar; the ids of those whose
-        grammar has reached its end (nothing but EOS can follow), which finish now."""
-        done = []
-        for req in updated:
-            if req.grammar is None or req.is_finished:
-                continue
-            if not req.grammar.accept(req.output_token_ids[-1]):
-                # Only reachable if every allowed token was masked away after the grammar
-                # (e.g. min_tokens blocking the EOS it allowed): end rather than go off-grammar.
-                logger.warning("request %s: sampled token refused by its grammar (%s); stopping",
-                               req.request_id, req.grammar.error)
-                done.append(req.request_id)
-            elif req.grammar.is_terminated:
-                done.append(req.request_id)
-        return done
+    def _advance_grammar(req: Request) -> bool:
+        """Feed a constrained request's newest token to its grammar; True when the grammar has
+        reached its end (nothing but EOS can follow) or refused the token: it finishes now."""
+        if req.grammar is None:
+            return False
+        if not req.grammar.accept(req.output_token_ids[-1]):
+            # Only reachable if every allowed token was masked away after the grammar
+            # (e.g. min_tokens blocking the EOS it allowed): end rather than go off-grammar.
+            logger.warning("request %s: sampled token refused by its grammar (%s); stopping",
+                           req.request_id, req.grammar.error)
+            return True
+        return req.grammar.is_terminated
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -325,4 +335,16 @@ class LLMEngine:
             "generation_tokens": self.counters.generation_tokens,
             "aborted_requests": self.counters.aborted_requests,
             "rejected_requests": self.counters.rejected_requests,
+            **self.spec_stats(),
+        }
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding totals: draft tokens verified, accepted, and the mean number
+        of tokens a verify step yields (accepted drafts + 1); zeros when speculation is off."""
+        st = self.speculator.stats if self.speculator is not None else None
+        return {
+            "spec_num_steps": st.num_spec_steps if st else 0,
+            "spec_draft_tokens": st.num_draft_tokens if st else 0,
+            "spec_accepted_tokens": st.num_accepted_tokens if st else 0,
+            "spec_mean_accepted_length": st.mean_accepted_length if st else 0.0,
         }

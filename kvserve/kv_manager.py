@@ -131,6 +131,19 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, min(num_known_tokens, request.num_tokens) // self.block_size)
         return [b.block_id for b in blocks]
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the tail blocks beyond the first ``num_tokens`` tokens (rejected
+        speculative drafts' lookahead). Those blocks were never hashed: only tokens the
+        request holds are, and drafts are not among them until accepted."""
+        blocks = self._req_blocks.get(request.request_id)
+        keep = self.num_blocks_for(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        assert self._num_cached_blocks.get(request.request_id, 0) <= keep
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Return every block of ``request`` at once; cached ones stay findable until evicted."""
         blocks = self._req_blocks.pop(request.request_id, [])

@@ -125,7 +125,8 @@ class OutputProcessor:
         return [s.request.request_id for s in group.sequences] if group else []
 
     def process_new_token(self, request: Request, logprobs: Optional[dict[int, Logprob]]) -> bool:
-        """Detokenize the request's newest token; return True if a stop string finished it."""
+        """Detokenize the request's newest token; return True if it completes a stop string
+        (the scheduler, which owns "finished", then ends the request on this token)."""
         group, seq = self.seq_by_request_id[request.request_id]
         now = time.monotonic()
         if request.first_token_time is None:

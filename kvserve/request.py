@@ -139,6 +139,9 @@ class Request:
     finished_time: Optional[float] = None
     # Chained hashes of this request's full blocks, filled by the KV manager as they fill.
     block_hashes: list = field(default_factory=list)
+    # Speculative decoding: draft tokens proposed for the next step. They are not part of the
+    # request's tokens (nor hashed into the prefix cache) until the target model accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -15,13 +15,16 @@ from kvserve.config import ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.request import Logprob, Request
 from kvserve.sampler import Sampler, build_sampling_metadata
+from kvserve.spec.verify import accept_run
 from kvserve.tracing import label
 
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    # Per sampled request, its new tokens: one, or a speculating request's accepted drafts
+    # followed by the target's next token. Logprobs likewise, one entry per new token.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     # Request id -> logprobs of the prompt tokens this step's chunk predicted, in order.
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     num_prefill_tokens: int = 0
@@ -34,7 +37,10 @@ class ModelInputs:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
+    # One row per logits row: a speculating request appears once per verified position.
     sampled_requests: list[Request]
+    # Per sampled request, in row order: its drafts ([] for a plain decode or prefill).
+    drafts: list[list[int]]
     num_prefill_tokens: int
     num_decode_tokens: int
     # Prompt logprobs: logits rows after the sampled ones, the prompt token each row predicts,
@@ -86,6 +92,7 @@ class ModelRunner:
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_owners: list[tuple[Request, int]] = []
+        drafts: list[list[int]] = []
         n_prefill = n_decode = 0
 
         offset = 0
@@ -94,7 +101,10 @@ class ModelRunner:
             start = req.num_computed_tokens
             n = chunk.num_new_tokens
             end = start + n
-            input_ids[offset:offset + n] = token_slice(req, start, end)
+            spec = chunk.spec_token_ids
+            input_ids[offset:offset + n - len(spec)] = token_slice(req, start, end - len(spec))
+            if spec:
+                input_ids[offset + n - len(spec):offset + n] = spec
             pos = np.arange(start, end, dtype=np.int64)
             positions[offset:offset + n] = pos
             table = np.asarray(chunk.block_ids, dtype=np.int64)
@@ -114,8 +124,11 @@ class ModelRunner:
             context_lens.append(start)
             seq_lens.append(end)
             if chunk.needs_sample:
-                logits_indices.append(offset - 1)
-                sampled_requests.append(req)
+                # A verify pass needs logits at the last real token and at every draft.
+                num_rows = len(spec) + 1
+                logits_indices.extend(range(offset - num_rows, offset))
+                sampled_requests.extend([req] * num_rows)
+                drafts.append(list(spec))
             if chunk.is_prefill:
                 n_prefill += n
             else:
@@ -138,6 +151,7 @@ class ModelRunner:
             attn_metadata=attn,
             logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.int64, device=dev),
             sampled_requests=sampled_requests,
+            drafts=drafts,
             num_prefill_tokens=n_prefill,
             num_decode_tokens=n_decode,
             prompt_targets=prompt_targets,
@@ -167,10 +181,15 @@ class ModelRunner:
             md = build_sampling_metadata(inputs.sampled_requests, logits.shape[-1], logits.device)
             sampler_out = self.sampler(logits, md)
             token_ids = sampler_out.sampled_token_ids.tolist()
-        for i, req in enumerate(inputs.sampled_requests):
-            out.sampled[req.request_id] = token_ids[i]
-            if sampler_out.logprobs is not None and sampler_out.logprobs[i] is not None:
-                out.logprobs[req.request_id] = sampler_out.logprobs[i]
+        row = 0
+        for spec in inputs.drafts:
+            req = inputs.sampled_requests[row]
+            num_rows = len(spec) + 1
+            tokens = accept_run(spec, token_ids[row:row + num_rows]) if spec else [token_ids[row]]
+            out.sampled[req.request_id] = tokens
+            if sampler_out.logprobs is not None and sampler_out.logprobs[row] is not None:
+                out.logprobs[req.request_id] = sampler_out.logprobs[row:row + len(tokens)]
+            row += num_rows
         return out
 
     def _prompt_logprobs(self, logits: torch.Tensor, inputs: ModelInputs, out: RunnerOutput) -> None:

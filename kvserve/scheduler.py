@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from kvserve.batch import ScheduledChunk, SchedulerOutput
 from kvserve.kv_manager import KVCacheManager
 from kvserve.request import Request, RequestRejected, RequestStatus
+from kvserve.stopping import check_token_stop, max_new_tokens
 
 
 class Scheduler:
@@ -113,7 +114,12 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            block_ids = self.kv_manager.allocate_slots(request, num_new)
+            spec = self._spec_tokens(request, num_new, budget)
+            # Drafts ride on lookahead slots; without room for them the request just decodes.
+            block_ids = self.kv_manager.allocate_slots(request, num_new, lookahead=len(spec))
+            if block_ids is None and spec:
+                spec = []
+                block_ids = self.kv_manager.allocate_slots(request, num_new)
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -125,10 +131,20 @@ class Scheduler:
                             "itself; check_fits should have rejected it")
                     return budget
                 block_ids = self.kv_manager.allocate_slots(request, num_new)
-            out.chunks.append(ScheduledChunk(request, num_new, block_ids))
-            budget -= num_new
+            out.chunks.append(ScheduledChunk(request, num_new + len(spec), block_ids, spec))
+            budget -= num_new + len(spec)
             i += 1
         return budget
+
+    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts this step verifies for ``request``: only on a decode, within the token
+        budget, and never more than the length rules could let it keep (the token after the
+        last accepted draft is sampled too, hence the -1)."""
+        drafts = request.spec_token_ids
+        if not drafts or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        k = min(len(drafts), budget - 1, max_new_tokens(request, self.max_model_len) - 1)
+        return list(drafts[:k]) if k > 0 else []
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         deferred: list[Request] = []
@@ -179,10 +195,21 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------------
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance each scheduled request; append sampled tokens; finish and free stopped ones.
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled: Mapping[str, Union[int, Sequence[int]]],
+                           on_token: Optional[Callable[[Request, int], bool]] = None) -> list[Request]:
+        """Advance each scheduled request, append its new tokens, finish and free stopped ones.
 
-        Returns the requests that got a new token, finished or not.
+        ``sampled`` maps a request id to its new token, or to the list of tokens a
+        speculating request accepted (its accepted drafts, then the token sampled after
+        them). Rejected drafts are rolled back: ``num_computed_tokens`` and the block table
+        shrink to the KV that holds accepted tokens. This is the one place that decides a
+        request is finished: after each appended token, ``on_token(request, j)`` (the j-th
+        new token of this step; the detokenizer's stop strings) and then the token rules of
+        ``stopping.check_token_stop``; a stop in the middle of an accepted run ends the
+        request there and drops the rest.
+
+        Returns the requests that got new tokens, finished or not.
         """
         with_new_token: list[Request] = []
         any_finished = False
@@ -192,32 +219,37 @@ class Scheduler:
                 continue  # aborted between schedule() and now
             needs_sample = chunk.needs_sample
             request.num_computed_tokens += chunk.num_new_tokens
+            request.spec_token_ids = []  # drafts are proposed afresh for every step
             if not needs_sample:
                 continue
-            request.output_token_ids.append(sampled[request.request_id])
+            new_tokens = sampled[request.request_id]
+            if isinstance(new_tokens, int):
+                new_tokens = (new_tokens,)
+            num_drafts = len(chunk.spec_token_ids)
+            if not 1 <= len(new_tokens) <= num_drafts + 1:
+                raise ValueError(f"request {request.request_id}: {len(new_tokens)} tokens for "
+                                 f"{num_drafts} drafts")
+            num_rejected = num_drafts + 1 - len(new_tokens)
+            if num_rejected:
+                # The rejected drafts' KV is garbage: forget it, and the blocks only it used.
+                request.num_computed_tokens -= num_rejected
+                self.kv_manager.trim(request, request.num_computed_tokens)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            status = self._check_stop(request)
-            if status is not None:
-                self._finish(request, status)
-                any_finished = True
+            for j, token in enumerate(new_tokens):
+                request.output_token_ids.append(token)
+                if on_token is not None and on_token(request, j):
+                    status: Optional[RequestStatus] = RequestStatus.FINISHED_STOPPED
+                else:
+                    status = check_token_stop(request, self.max_model_len)
+                if status is not None:
+                    self._finish(request, status)
+                    any_finished = True
+                    break
             with_new_token.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return with_new_token
-
-    def _check_stop(self, request: Request) -> Optional[RequestStatus]:
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish waiting or running requests now (abort, stop string); unknown ids are ignored."""

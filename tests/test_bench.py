@@ -38,7 +38,14 @@ def test_workloads_have_the_design_shapes():
               for name, s in WORKLOADS.items()}
     assert shapes == {"W1": (16, (32, 512), 64, 0), "W2": (32, (64, 64), 256, 0),
                       "W3": (1, (256, 256), 256, 0), "W4": (32, (32, 32), 32, 1024),
-                      "W5": (8, (4096, 4096), 256, 0)}
+                      "W5": (8, (4096, 4096), 256, 0),
+                      "W6": (4, (1, 1), 128, 0)}
+    # W6: real text, one request at a time; it needs the model's tokenizer.
+    with pytest.raises(ConfigError, match="tokenizer"):
+        build_workload(WORKLOADS["W6"], 49152)
+    w6 = build_workload(WORKLOADS["W6"], 49152, tokenize=lambda text: [ord(c) for c in text])
+    assert w6.max_concurrency == 1 and len({tuple(p) for p in w6.prompts}) == 4
+    assert all(len(p) > 500 and "".join(map(chr, p)).count("\n") >= 2 for p in w6.prompts)
     w1a, w1b = (build_workload(WORKLOADS["W1"], 49152) for _ in range(2))
     assert w1a.prompts == w1b.prompts  # a fixed seed: every engine sees identical tokens
     assert all(32 <= len(p) <= 512 for p in w1a.prompts)

@@ -28,7 +28,7 @@ def _int_list(text: str) -> list[int]:
 
 def _add_workload_args(p: argparse.ArgumentParser, default: str, with_input: bool = True) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", default=default, help="W1 | W2 | W3 | W4 (see benchmarks/README.md)")
+    g.add_argument("--workload", default=default, help="W1 | W2 | W3 | W4 | W6 (see benchmarks/README.md)")
     if with_input:
         g.add_argument("--input", default=None,
                        help="JSONL of requests: {prompt_len | prompt_token_ids | prompt, output_len}")
@@ -110,7 +110,7 @@ def make_commands(engine_args_from: EngineArgsFrom):
             spec = _spec_from(ns)
 
             def make(driver):
-                return build_workload(spec, driver.vocab_size)
+                return build_workload(spec, driver.vocab_size, driver.engine.tokenizer.encode)
 
         result, runs = run_throughput(engine_args_from(ns), make, _compare_opts(ns, False))
         _emit(result, ns)
@@ -148,7 +148,7 @@ def make_commands(engine_args_from: EngineArgsFrom):
         from kvserve.bench.workloads import build_workload
 
         driver = KvserveDriver(engine_args_from(ns))
-        workload = build_workload(_spec_from(ns), driver.vocab_size)
+        workload = build_workload(_spec_from(ns), driver.vocab_size, driver.engine.tokenizer.encode)
         result = run_profile(driver, workload, ns.trace, progress=not ns.no_progress)
         print_profile(result)
         write_json(result, ns.json)

@@ -51,15 +51,25 @@ class KvserveDriver:
         prefill0, decode0 = counters.prefill_time_s, counters.decode_time_s
         generated0 = counters.generation_tokens
 
+        spec0 = eng.spec_stats()
         started = time.perf_counter()
         timings: dict[str, RequestTiming] = {}
         order: list[str] = []
-        for prompt, n_out in zip(workload.prompts, workload.output_lens):
-            rid = eng.add_request(None, prompt, greedy(n_out))
-            timings[rid] = RequestTiming(prompt_len=len(prompt), start=started)
-            order.append(rid)
+        pending: set[str] = set()
+        queue = list(zip(workload.prompts, workload.output_lens))
+        limit = workload.max_concurrency or len(queue)
 
-        pending = set(order)
+        def submit() -> None:
+            while queue and len(pending) < limit:
+                prompt, n_out = queue.pop(0)
+                rid = eng.add_request(None, prompt, greedy(n_out))
+                # Timed from its own submission when the workload holds requests back.
+                start = time.perf_counter() if workload.max_concurrency else started
+                timings[rid] = RequestTiming(prompt_len=len(prompt), start=start)
+                order.append(rid)
+                pending.add(rid)
+
+        submit()
         peak_blocks = kv.num_used_blocks
         computed_tokens = steps = 0
         bar = tqdm(total=workload.total_output_tokens, desc=desc, unit="tok", disable=not progress,
@@ -85,6 +95,7 @@ class KvserveDriver:
                     pending.discard(out.request_id)
             if pending and not eng.has_unfinished_requests():
                 raise RuntimeError(f"kvserve went idle with requests unfinished: {sorted(pending)}")
+            submit()
         finished = time.perf_counter()
         bar.close()
 
@@ -105,6 +116,13 @@ class KvserveDriver:
             "sampled_tokens": sampled,
             "model_gflop": self.flops.flops(computed_tokens, sampled) / 1e9,
         }
+        if eng.speculator is not None:
+            spec1 = eng.spec_stats()
+            steps_, drafted, accepted = (spec1[k] - spec0[k] for k in
+                                         ("spec_num_steps", "spec_draft_tokens", "spec_accepted_tokens"))
+            extra.update(spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
+                         spec_acceptance_rate=accepted / drafted if drafted else 0.0,
+                         spec_mean_accepted_length=1 + accepted / steps_ if steps_ else 0.0)
         return EngineRun(self.name, [timings[r] for r in order], started, finished, extra)
 
     def close(self) -> None:

@@ -4,6 +4,7 @@
     hf-bf16       = hf-bf16-seq, hf-bf16-batch
     llamacpp      = llamacpp-seq, llamacpp-batch   (llama-cpp-python, optional extra)
     kvserve-noprefix                               (kvserve with prefix caching off)
+    kvserve-nospec, kvserve-ngram                  (kvserve with speculation off / n-gram on)
 
 Every peer has ``warmup()``, ``run(workload, progress) -> EngineRun`` and ``close()``. A peer
 that cannot run here (package absent, no GGUF file) is skipped with the reason.
@@ -28,7 +29,10 @@ ALIASES = {
     "llama.cpp": ["llamacpp-seq", "llamacpp-batch"],
 }
 PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
-              "llamacpp-seq", "llamacpp-batch", "kvserve-noprefix"]
+              "llamacpp-seq", "llamacpp-batch", "kvserve-noprefix",
+              "kvserve-nospec", "kvserve-ngram"]
+# Speculation of the kvserve-ngram peer: vLLM's defaults shape, k = 4.
+NGRAM_PEER_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 _HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -109,6 +113,13 @@ def open_peer(name: str, ctx: PeerContext):
         from kvserve.bench.kvserve_driver import KvserveDriver
 
         driver = KvserveDriver(dataclasses.replace(ctx.eargs, enable_prefix_caching=False))
+        driver.name = name
+        return driver
+    if name in ("kvserve-nospec", "kvserve-ngram"):
+        from kvserve.bench.kvserve_driver import KvserveDriver
+
+        spec = None if name == "kvserve-nospec" else NGRAM_PEER_CONFIG
+        driver = KvserveDriver(dataclasses.replace(ctx.eargs, speculative_config=spec))
         driver.name = name
         return driver
     raise ConfigError(f"unknown peer {name!r}")

@@ -37,6 +37,7 @@ STEP_PARTS = {
     "scheduler.schedule": "scheduler and batch building",
     "scheduler.update": "scheduler and batch building",
     "detokenizer": "detokenizer",
+    "spec.propose": "scheduler and batch building",
 }
 ATTENTION_LABEL = "attention"
 ATTENTION_OPS = {"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
@@ -158,7 +159,8 @@ def run_profile(driver: "KvserveDriver", workload: Workload, trace_path: Optiona
     if trace_path:
         prof.export_chrome_trace(trace_path)
     seconds = categorize(prof.events(), wall_s * 1e6)
-    return {"command": "profile", "model": driver.eargs.model,
+    spec = {k: v for k, v in run.extra.items() if k.startswith("spec_")}
+    return {"speculative": spec or None,"command": "profile", "model": driver.eargs.model,
             "dtype": str(driver.engine.dtype).removeprefix("torch."),
             "num_threads": torch.get_num_threads(), "workload": workload.describe(),
             "wall_s": wall_s, "categories_s": seconds,
@@ -175,6 +177,11 @@ def print_profile(result: dict) -> None:
     print("top aten ops by self CPU time:")
     for row in result["top_ops"]:
         print(f"  {row['op']:<44} {row['self_cpu_s']:>8.3f} s  {row['calls']:>7} calls")
+    spec = result.get("speculative")
+    if spec:
+        print(f"speculative decoding: {spec['spec_draft_tokens']} drafted, "
+              f"{spec['spec_accepted_tokens']} accepted ({100 * spec['spec_acceptance_rate']:.1f} %), "
+              f"mean accepted length {spec['spec_mean_accepted_length']:.2f} tokens per verify step")
     if result["trace"]:
         print(f"Chrome trace: {result['trace']} (open in chrome://tracing or ui.perfetto.dev)")
     print("(times are under the profiler, which slows op-heavy code; compare categories, "

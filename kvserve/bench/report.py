@@ -146,6 +146,11 @@ def print_summary(result: dict, file=None) -> None:
             print(f"  {name}: greedy tokens agree with kvserve on "
                   f"{100 * s['greedy_agreement_with_kvserve']:.0f} % of outputs (prefix match)",
                   file=file)
+    for name, s in {"kvserve": result["kvserve"], **result.get("peers", {})}.items():
+        if s.get("spec_draft_tokens") is not None:
+            print(f"  {name}: speculative decoding {s['spec_draft_tokens']} drafted, "
+                  f"{s['spec_accepted_tokens']} accepted ({100 * s['spec_acceptance_rate']:.1f} %), "
+                  f"mean accepted length {s['spec_mean_accepted_length']:.2f}", file=file)
     for name, reason in result.get("skipped_peers", {}).items():
         print(f"  skipped {name}: {reason}", file=file)
     sweep = result.get("prefill_sweep")

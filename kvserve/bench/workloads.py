@@ -1,12 +1,15 @@
-"""Benchmark workloads: W1-W4 of DESIGN.md, or a JSONL file of prompts and lengths.
+"""Benchmark workloads: W1-W6 of DESIGN.md, or a JSONL file of prompts and lengths.
 
-Prompts are random token ids drawn from a fixed seed, so every engine sees identical tokens
-and no tokenizer sits between the workload and the measurement.
+W1-W4 prompts are random token ids drawn from a fixed seed, so every engine sees identical
+tokens and no tokenizer sits between the workload and the measurement. W6 is real text
+(``texts/``: code to continue or edit, documents to summarise or rewrite), tokenized by the
+model's own tokenizer: speculative decoding's drafts are never accepted on random ids.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -28,6 +31,11 @@ class WorkloadSpec:
     output_len: int
     shared_prefix_len: int = 0  # tokens common to every prompt, placed before prompt_len
     seed: int = 0
+    # Text workloads: prompt files in kvserve/bench/texts/ (prompt_len is then ignored and
+    # the request count cycles through them).
+    texts: tuple[str, ...] = ()
+    # At most this many requests in flight (None: all submitted at once); 1 = batch 1.
+    max_concurrency: Optional[int] = None
 
     def with_overrides(self, **overrides) -> "WorkloadSpec":
         changes = {k: v for k, v in overrides.items() if v is not None}
@@ -49,15 +57,19 @@ class WorkloadSpec:
     def description(self) -> str:
         lo, hi = self.prompt_len
         prompt = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        if self.texts:
+            prompt = "real-text (" + ", ".join(self.texts) + ")"
         if self.shared_prefix_len:
             prompt = f"{self.shared_prefix_len} shared + {prompt} distinct"
         noun = "request" if self.num_requests == 1 else "requests"
-        return (f"{self.title}: {self.num_requests} {noun}, {prompt} prompt tokens, "
+        batch = f", {self.max_concurrency} at a time" if self.max_concurrency else ""
+        return (f"{self.title}: {self.num_requests} {noun}{batch}, {prompt} prompt tokens, "
                 f"{self.output_len} output tokens")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["prompt_len"] = list(self.prompt_len)
+        d["texts"] = list(self.texts)
         d["description"] = self.description
         return d
 
@@ -69,7 +81,21 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "W4": WorkloadSpec("W4", "shared prefix", num_requests=32, prompt_len=(32, 32), output_len=32,
                        shared_prefix_len=1024),
     "W5": WorkloadSpec("W5", "long context", num_requests=8, prompt_len=(4096, 4096), output_len=256),
+    "W6": WorkloadSpec("W6", "input-grounded", num_requests=4, prompt_len=(1, 1), output_len=128,
+                       texts=("code_continue", "code_edit", "summarize", "readme_edit"),
+                       max_concurrency=1),
 }
+TEXTS_DIR = os.path.join(os.path.dirname(__file__), "texts")
+
+
+def load_text(name: str) -> str:
+    path = os.path.join(TEXTS_DIR, name + ".txt")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no workload text {name!r} (looked for {path})")
+    with open(path, encoding="utf-8") as f:
+        # No trailing newline: the model writes it, merged with the next line's indent as its
+        # tokenizer would (a prompt ending in a bare newline is an unnatural tokenization).
+        return f.read().rstrip()
 
 
 @dataclass
@@ -81,6 +107,7 @@ class Workload:
     output_lens: list[int]
     description: str = ""
     spec: Optional[WorkloadSpec] = None
+    max_concurrency: Optional[int] = None  # None: every request submitted at once
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.output_lens) or not self.prompts:
@@ -117,15 +144,22 @@ def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(low, high) for _ in range(n)]
 
 
-def build_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
+def build_workload(spec: WorkloadSpec, vocab_size: int,
+                   tokenize: Optional[Callable[[str], list[int]]] = None) -> Workload:
     spec.validate()
+    if spec.texts:
+        if tokenize is None:
+            raise ConfigError(f"workload {spec.name} is real text: it needs the model's tokenizer")
+        texts = [load_text(spec.texts[i % len(spec.texts)]) for i in range(spec.num_requests)]
+        return Workload(spec.name, [tokenize(t) for t in texts], [spec.output_len] * spec.num_requests,
+                        spec.description, spec, spec.max_concurrency)
     rng = random.Random(spec.seed)
     prefix = random_tokens(rng, spec.shared_prefix_len, vocab_size)
     lo, hi = spec.prompt_len
     prompts = [prefix + random_tokens(rng, rng.randint(lo, hi), vocab_size)
                for _ in range(spec.num_requests)]
     return Workload(spec.name, prompts, [spec.output_len] * spec.num_requests,
-                    spec.description, spec)
+                    spec.description, spec, spec.max_concurrency)
 
 
 def get_spec(name: str) -> WorkloadSpec:

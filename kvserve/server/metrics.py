@@ -30,6 +30,8 @@ _GAUGES = {
     "kv_usage": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)."),
     "kv_blocks_used": ("kv_cache_blocks_used", "KV-cache blocks in use."),
     "kv_blocks_total": ("kv_cache_blocks_total", "KV-cache blocks in the pool."),
+    "spec_mean_accepted_length": ("spec_decode_mean_accepted_length",
+                                  "Speculative decoding: mean tokens per verify step (accepted drafts + 1)."),
 }
 _COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens admitted."),
@@ -38,6 +40,9 @@ _COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
     "num_preemptions": ("num_preemptions", "Requests preempted for lack of KV-cache blocks."),
     "aborted_requests": ("request_aborted", "Requests aborted (client went away, or abort)."),
+    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Speculative draft tokens verified."),
+    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
+    "spec_num_steps": ("spec_decode_num_drafts", "Verify steps that carried drafts (per request)."),
 }
 
 

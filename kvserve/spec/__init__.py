@@ -1,0 +1,12 @@
+"""Speculative decoding: drafters propose tokens, the target model verifies them in one pass.
+
+``config`` parses the user's ``speculative_config``; ``ngram`` is the prompt-lookup drafter;
+``speculator`` decides per step and per request whether drafting pays (the "never a
+slowdown" policy); ``verify`` turns the target's sampled tokens at every drafted position
+into the accepted run. Everything but ``verify`` is torch-free.
+"""
+from kvserve.spec.config import SpeculativeConfig, parse_speculative_config
+from kvserve.spec.speculator import Drafter, SpecStats, Speculator, build_speculator
+
+__all__ = ["SpeculativeConfig", "parse_speculative_config", "Drafter", "SpecStats",
+           "Speculator", "build_speculator"]

@@ -1,0 +1,115 @@
+"""Which requests draft this step, and how much: the "never a slowdown" policy.
+
+Verifying k drafts costs a pass over k + 1 tokens instead of 1. A lone decode is memory-
+bound (the weights are read once either way), so that is nearly free and every accepted
+draft is a step saved. A large batch is compute-bound: the extra tokens cost their full
+price, and drafts that are rejected are a pure loss. So:
+
+- no drafting while more than ``disable_by_batch_size`` requests are decoding;
+- per request, after a verify step that accepted nothing, drafting pauses for 1, 2, 4...
+  steps (text that does not repeat its context stops paying at once); any accepted draft
+  resets the pause;
+- requests whose next-token distribution depends on the tokens before it in ways the
+  batched verification does not replay (penalties, ``min_tokens`` still blocking EOS) do
+  not draft.
+
+Torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from kvserve.request import Request
+from kvserve.spec.config import SpeculativeConfig
+from kvserve.spec.ngram import NgramDrafter
+
+
+class Drafter(Protocol):
+    def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
+        """Up to k draft tokens to follow ``token_ids`` (possibly none)."""
+
+
+@dataclass
+class SpecStats:
+    num_spec_steps: int = 0  # (request, step) pairs that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify step yields on average: its accepted drafts plus the one sampled."""
+        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
+
+
+@dataclass
+class _RequestState:
+    backoff: int = 0
+    skip: int = 0
+
+
+def can_speculate(request: Request) -> bool:
+    params = request.sampling_params
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        return False  # the penalty at draft j would depend on drafts 0..j-1
+    if request.grammar is not None:
+        return False  # so would a grammar's token mask (its state after drafts 0..j-1)
+    return request.num_output_tokens >= params.min_tokens
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.stats = SpecStats()
+        self._state: dict[str, _RequestState] = {}
+
+    def propose(self, running: Sequence[Request]) -> int:
+        """Set ``spec_token_ids`` on the running requests that draft this step; returns how
+        many got drafts. The scheduler trims drafts to its budget and length limits."""
+        for r in running:
+            r.spec_token_ids = []  # a request left out of the last step keeps none stale
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        if len(self._state) > 2 * len(running) + 64:
+            alive = {r.request_id for r in running}
+            self._state = {rid: s for rid, s in self._state.items() if rid in alive}
+        if not decoding or len(decoding) > self.config.disable_by_batch_size:
+            return 0
+        num = 0
+        for request in decoding:
+            state = self._state.setdefault(request.request_id, _RequestState())
+            if state.skip > 0:
+                state.skip -= 1
+                continue
+            if not can_speculate(request):
+                continue
+            request.spec_token_ids = self.drafter.propose(request.all_token_ids,
+                                                          self.config.num_speculative_tokens)
+            num += bool(request.spec_token_ids)
+        return num
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Feed back one verify step of one request."""
+        if num_drafts <= 0:
+            return
+        self.stats.num_spec_steps += 1
+        self.stats.num_draft_tokens += num_drafts
+        self.stats.num_accepted_tokens += num_accepted
+        state = self._state.setdefault(request_id, _RequestState())
+        if num_accepted == 0 and self.config.max_backoff_steps:
+            state.backoff = min(max(1, 2 * state.backoff), self.config.max_backoff_steps)
+            state.skip = state.backoff
+        elif num_accepted:
+            state.backoff = 0
+
+
+def build_speculator(config: SpeculativeConfig) -> Speculator:
+    if config.method == "ngram":
+        drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max,
+                               config.num_speculative_tokens)
+        return Speculator(config, drafter)
+    raise ValueError(f"unknown speculative method {config.method!r}")
