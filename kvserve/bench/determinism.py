@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from kvserve.request import RequestOutput, SamplingParams
 
@@ -32,13 +32,15 @@ def _unrelated_prompts(llm, n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_check(make_llm: Callable[..., Any], max_tokens: int = 24, logprobs: int = 5,
-              crowd: int = CROWD) -> dict[str, Any]:
-    """``make_llm(**engine_overrides)`` builds an LLM (same model/format/KV dtype each time).
-    Returns the signatures per scenario and the number of distinct ones."""
+              crowd: int = CROWD, prompt: Optional[list[int]] = None) -> dict[str, Any]:
+    """``make_llm(**engine_overrides)`` builds an LLM (same model/format/KV dtype each time);
+    ``prompt`` (token ids) defaults to PROMPT in the chat template. Returns the signatures
+    per scenario and the number of distinct ones."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
     noise = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm = make_llm()
-    prompt = llm.chat_prompt_ids([{"role": "user", "content": PROMPT}])
+    if prompt is None:
+        prompt = llm.chat_prompt_ids([{"role": "user", "content": PROMPT}])
     runs: dict[str, list[tuple]] = {}
     runs["alone cold"] = [signature(llm.generate([prompt], params)[0])]
     others = _unrelated_prompts(llm, crowd)
@@ -50,14 +52,18 @@ def run_check(make_llm: Callable[..., Any], max_tokens: int = 24, logprobs: int 
     runs["streamed"] = [signature(streamed[-1])]
     chunked = make_llm(max_num_batched_tokens=16, enable_prefix_caching=False)
     runs["chunked 16"] = [signature(o) for o in chunked.generate([others[0], prompt, others[1]], [noise, params, noise])[1:2]]
-    # Room for every prompt at once, not for their growth: preemption by recompute mid-decode.
-    group = [others[2], prompt, others[3], others[4]]
+    # Room for every prompt at once, not for the others' growth: the target, last admitted,
+    # is the first victim, preempted mid-decode and recomputed.
+    group = [others[2], others[3], others[4], prompt]
+    growing = SamplingParams(temperature=0.0, max_tokens=max_tokens + 48, ignore_eos=True)
+
     def blocks(n: int) -> int:
         return -(-n // 16)
-    room = max(blocks(max(len(p) for p in group) + max_tokens), sum(blocks(len(p) + 1) for p in group))
+    room = max(sum(blocks(len(p) + 1) for p in group), blocks(len(prompt) + max_tokens),
+               max(blocks(len(p) + growing.max_tokens) for p in group[:-1]))
     small = make_llm(num_blocks=room, enable_prefix_caching=False)
-    outs = small.generate(group, [noise, params, noise, noise])
-    runs["preempted"] = [signature(outs[1])]
+    outs = small.generate(group, [growing] * 3 + [params])
+    runs["preempted"] = [signature(outs[-1])]
     distinct = {sig for sigs in runs.values() for sig in sigs}
     return {"runs": runs, "distinct": len(distinct), "preemptions": small.engine.scheduler.num_preemptions,
             "num_runs": sum(len(v) for v in runs.values())}
@@ -72,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="a prompt of this many random tokens instead of the chat prompt (e.g. past a sliding window)")
     args = parser.parse_args(argv)
     base = dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=256 << 20)
     if args.quantization:
@@ -83,7 +91,11 @@ def main(argv: list[str] | None = None) -> None:
             kwargs.pop("kv_cache_memory")
         return LLM(**kwargs)
 
-    result = run_check(make_llm, max_tokens=args.max_tokens)
+    prompt = None
+    if args.prompt_tokens:
+        rng = random.Random(1)
+        prompt = [rng.randrange(100, 30000) for _ in range(args.prompt_tokens)]
+    result = run_check(make_llm, max_tokens=args.max_tokens, prompt=prompt)
     first = next(iter(result["runs"].values()))[0]
     for name, sigs in result["runs"].items():
         print(f"{name:12s}: {len(set(sigs))} distinct of {len(sigs)}; same as alone cold: {all(s == first for s in sigs)}")
