@@ -112,14 +112,14 @@ def test_tiny_prompt_splits_and_streaming(tiny_model, dtype, quantization, kv):
                         enable_prefix_caching=False)
         outs = chunked.generate([OTHERS[0], TARGET, OTHERS[1]], [NOISE, PARAMS, NOISE])
         assert signature(outs[1]) == alone, f"chunk budget {budget}"
-    # Preemption by recompute: room for every prompt at once, not for the others' growth; the
-    # target, admitted last, is the first victim.
-    group = [OTHERS[2], OTHERS[3], OTHERS[4], OTHERS[5], TARGET]
-    growing = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    room = max(sum(-(-(len(p) + 1) // 16) for p in group), -(-(len(TARGET) + MAX_TOKENS) // 16),
-               max(-(-(len(p) + 40) // 16) for p in group))
+    # Preemption by recompute: room for the target's whole request and the others' prompts
+    # filled to the last slot, so the others' first decode needs a block and the target,
+    # admitted last, is the victim.
+    group = _prompts(1, seed=21, lo=32, hi=33) + _prompts(1, seed=22, lo=48, hi=49) + [TARGET]
+    growing = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    room = 2 + 3 + -(-(len(TARGET) + MAX_TOKENS) // 16)
     small = _tiny(tiny_model, dtype, quantization, kv, num_blocks=room, enable_prefix_caching=False)
-    outs = small.generate(group, [growing] * 4 + [PARAMS])
+    outs = small.generate(group, [growing] * 2 + [PARAMS])
     assert small.engine.scheduler.num_preemptions > 0
     assert signature(outs[-1]) == alone
 

@@ -52,15 +52,16 @@ def run_check(make_llm: Callable[..., Any], max_tokens: int = 24, logprobs: int 
     runs["streamed"] = [signature(streamed[-1])]
     chunked = make_llm(max_num_batched_tokens=16, enable_prefix_caching=False)
     runs["chunked 16"] = [signature(o) for o in chunked.generate([others[0], prompt, others[1]], [noise, params, noise])[1:2]]
-    # Room for every prompt at once, not for the others' growth: the target, last admitted,
-    # is the first victim, preempted mid-decode and recomputed.
-    group = [others[2], others[3], others[4], prompt]
+    # Room for the target's whole request and the others' prompts, filled to the last slot
+    # (lengths a multiple of the block size): the others' first decode needs a block, and
+    # the target, admitted last, is the victim, preempted and recomputed.
+    rng = random.Random(1)
+    group = [[rng.randrange(100, 30000) for _ in range(n)] for n in (32, 48, 64)] + [prompt]
     growing = SamplingParams(temperature=0.0, max_tokens=max_tokens + 48, ignore_eos=True)
 
     def blocks(n: int) -> int:
         return -(-n // 16)
-    room = max(sum(blocks(len(p) + 1) for p in group), blocks(len(prompt) + max_tokens),
-               max(blocks(len(p) + growing.max_tokens) for p in group[:-1]))
+    room = sum(blocks(len(p)) for p in group[:-1]) + blocks(len(prompt) + max_tokens)
     small = make_llm(num_blocks=room, enable_prefix_caching=False)
     outs = small.generate(group, [growing] * 3 + [params])
     runs["preempted"] = [signature(outs[-1])]
