@@ -126,19 +126,22 @@ def test_tiny_prompt_splits_and_streaming(tiny_model, dtype, quantization, kv):
 
 # ------------------------------------------------------------------ real models
 
+# The default format and the two others with kernels of their own on SmolLM2 (int8 is held by
+# the tiny models and tests/test_dense_linear.py; Gemma's int4 is bf16 plus a Q8_0 head), kept
+# to a few runs: CI is a 2-core machine.
 REAL = [
-    pytest.param("smollm2-135m-instruct", fmt, id=f"smollm2-{fmt[1] or 'bf16'}") for fmt in
-    [("auto", None), ("float32", "none"), ("auto", "int4"), ("auto", "int8")]
-] + [
-    pytest.param("gemma-3-270m", fmt, id=f"gemma3-{fmt[1] or 'bf16'}") for fmt in
-    [("auto", None), ("float32", "none"), ("auto", "int8")]
+    pytest.param("smollm2-135m-instruct", ("auto", None), id="smollm2-bf16"),
+    pytest.param("smollm2-135m-instruct", ("float32", "none"), id="smollm2-fp32"),
+    pytest.param("smollm2-135m-instruct", ("auto", "int4"), id="smollm2-int4"),
+    pytest.param("gemma-3-270m", ("auto", None), id="gemma3-bf16"),
 ]
 
 
 @pytest.mark.parametrize("model,fmt", REAL)
 def test_real_model_issue_check(model, fmt):
-    """Issue #15's check (alone cold, 24 copies among 24 others, alone warm, streamed,
-    chunked, preempted): one distinct (tokens, logprobs)."""
+    """Issue #15's check (alone cold, copies among as many others, alone warm, streamed,
+    chunked, preempted): one distinct (tokens, logprobs). The 24 copies of the issue run in
+    ``python -m kvserve.bench.determinism``; 8 here."""
     dtype, quantization = fmt
     base = dict(model=model, dtype=dtype, quantization=quantization, kv_cache_memory=96 << 20)
 
@@ -151,6 +154,6 @@ def test_real_model_issue_check(model, fmt):
     gemma = model.startswith("gemma")
     # Gemma: a prompt past its 512-token sliding window, so that the windows start mid-block.
     prompt = _prompts(1, seed=3, lo=600, hi=601)[0] if gemma else None
-    result = run_check(make_llm, max_tokens=4, logprobs=3, crowd=8 if gemma else 24, prompt=prompt)
+    result = run_check(make_llm, max_tokens=4, logprobs=3, crowd=8, prompt=prompt)
     assert result["preemptions"] > 0
     assert result["distinct"] == 1, {k: len(set(v)) for k, v in result["runs"].items()}
