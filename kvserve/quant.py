@@ -15,6 +15,7 @@ The block-quantized weights live in one huge-page buffer in the order a step rea
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -30,6 +31,13 @@ INT4_GROUP_SIZE = 32
 # greedy picks and top logprobs carry fp32 precision (bf16 logits have ~3 significant digits).
 LM_HEAD_RESCORE_TOP_K = 16
 _KERNEL_DTYPE = torch.bfloat16
+
+
+def batch_invariant_linears() -> bool:
+    """kvserve's batch-invariant kernels for bf16 and fp32 weights (the default), or, with
+    ``KVSERVE_BATCH_INVARIANT=0``, the BLAS paths used before (oneDNN, MKL): an explicit
+    opt-out of determinism for machines where those are faster (AMX prefill)."""
+    return os.environ.get("KVSERVE_BATCH_INVARIANT", "1") != "0"
 
 
 BF16_PANEL = 32  # output columns per packed panel of kvserve's bf16 kernel (csrc/dense_linear.cpp)
@@ -71,7 +79,7 @@ class Bf16Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         cpu = weight.device.type == "cpu"
-        self.packed = cpu and ops.load_extension() is not None
+        self.packed = cpu and batch_invariant_linears() and ops.load_extension() is not None
         self.prepacked = cpu and not self.packed and torch.backends.mkldnn.is_available()
         if self.packed:
             w = pack_bf16_weight(weight)
@@ -134,7 +142,7 @@ class Fp32Linear(nn.Module):
 def use_invariant_fp32_linears(model: nn.Module) -> int:
     """Swap the fp32 ``nn.Linear`` layers of a CPU model (LM head included) for Fp32Linear,
     sharing their weights; how many were swapped. Nothing without the extension."""
-    if ops.load_extension() is None:
+    if ops.load_extension() is None or not batch_invariant_linears():
         return 0
     swapped = 0
     for name, module in list(model.named_modules()):
