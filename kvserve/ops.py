@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_linear.cpp", "decoder.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_linear.cpp", "dense_linear.cpp", "decoder.cpp")]
 ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}
 _ext: Any = None
 _load_attempted = False
@@ -225,6 +225,20 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _ext.top_k_rows(x, k)
     values, indices = x.topk(k, dim=-1)
     return values, indices
+
+
+def gathered_rows_dot(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``out[s, j] = x[s] . w[idx[s, j]]`` (the LM head's rescoring of its top candidates).
+    The kernel sums each dot product in Fp32Linear's order whatever the number of rows;
+    ``torch.bmm`` (the reference) picks its kernel by the batch."""
+    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and w.dtype == torch.float32 and w.stride(-1) == 1:
+        return _ext.gathered_rows_dot(x, w, idx.contiguous())
+    return gathered_rows_dot_reference(x, w, idx)
+
+
+def gathered_rows_dot_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    rows = w.index_select(0, idx.reshape(-1)).view(*idx.shape, -1)
+    return torch.bmm(rows.float(), x.float().unsqueeze(-1)).squeeze(-1)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

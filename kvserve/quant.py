@@ -15,6 +15,7 @@ The block-quantized weights live in one huge-page buffer in the order a step rea
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -32,26 +33,70 @@ LM_HEAD_RESCORE_TOP_K = 16
 _KERNEL_DTYPE = torch.bfloat16
 
 
-class Bf16Linear(nn.Module):
-    """bf16 weights under any activation dtype (the input is cast to bf16 for the matmul).
+def batch_invariant_linears() -> bool:
+    """kvserve's batch-invariant kernels for bf16 and fp32 weights (the default), or, with
+    ``KVSERVE_BATCH_INVARIANT=0``, the BLAS paths used before (oneDNN, MKL): an explicit
+    opt-out of determinism for machines where those are faster (AMX prefill)."""
+    return os.environ.get("KVSERVE_BATCH_INVARIANT", "1") != "0"
 
-    On the CPU the weight is stored pre-packed in oneDNN's blocked layout, as inductor does
-    for frozen CPU models: the same products bit for bit, without the per-call repacking
-    that makes a plain ``F.linear`` reach only 15-25 GFLOP/s at one row and about 60 % of
-    the packed speed at 32 rows (measured here on SmolLM2's shapes).
+
+BF16_PANEL = 32  # output columns per packed panel of kvserve's bf16 kernel (csrc/dense_linear.cpp)
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> the bf16 bits (int16) of ``[Np / 32, Kp / 2, 32, 2]``: panels of 32 output
+    columns, then pairs of K (N rounded up to 32, K to 2, with zeros). One 512-bit load of
+    a panel is 16 columns x 2 k, what one vdpbf16ps multiplies with a broadcast k pair."""
+    n, k = weight.shape
+    np_, kp = -(-n // BF16_PANEL) * BF16_PANEL, k + k % 2
+    padded = torch.zeros(np_, kp, dtype=torch.bfloat16, device=weight.device)
+    padded[:n, :k] = weight.detach().to(torch.bfloat16)
+    packed = padded.view(np_ // BF16_PANEL, BF16_PANEL, kp // 2, 2).permute(0, 2, 1, 3)
+    return packed.contiguous().view(torch.int16)
+
+
+def unpack_bf16_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack_bf16_weight's inverse: the bf16 ``[n, k]`` weight."""
+    panels, pairs = packed.shape[0], packed.shape[1]
+    rows = packed.view(torch.bfloat16).permute(0, 2, 1, 3).reshape(panels * BF16_PANEL, pairs * 2)
+    return rows[:n, :k]
+
+
+class Bf16Linear(nn.Module):
+    """bf16 weights under any activation dtype: the input is rounded to bf16, the products
+    summed in fp32.
+
+    On the CPU with kvserve's extension the weight is packed for kvserve's own kernel
+    (csrc/dense_linear.cpp), which reduces every output over K in one fixed order whatever
+    the number of rows: a row's result does not depend on the batch around it. oneDNN, used
+    before, changes its reduction with the row count (a request's logprobs then moved with
+    the batch); measured at par with it or faster on SmolLM2's and Gemma 3's shapes, 1 to
+    512 rows. Without the extension (no compiler) the weight is pre-packed for oneDNN, as
+    inductor does for frozen CPU models; elsewhere (CUDA) a plain ``F.linear``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
-        w = weight.detach().to(_KERNEL_DTYPE)
-        self.prepacked = w.device.type == "cpu" and torch.backends.mkldnn.is_available()
-        if self.prepacked:
-            w = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        self.register_buffer("weight", w)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(_KERNEL_DTYPE))
         self.out_features, self.in_features = weight.shape
+        cpu = weight.device.type == "cpu"
+        self.packed = cpu and batch_invariant_linears() and ops.load_extension() is not None
+        self.prepacked = cpu and not self.packed and torch.backends.mkldnn.is_available()
+        if self.packed:
+            w = pack_bf16_weight(weight)
+            b = None if bias is None else bias.detach().float().contiguous()
+        else:
+            w = weight.detach().to(_KERNEL_DTYPE)
+            if self.prepacked:
+                w = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            b = None if bias is None else bias.detach().to(_KERNEL_DTYPE)
+        self.register_buffer("weight", w)
+        self.register_buffer("bias", b)
+        self._unpacked: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            n = self.out_features
+            return _block_quantized_forward(self, x, lambda ext, rows: ext.bf16_linear(rows, self.weight, n, self.bias))
         x16 = x.to(_KERNEL_DTYPE)
         if self.prepacked:
             # The models pass [tokens, features]: no reshape ops on the per-token path.
@@ -62,6 +107,50 @@ class Bf16Linear(nn.Module):
         else:
             y = nn.functional.linear(x16, self.weight, self.bias)
         return y.to(x.dtype)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed kernel's sums in plain torch: bf16-rounded activations times the bf16
+        weights, in fp32 (another summation order: equal to rounding, not bit for bit)."""
+        if self._unpacked is None:
+            self._unpacked = unpack_bf16_weight(self.weight, self.out_features, self.in_features).float()
+        y = x.float().to(torch.bfloat16).float() @ self._unpacked.T
+        return y if self.bias is None else y + self.bias
+
+
+class Fp32Linear(nn.Module):
+    """fp32 weights (``--quantization none``, and the fp32 LM head) through kvserve's kernel
+    (csrc/dense_linear.cpp): one 16-lane dot product per output in ascending k and a fixed
+    horizontal sum, so a row's result does not depend on how many rows share the call. MKL's
+    sgemm, which ``F.linear`` calls, does (measured: every row count > 1 changes the bits).
+    The weight is used as stored (it may be the tied embedding table): no copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.weight = weight if weight.is_contiguous() else nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu" and ops.cpu_extension() is not None:
+            return _block_quantized_forward(self, x, lambda ext, rows: ext.fp32_linear(rows, self.weight, self.bias))
+        return self.forward_reference(x)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def use_invariant_fp32_linears(model: nn.Module) -> int:
+    """Swap the fp32 ``nn.Linear`` layers of a CPU model (LM head included) for Fp32Linear,
+    sharing their weights; how many were swapped. Nothing without the extension."""
+    if ops.load_extension() is None or not batch_invariant_linears():
+        return 0
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, Fp32Linear(module.weight, module.bias))
+            swapped += 1
+    return swapped
 
 
 class Int8Linear(nn.Module):
@@ -184,7 +273,7 @@ class Q8Linear(nn.Module):
 
 
 def _block_quantized_forward(layer: nn.Module, x: torch.Tensor, kernel) -> torch.Tensor:
-    """``layer(x)`` for Int4Linear / Q8Linear: fp32 rows through the kernel
+    """``layer(x)`` for kvserve's kernels (Int4Linear, Q8Linear, Bf16Linear, Fp32Linear): fp32 rows through the kernel
     (``kernel(extension, rows)``), or ``layer.forward_reference`` without the extension."""
     rows = x.reshape(-1, layer.in_features).float().contiguous()
     ext = ops.cpu_extension()
@@ -225,9 +314,7 @@ class RescoredLMHead(nn.Module):
         if logits.shape[0] == 0:
             return logits
         idx = ops.top_k(logits, min(self.top_k, logits.shape[-1]))[1]  # [S, k]
-        rows = self.exact_weight.index_select(0, idx.reshape(-1)).view(*idx.shape, -1)
-        exact = torch.bmm(rows.float(), x.float().unsqueeze(-1)).squeeze(-1)
-        return logits.scatter_(1, idx, exact)
+        return logits.scatter_(1, idx, ops.gathered_rows_dot(x.float(), self.exact_weight, idx))
 
 
 def _q4_1_linear(raw_parts: list, bias: Optional[torch.Tensor]) -> Int4Linear:

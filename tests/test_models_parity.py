@@ -33,13 +33,9 @@ BLOCK_SIZE = 16
 NUM_DECODE = 32  # greedy continuation checked token for token (HF: on the longest prompt)
 NUM_DECODE_LOGITS_CHECKED = 8  # decode steps whose logits are compared, for all three sequences
 LOGITS_ATOL = 1e-3
-# The issue's bar: a sequence's logits alone vs inside a batch, fp32, within 1e-4.
-# Alone vs batched, a sequence goes through matmuls with a different number of rows, and MKL's
-# sgemm sums in another order for M=1, M=2..3, M>=4 and large M (~1e-6 relative; measured on
-# one 2048x640 product: 1.5e-5 to 4.8e-5 absolute). SmolLM2 stays under the bar (4.6e-5);
-# Gemma 3's logits reach ~45 and its 18 layers amplify that to 1.0e-4 .. 1.2e-4 on this machine.
-# A cross-sequence leak (wrong mask, wrong block) moves logits by orders of magnitude more.
-BATCH_INVARIANCE_ATOL = 1e-4
+# A sequence's logits alone vs inside a batch, fp32: bit for bit (issue #15). MKL's sgemm, used
+# before, summed in another order for M=1, 2..3, >=4 and large M, which Gemma 3's 18 layers
+# amplified to 1.0-1.2e-4; kvserve's own fp32 kernel reduces every output in one fixed order.
 PROMPTS = json.loads((Path(__file__).parent / "data" / "parity_prompts.json").read_text())
 
 
@@ -168,16 +164,12 @@ def test_greedy_continuation_matches_hf(real_model_run):
     assert run["ours_tokens"][0] == hf_tokens, "greedy continuation diverged from HF"
 
 
-def test_batch_invariance(real_model_run, request):
+def test_batch_invariance(real_model_run):
     run = real_model_run
-    if run["name"] == "gemma-3-270m":
-        # Known miss of the 1e-4 bar (see BATCH_INVARIANCE_ATOL). Not strict: the figure sits
-        # right at the bar and moves with the thread count, so it may pass on another machine.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="BLAS row-count-dependent "
-                                              "summation order: 1.0-1.2e-4 on Gemma 3"))
     worst = max(_max_diff(alone, run["ours_logits"][i][1]) for i, alone in enumerate(run["alone_logits"]))
     print(f"\n{run['name']} alone vs batched max|diff|: {worst:.2e}")
-    assert worst < BATCH_INVARIANCE_ATOL
+    for i, alone in enumerate(run["alone_logits"]):
+        assert torch.equal(alone, run["ours_logits"][i][1]), f"step {i}"
 
 
 # ------------------------------------------------------------------ tiny models vs HF

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_ops.h"
+#include "dense_linear.h"
 #include "quant_linear.h"
 
 #include <sys/mman.h>
@@ -1092,5 +1093,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear);
   m.def("q8_linear", &q8_linear);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
+  m.def("bf16_linear", &bf16_linear);
+  m.def("fp32_linear", &fp32_linear);
+  m.def("gathered_rows_dot", &gathered_rows_dot);
+  m.def("set_portable_dense_kernels", &set_portable_dense_kernels);
   register_fused_decoder(m);
 }

@@ -9,6 +9,7 @@
 // in the same order, so the results are the same bit for bit: the Python model
 // (kvserve/models) stays the reference, and the tests hold the two together.
 #include "cpu_ops.h"
+#include "dense_linear.h"
 #include "quant_linear.h"
 
 #include <ATen/record_function.h>
@@ -22,9 +23,9 @@ namespace {
 
 // One linear layer, as kvserve.quant / torch store it (see kvserve/models/fused.py).
 struct Linear {
-  enum class Kind { kQ4, kQ8, kOneDnnBf16, kInt8, kDense };
+  enum class Kind { kQ4, kQ8, kBf16, kFp32, kOneDnnBf16, kInt8, kDense };
   Kind kind = Kind::kDense;
-  torch::Tensor weight, scales;  // Q4: qs, dm; Q8: qs, d; int8: weight, scales; oneDNN / dense: weight
+  torch::Tensor weight, scales;  // Q4: qs, dm; Q8: qs, d; int8: weight, scales; bf16: packed; fp32 / oneDNN / dense: weight
   c10::optional<torch::Tensor> bias;
   int64_t out_features = 0;
 
@@ -40,6 +41,18 @@ struct Linear {
         RECORD_FUNCTION("kvserve::q8_linear", std::vector<c10::IValue>());
         auto out = torch::empty({x.size(0), out_features}, x.options());
         q8_linear_out(out, x, weight, scales, bias);
+        return out;
+      }
+      case Kind::kBf16: {  // kvserve.quant.Bf16Linear, packed for kvserve's kernel
+        RECORD_FUNCTION("kvserve::bf16_linear", std::vector<c10::IValue>());
+        auto out = torch::empty({x.size(0), out_features}, x.options());
+        bf16_linear_out(out, x, weight, bias);
+        return out;
+      }
+      case Kind::kFp32: {  // kvserve.quant.Fp32Linear
+        RECORD_FUNCTION("kvserve::fp32_linear", std::vector<c10::IValue>());
+        auto out = torch::empty({x.size(0), out_features}, x.options());
+        fp32_linear_out(out, x, weight, bias);
         return out;
       }
       case Kind::kOneDnnBf16: {
@@ -70,8 +83,10 @@ Linear make_linear(const pybind11::tuple& spec) {
   linear.weight = spec[1].cast<torch::Tensor>();
   if (!spec[2].is_none()) linear.scales = spec[2].cast<torch::Tensor>();
   if (!spec[3].is_none()) linear.bias = spec[3].cast<torch::Tensor>();
-  linear.out_features = linear.weight.size(0);
+  linear.out_features = spec.size() > 4 ? spec[4].cast<int64_t>() : linear.weight.size(0);
   if (kind == "q4") linear.kind = Linear::Kind::kQ4;
+  else if (kind == "bf16") linear.kind = Linear::Kind::kBf16;
+  else if (kind == "fp32") linear.kind = Linear::Kind::kFp32;
   else if (kind == "q8") linear.kind = Linear::Kind::kQ8;
   else if (kind == "onednn_bf16") linear.kind = Linear::Kind::kOneDnnBf16;
   else if (kind == "int8") linear.kind = Linear::Kind::kInt8;

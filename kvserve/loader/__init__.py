@@ -41,6 +41,10 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
             from kvserve.loader.gguf import quantized_weights
             raw = quantized_weights(open_gguf(source.path), config)
         convert_linear_layers(model, quantization, raw)
+    elif dtype == torch.float32:
+        # fp32 weights through kvserve's batch-invariant kernel rather than MKL's sgemm.
+        from kvserve.quant import use_invariant_fp32_linears
+        use_invariant_fp32_linears(model)
     from kvserve.models.fused import attach_fused_layers
     attach_fused_layers(model)
     return model, config

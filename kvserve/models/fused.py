@@ -25,13 +25,14 @@ from torch import nn
 from kvserve import ops
 from kvserve.attention import AttentionMetadata, kernel_rows
 from kvserve.kv_cache import KVCache
-from kvserve.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear
+from kvserve.quant import Bf16Linear, Fp32Linear, Int4Linear, Int8Linear, Q8Linear
 
 logger = logging.getLogger(__name__)
 
 
 def _linear_spec(layer: nn.Module) -> Optional[tuple]:
-    """(kind, weight, scales, bias) as decoder.cpp's ``Linear`` takes them, or None."""
+    """(kind, weight, scales, bias[, out_features]) as decoder.cpp's ``Linear`` takes them,
+    or None (out_features where the weight's shape does not say it: packed bf16)."""
     if isinstance(layer, Int4Linear):
         return "q4", layer.qs, layer.dm, layer.bias
     if isinstance(layer, Q8Linear):
@@ -39,7 +40,11 @@ def _linear_spec(layer: nn.Module) -> Optional[tuple]:
     if isinstance(layer, Int8Linear):
         return "int8", layer.weight, layer.scales, layer.bias
     if isinstance(layer, Bf16Linear):
+        if layer.packed:
+            return "bf16", layer.weight, None, layer.bias, layer.out_features
         return "onednn_bf16" if layer.prepacked else "dense", layer.weight, None, layer.bias
+    if isinstance(layer, Fp32Linear):
+        return "fp32", layer.weight, None, layer.bias
     if type(layer) is nn.Linear and layer.weight.dtype == torch.float32:
         return "dense", layer.weight, None, layer.bias
     return None

@@ -1,0 +1,388 @@
+// Batch-invariant linear layers for bf16 and fp32 weights (and the LM head's rescoring).
+//
+// BLAS libraries pick their kernels, tilings and K splits by the shape of the call: oneDNN's
+// bf16 matmul and MKL's sgemm give a row different bits depending on how many rows share the
+// call (measured: oneDNN differs from 32 rows up at K = 1536 or 2048, MKL at every M > 1).
+// A request's tokens then depend on what else runs in its step, how its prompt was split and
+// whether it hit the prefix cache. Here every output element is one accumulator that starts
+// at zero and takes K in ascending order, then (once) the bias: register blocking over rows
+// and columns and the split of columns over threads change which element is computed when,
+// never how. The Q4_1 / Q8_0 kernels (quant_linear.cpp) are built the same way.
+//
+//   bf16: weights packed as [Np / 32, K / 2, 32, 2] (a panel of 32 output columns, then
+//     pairs of K): one 512-bit load is 16 columns x 2 k, the activations' k pair is
+//     broadcast, and vdpbf16ps adds both products into the column's fp32 lane.
+//   fp32: W as nn.Linear stores it, [N, K]: a 16-lane dot product per output with FMAs in
+//     ascending k, then the same horizontal sum (_mm512_reduce_add_ps) for every output.
+//
+// Without AVX512(-BF16) a portable loop computes each output in its own fixed order (not
+// the same bits as the vector kernels, equally batch invariant).
+#include "dense_linear.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVSERVE_DENSE_AVX512 1
+#if defined(__AVX512BF16__)
+#define KVSERVE_DENSE_BF16 1
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output columns per packed bf16 panel (two 16-lane vectors)
+constexpr int64_t kRowBlock = 96;  // activation rows kept in cache while a thread's panels pass over them
+constexpr int64_t kSmallWork = 1 << 18;  // multiply-adds below which one thread does the whole call
+
+bool g_portable = false;
+
+inline uint32_t bf16_bits_rne(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;  // round to nearest even, as torch's .to(bfloat16)
+}
+
+inline float bf16_value(uint32_t b) {
+  const uint32_t bits = b << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+int64_t threads_for(int64_t work) { return work < kSmallWork ? 1 : at::get_num_threads(); }
+
+// Columns [0, n) split into `threads` contiguous ranges (in units of `unit`), one per thread.
+template <typename Range>
+void over_column_ranges(int64_t units, int64_t threads, const Range& range) {
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t begin = units * t / threads, end = units * (t + 1) / threads;
+      if (begin < end) range(begin, end);
+    }
+  });
+}
+
+const float* optional_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+              "bias must be a contiguous float32 [N]");
+  return bias->data_ptr<float>();
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& out, int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == N && out.stride(1) == 1,
+              "out must be float32 [M, N] with contiguous rows");
+}
+
+// ------------------------------------------------------------------------------ bf16
+
+// The activations rounded to bf16, as k pairs: [M][Kh] words, word kk = x[2kk] | x[2kk + 1] << 16.
+std::vector<uint32_t> bf16_pairs(const float* x, int64_t stride, int64_t M, int64_t K, int64_t Kh) {
+  std::vector<uint32_t> pairs(M * Kh);
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = x + m * stride;
+      uint32_t* dst = pairs.data() + m * Kh;
+      const int64_t full = K / 2;
+#pragma omp simd
+      for (int64_t kk = 0; kk < full; ++kk) dst[kk] = bf16_bits_rne(xr[2 * kk]) | (bf16_bits_rne(xr[2 * kk + 1]) << 16);
+      if (full < Kh) dst[full] = bf16_bits_rne(xr[K - 1]);  // odd K: the padded weight is zero
+    }
+  });
+  return pairs;
+}
+
+struct Bf16Call {
+  const uint32_t* x;  // [M][Kh]
+  const uint16_t* w;  // [P][Kh][32][2]
+  int64_t Kh, N;
+  float* out;
+  int64_t out_stride;
+  const float* bias;
+};
+
+// Writes 16 sums (columns col..col+15, those < N) of one row, plus the bias.
+inline void store_columns(const Bf16Call& c, float* o, int64_t col, const float* sums) {
+  const int64_t n = std::min<int64_t>(16, c.N - col);
+  for (int64_t i = 0; i < n; ++i) o[col + i] = sums[i] + (c.bias ? c.bias[col + i] : 0.f);
+}
+
+#ifdef KVSERVE_DENSE_BF16
+// MR activation rows x NP panels (2 NP vectors of 16 columns): MR * 2 NP accumulators.
+template <int MR, int NP>
+void bf16_tile(const Bf16Call& c, int64_t m0, int64_t p0) {
+  constexpr int NB = 2 * NP;
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint16_t* w[NP];
+  for (int p = 0; p < NP; ++p) w[p] = c.w + (p0 + p) * c.Kh * 2 * kPanel;
+  const uint32_t* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = c.x + (m0 + r) * c.Kh;
+  for (int64_t kk = 0; kk < c.Kh; ++kk) {
+    __m512bh b[NB];
+    for (int p = 0; p < NP; ++p) {
+      b[2 * p] = (__m512bh)_mm512_loadu_si512(w[p] + kk * 2 * kPanel);
+      b[2 * p + 1] = (__m512bh)_mm512_loadu_si512(w[p] + kk * 2 * kPanel + kPanel);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r][kk]));
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* o = c.out + (m0 + r) * c.out_stride;
+    for (int j = 0; j < NB; ++j) {
+      const int64_t col = (p0 + j / 2) * kPanel + (j % 2) * 16;
+      if (col >= c.N) continue;
+      if (col + 16 <= c.N) {
+        __m512 v = acc[r][j];
+        if (c.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(c.bias + col));
+        _mm512_storeu_ps(o + col, v);
+      } else {
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, acc[r][j]);
+        store_columns(c, o, col, sums);
+      }
+    }
+  }
+}
+
+template <int MR>
+void bf16_tile_np(const Bf16Call& c, int64_t m0, int64_t p0, int64_t np) {
+  if constexpr (MR <= 2) {  // up to four panels: 2 x 8 accumulators + 8 weight vectors fit the 32 registers
+    switch (np) {
+      case 1: bf16_tile<MR, 1>(c, m0, p0); break;
+      case 2: bf16_tile<MR, 2>(c, m0, p0); break;
+      case 3: bf16_tile<MR, 3>(c, m0, p0); break;
+      default: bf16_tile<MR, 4>(c, m0, p0); break;
+    }
+  } else {
+    if (np == 1) bf16_tile<MR, 1>(c, m0, p0);
+    else bf16_tile<MR, 2>(c, m0, p0);
+  }
+}
+
+void bf16_rows(const Bf16Call& c, int64_t m0, int64_t rows, int64_t p0, int64_t np) {
+  switch (rows) {
+    case 1: bf16_tile_np<1>(c, m0, p0, np); break;
+    case 2: bf16_tile_np<2>(c, m0, p0, np); break;
+    case 3: bf16_tile_np<3>(c, m0, p0, np); break;
+    case 4: bf16_tile_np<4>(c, m0, p0, np); break;
+    case 5: bf16_tile_np<5>(c, m0, p0, np); break;
+    default: bf16_tile_np<6>(c, m0, p0, np); break;
+  }
+}
+
+// Panels [pb, pe) for all M rows: one or two rows (decode) take four panels per pass (eight
+// independent accumulator chains, four weight streams); more rows go six at a time over two
+// panels, in blocks of kRowBlock rows so that a block's activations stay in cache.
+void bf16_panels_avx512(const Bf16Call& c, int64_t M, int64_t pb, int64_t pe) {
+  const int64_t panels_per_pass = M <= 2 ? 4 : 2;
+  for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+    const int64_t me = std::min(M, mb + kRowBlock);
+    for (int64_t p = pb; p < pe; p += panels_per_pass) {
+      const int64_t np = std::min(panels_per_pass, pe - p);
+      for (int64_t m = mb; m < me; m += 6) bf16_rows(c, m, std::min<int64_t>(6, me - m), p, np);
+    }
+  }
+}
+#endif
+
+// The portable loop: per output, k pairs in ascending order, each pair's two products added
+// one after the other.
+void bf16_panels_portable(const Bf16Call& c, int64_t M, int64_t pb, int64_t pe) {
+  for (int64_t m = 0; m < M; ++m) {
+    const uint32_t* x = c.x + m * c.Kh;
+    float* o = c.out + m * c.out_stride;
+    for (int64_t col = pb * kPanel; col < std::min(c.N, pe * kPanel); ++col) {
+      const uint16_t* w = c.w + (col / kPanel) * c.Kh * 2 * kPanel + (col % kPanel) * 2;
+      float acc = 0.f;
+      for (int64_t kk = 0; kk < c.Kh; ++kk) {
+        acc += bf16_value(x[kk] & 0xFFFF) * bf16_value(w[kk * 2 * kPanel]);
+        acc += bf16_value(x[kk] >> 16) * bf16_value(w[kk * 2 * kPanel + 1]);
+      }
+      o[col] = acc + (c.bias ? c.bias[col] : 0.f);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ fp32
+
+#ifdef KVSERVE_DENSE_AVX512
+// res[r][j] = x[r] . w[j] over K: one 16-lane FMA chain per pair in ascending k (a masked
+// tail), then the fixed horizontal sum.
+template <int MR, int NR>
+inline void dot_tile(const float* const* x, const float* const* w, int64_t K, float (*res)[8]) {
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w[j] + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x[r] + k);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w[j] + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x[r] + k);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) res[r][j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+#endif
+
+inline float dot_portable(const float* x, const float* w, int64_t K) {
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) acc += x[k] * w[k];
+  return acc;
+}
+
+// Outputs (m, n) for m in [0, M), n in [nb, ne): dot(x row m, w row n) + bias[n].
+void fp32_block(const float* x, int64_t x_stride, const float* w, int64_t w_stride, int64_t K, int64_t M,
+                int64_t nb, int64_t ne, float* out, int64_t o_stride, const float* bias) {
+#ifdef KVSERVE_DENSE_AVX512
+  if (!g_portable) {
+    float res[4][8];
+    const float* xr[4];
+    const float* wr[8];
+    auto put = [&](int64_t m, int64_t rows, int64_t n, int64_t cols) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) out[(m + r) * o_stride + n + j] = res[r][j] + (bias ? bias[n + j] : 0.f);
+    };
+    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+      const int64_t me = std::min(M, mb + kRowBlock);
+      const int64_t cols_per_pass = me - mb <= 2 ? 8 : 4;
+      for (int64_t n = nb; n < ne; n += cols_per_pass) {
+        const int64_t cols = std::min(cols_per_pass, ne - n);
+        for (int64_t j = 0; j < cols; ++j) wr[j] = w + (n + j) * w_stride;
+        for (int64_t m = mb; m < me;) {
+          const int64_t rows = cols == cols_per_pass ? std::min<int64_t>(me - m, me - mb <= 2 ? 2 : 4) : 1;
+          for (int64_t r = 0; r < rows; ++r) xr[r] = x + (m + r) * x_stride;
+          if (cols == 8 && rows == 2) dot_tile<2, 8>(xr, wr, K, res);
+          else if (cols == 8) dot_tile<1, 8>(xr, wr, K, res);
+          else if (cols == 4 && rows == 4) dot_tile<4, 4>(xr, wr, K, res);
+          else if (cols == 4 && rows == 3) dot_tile<3, 4>(xr, wr, K, res);
+          else if (cols == 4 && rows == 2) dot_tile<2, 4>(xr, wr, K, res);
+          else if (cols == 4) dot_tile<1, 4>(xr, wr, K, res);
+          else {
+            for (int64_t j = 0; j < cols; ++j) {  // a ragged end of the range: one output at a time
+              dot_tile<1, 1>(xr, wr + j, K, reinterpret_cast<float(*)[8]>(&res[0][j]));
+            }
+          }
+          put(m, rows, n, cols);
+          m += rows;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = nb; n < ne; ++n)
+      out[m * o_stride + n] = dot_portable(x + m * x_stride, w + n * w_stride, K) + (bias ? bias[n] : 0.f);
+}
+
+}  // namespace
+
+void set_portable_dense_kernels(bool portable) { g_portable = portable; }
+
+void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  check_rows(x, out, N);
+  TORCH_CHECK(wp.scalar_type() == torch::kInt16 && wp.is_contiguous() && wp.dim() == 4 && wp.size(2) == kPanel &&
+                  wp.size(3) == 2,
+              "wp must be int16 [Np / 32, Kp / 2, 32, 2] (kvserve.quant.pack_bf16_weight)");
+  const int64_t P = wp.size(0), Kh = wp.size(1);
+  TORCH_CHECK(Kh == (K + 1) / 2 && P == (N + kPanel - 1) / kPanel, "wp does not match x [M, K] and N");
+  if (M == 0) return;
+  const std::vector<uint32_t> pairs = bf16_pairs(x.data_ptr<float>(), x.stride(0), M, K, Kh);
+  const Bf16Call call{pairs.data(), reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>()), Kh, N,
+                      out.data_ptr<float>(), out.stride(0), optional_bias(bias, N)};
+  over_column_ranges(P, std::min(P, threads_for(M * N * K)), [&](int64_t pb, int64_t pe) {
+#ifdef KVSERVE_DENSE_BF16
+    if (!g_portable) {
+      bf16_panels_avx512(call, M, pb, pe);
+      return;
+    }
+#endif
+    bf16_panels_portable(call, M, pb, pe);
+  });
+}
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t n, c10::optional<torch::Tensor> bias) {
+  auto out = torch::empty({x.size(0), n}, x.options());
+  bf16_linear_out(out, x, wp, bias);
+  return out;
+}
+
+void fp32_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_rows(x, out, N);
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.stride(1) == 1 && w.size(1) == K,
+              "w must be float32 [N, K] with contiguous rows");
+  if (M == 0) return;
+  const float* b = optional_bias(bias, N);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  over_column_ranges(N, std::min(N, threads_for(M * N * K)), [&](int64_t nb, int64_t ne) {
+    fp32_block(xp, x.stride(0), wp, w.stride(0), K, M, nb, ne, o, out.stride(0), b);
+  });
+}
+
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+  fp32_linear_out(out, x, w, bias);
+  return out;
+}
+
+torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor idx) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a float32 CPU [S, K] tensor with contiguous rows");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.stride(1) == 1 && w.size(1) == x.size(1),
+              "w must be float32 [V, K] with contiguous rows");
+  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.dim() == 2 && idx.is_contiguous() && idx.size(0) == x.size(0),
+              "idx must be int64 [S, k]");
+  const int64_t S = x.size(0), C = idx.size(1), K = x.size(1), V = w.size(0);
+  auto out = torch::empty({S, C}, x.options());
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S * C; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "idx out of range");
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const float* xr[1] = {xp + s * x.stride(0)};
+      for (int64_t j = 0; j < C; ++j) {
+        const float* wr[1] = {wp + ip[s * C + j] * w.stride(0)};
+#ifdef KVSERVE_DENSE_AVX512
+        if (!g_portable) {
+          float res[1][8];
+          dot_tile<1, 1>(xr, wr, K, res);
+          o[s * C + j] = res[0][0];
+          continue;
+        }
+#endif
+        o[s * C + j] = dot_portable(xr[0], wr[0], K);
+      }
+    }
+  });
+  return out;
+}

@@ -1,0 +1,22 @@
+#pragma once
+
+#include <torch/extension.h>
+
+// y = x @ W^T + bias with bf16 weights packed by kvserve.quant.pack_bf16_weight: wp int16
+// [Np / 32, Kp / 2, 32, 2] (Np = N rounded up to 32, Kp = K rounded up to 2, zero padding),
+// x fp32 [M, K] rounded to bf16, fp32 sums. Every output is reduced over K in one fixed order
+// whatever M, N-tiling or thread count (batch invariant).
+void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t n, c10::optional<torch::Tensor> bias);
+
+// y = x @ W^T + bias for fp32 W [N, K] (row-major, as nn.Linear stores it): each output a
+// 16-lane dot product over K in a fixed order, then a fixed horizontal sum (batch invariant).
+void fp32_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+
+// out[s, j] = x[s] . w[idx[s, j]] (fp32), the LM head's rescoring of its top candidates, each
+// dot product in the order fp32_linear uses.
+torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor idx);
+
+// Tests: force the portable loops on a machine that has the AVX512 ones.
+void set_portable_dense_kernels(bool portable);

@@ -1,0 +1,85 @@
+"""kvserve's bf16 and fp32 linear kernels (csrc/dense_linear.cpp) against plain torch, and the
+property they exist for: every weight format's linear layer gives a row the same bits
+whatever the number of rows in the call (oneDNN's bf16 matmul did not from 32 rows up at
+K = 1536, MKL's sgemm at any row count above 1)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvserve import ops
+from kvserve.quant import (Bf16Linear, Fp32Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead,
+                           pack_bf16_weight, unpack_bf16_weight)
+
+pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
+
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 13, 33, 97, 200)
+
+
+@pytest.fixture(params=[False, True], ids=["vector", "portable"])
+def portable(request):
+    ext = ops.load_extension()
+    ext.set_portable_dense_kernels(request.param)
+    ext.set_portable_quant_kernels(request.param)
+    yield request.param
+    ext.set_portable_dense_kernels(False)
+    ext.set_portable_quant_kernels(False)
+
+
+def test_bf16_packing_round_trips():
+    w = torch.randn(70, 33)  # ragged: padded to 96 columns and 34 k
+    packed = pack_bf16_weight(w)
+    assert packed.shape == (3, 17, 32, 2) and packed.dtype == torch.int16
+    assert torch.equal(unpack_bf16_weight(packed, 70, 33), w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (70, 33), (40, 576)])
+def test_bf16_and_fp32_kernels_match_plain_torch(portable, n, k):
+    torch.manual_seed(n + k)
+    w, b = torch.randn(n, k) * 0.1, torch.randn(n)
+    bf16, fp32 = Bf16Linear(w, b), Fp32Linear(w, b)
+    assert bf16.packed
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, k)
+        ref = bf16.forward_reference(x)
+        assert (bf16(x) - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
+        ref = x.double() @ w.double().T + b.double()
+        assert (fp32(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
+    with ops.use_kernels(False):  # the plain-torch twins
+        assert torch.equal(bf16(x), bf16.forward_reference(x))
+        assert torch.equal(fp32(x), torch.nn.functional.linear(x, w, b))
+
+
+def _layers(n: int, k: int) -> dict[str, torch.nn.Module]:
+    torch.manual_seed(k)
+    w, b = torch.randn(n, k) * 0.05, torch.randn(n) * 0.1
+    return {"bf16": Bf16Linear(w, b), "fp32": Fp32Linear(w, b), "int8": Int8Linear(w, b),
+            "int4": Int4Linear.from_float(w, b), "q8": Q8Linear(w),
+            "bf16 head + rescoring": RescoredLMHead(Bf16Linear(w, None), w, top_k=16),
+            "q8 head + rescoring": RescoredLMHead(Q8Linear(w), w, top_k=16)}
+
+
+# SmolLM2's down projection (K = 1536) and a Gemma-3-like one (K = 2048): the shapes where
+# oneDNN's reduction changed with the row count.
+@pytest.mark.parametrize("n,k", [(96, 1536), (64, 2048), (160, 576)])
+def test_every_format_is_batch_invariant(portable, n, k):
+    x = torch.randn(max(ROW_COUNTS), k)
+    for name, layer in _layers(n, k).items():
+        single = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+        for rows in ROW_COUNTS[1:]:
+            for start in (0, 3):  # and wherever the row sits in the call
+                y = layer(x[start:start + rows])
+                assert torch.equal(y, single[start:start + rows]), (name, rows, start)
+
+
+def test_gathered_rows_dot_is_fp32_linear_bit_for_bit():
+    """The rescored logits of an fp32 head's candidates are the fp32 head's own logits."""
+    torch.manual_seed(1)
+    w, x = torch.randn(500, 576), torch.randn(5, 576)
+    idx = torch.randint(0, 500, (5, 16))
+    exact = ops.gathered_rows_dot(x, w, idx)
+    assert torch.equal(exact, Fp32Linear(w, None)(x).gather(1, idx))
+    ref = ops.gathered_rows_dot_reference(x, w, idx)
+    assert (exact - ref).abs().max() <= 1e-5 * ref.abs().max()
