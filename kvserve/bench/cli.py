@@ -28,7 +28,7 @@ def _int_list(text: str) -> list[int]:
 
 def _add_workload_args(p: argparse.ArgumentParser, default: str, with_input: bool = True) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", default=default, help="W1 | W2 | W3 | W4 | W6 (see benchmarks/README.md)")
+    g.add_argument("--workload", default=default, help="W1 | W2 | W3 | W4 | W5 | W6 (see benchmarks/README.md)")
     if with_input:
         g.add_argument("--input", default=None,
                        help="JSONL of requests: {prompt_len | prompt_token_ids | prompt, output_len}")

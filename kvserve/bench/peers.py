@@ -5,6 +5,7 @@
     llamacpp      = llamacpp-seq, llamacpp-batch   (llama-cpp-python, optional extra)
     kvserve-noprefix                               (kvserve with prefix caching off)
     kvserve-nospec, kvserve-ngram                  (kvserve with speculation off / n-gram on)
+    kvserve-kv-int8, kvserve-kv-bfloat16, ...      (kvserve with that KV cache dtype)
 
 Every peer has ``warmup()``, ``run(workload, progress) -> EngineRun`` and ``close()``. A peer
 that cannot run here (package absent, no GGUF file) is skipped with the reason.
@@ -30,7 +31,8 @@ ALIASES = {
 }
 PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
               "llamacpp-seq", "llamacpp-batch", "kvserve-noprefix",
-              "kvserve-nospec", "kvserve-ngram"]
+              "kvserve-nospec", "kvserve-ngram", "kvserve-kv-int8", "kvserve-kv-bfloat16",
+              "kvserve-kv-float32"]
 # Speculation of the kvserve-ngram peer: vLLM's defaults shape, k = 4.
 NGRAM_PEER_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 _HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -120,6 +122,12 @@ def open_peer(name: str, ctx: PeerContext):
 
         spec = None if name == "kvserve-nospec" else NGRAM_PEER_CONFIG
         driver = KvserveDriver(dataclasses.replace(ctx.eargs, speculative_config=spec))
+        driver.name = name
+        return driver
+    if name.startswith("kvserve-kv-"):
+        from kvserve.bench.kvserve_driver import KvserveDriver
+
+        driver = KvserveDriver(dataclasses.replace(ctx.eargs, kv_cache_dtype=name.removeprefix("kvserve-kv-")))
         driver.name = name
         return driver
     raise ConfigError(f"unknown peer {name!r}")
