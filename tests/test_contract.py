@@ -85,5 +85,5 @@ def test_schemathesis_finds_nothing(server, tmp_path):
          "--exclude-checks", "positive_data_acceptance", "--max-examples", "10", "--seed", "16",
          "--phases", "examples,fuzzing,stateful",
          "--no-color", "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its .schemathesis cache goes there
     assert run.returncode == 0, run.stdout[-6000:]
