@@ -318,6 +318,21 @@ inline int64_t first_visible_key(int64_t pos, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
 }
 
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+// Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next ones: when
+// the chunk [j0, j1) ends a block, call fetch(b) for the table entries b up to kPrefetchBlocks
+// ahead (all of them at the first chunk, then the newest one) while this one is computed on.
+template <typename Fetch>
+inline void prefetch_ahead(int64_t j0, int64_t j1, int64_t first_key, int64_t last_key, int64_t BS, Fetch&& fetch) {
+  if (j1 % BS != 0) return;
+  const int64_t from = j0 == first_key ? j1 / BS : j1 / BS + kPrefetchBlocks - 1;
+  for (int64_t b = from; b < j1 / BS + kPrefetchBlocks && b <= last_key / BS; ++b) fetch(b);
+}
+
 // Row r (= query r / G, head r % G of KV head kvh) of a tile's output: acc / sum.
 inline void store_normalized_row(float* out, int64_t o_s0, int64_t o_s1, int64_t first_row, int64_t kvh, int64_t G,
                                  int64_t r, const float* acc, float sum, int64_t D) {
@@ -399,21 +414,10 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     const int64_t block = table[j0 / BS], offset = j0 % BS;
     const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
     const int64_t n_keys = j1 - j0;
-    if (j1 % BS == 0) {
-      // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next
-      // ones: fetch the keys and values kPrefetchBlocks ahead while this one is computed on.
-      const int64_t bytes = BS * D * static_cast<int64_t>(sizeof(cache_t));
-      const int64_t last_block = last_key / BS;
-      const int64_t from = j0 == first_key ? j1 / BS : j1 / BS + kPrefetchBlocks - 1;
-      for (int64_t b = from; b < j1 / BS + kPrefetchBlocks && b <= last_block; ++b) {
-        const char* kn = reinterpret_cast<const char*>(khead + table[b] * BS * D);
-        const char* vn = reinterpret_cast<const char*>(vhead + table[b] * BS * D);
-        for (int64_t off = 0; off < bytes; off += 64) {
-          __builtin_prefetch(kn + off);
-          __builtin_prefetch(vn + off);
-        }
-      }
-    }
+    prefetch_ahead(j0, j1, first_key, last_key, BS, [&](int64_t b) {
+      prefetch_bytes(khead + table[b] * BS * D, BS * D * static_cast<int64_t>(sizeof(cache_t)));
+      prefetch_bytes(vhead + table[b] * BS * D, BS * D * static_cast<int64_t>(sizeof(cache_t)));
+    });
     const cache_t* kb = khead + block * D * BS + offset;  // row d of the chunk: kb + d * BS
     const cache_t* vb = vhead + (block * BS + offset) * D;  // row t of the chunk: vb + t * D
     // The score and value loops read keys/values through K (row d at K + d * k_stride) and V
@@ -686,22 +690,12 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
     const int64_t block = table[j0 / BS], offset = j0 % BS;
     const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
     const int64_t n_keys = j1 - j0;
-    if (j1 % BS == 0) {  // see attention_tile
-      const int64_t last_block = last_key / BS;
-      const int64_t from = j0 == first_key ? j1 / BS : j1 / BS + kPrefetchBlocks - 1;
-      for (int64_t b = from; b < j1 / BS + kPrefetchBlocks && b <= last_block; ++b) {
-        const char* kn = reinterpret_cast<const char*>(khead + table[b] * BS * D);
-        const char* vn = reinterpret_cast<const char*>(vhead + table[b] * BS * D);
-        for (int64_t off = 0; off < BS * D; off += 64) {
-          __builtin_prefetch(kn + off);
-          __builtin_prefetch(vn + off);
-        }
-        for (int64_t off = 0; off < groups * BS; off += 32) {
-          __builtin_prefetch(kscales + table[b] * groups * BS + off);
-          __builtin_prefetch(vscales + table[b] * groups * BS + off);
-        }
-      }
-    }
+    prefetch_ahead(j0, j1, first_key, last_key, BS, [&](int64_t b) {
+      prefetch_bytes(khead + table[b] * BS * D, BS * D);
+      prefetch_bytes(vhead + table[b] * BS * D, BS * D);
+      prefetch_bytes(kscales + table[b] * groups * BS, groups * BS * 2);
+      prefetch_bytes(vscales + table[b] * groups * BS, groups * BS * 2);
+    });
     // Per group and token: score scale x key scale, and the value scale (0 past the chunk).
     float key_mul[kMaxGroups][kKeyChunk] = {}, value_mul[kMaxGroups][kKeyChunk] = {};
     for (int64_t g = 0; g < groups; ++g) {
