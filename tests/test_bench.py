@@ -126,6 +126,24 @@ def test_peer_names():
         expand_peer_names("vllm")
 
 
+def test_blas_peer_is_the_opt_out_of_batch_invariance(monkeypatch):
+    """kvserve-blas: the same engine with its bf16 linears on oneDNN (KVSERVE_BATCH_INVARIANT=0),
+    what the determinism cost is measured against; the flag does not outlive the peer."""
+    from kvserve.bench.peers import PeerContext, open_peer
+    from kvserve.config import EngineArgs
+    from kvserve.ops import load_extension
+    from kvserve.quant import Bf16Linear
+
+    if load_extension() is None:
+        pytest.skip("no native kernels: both paths are the same")
+    monkeypatch.delenv("KVSERVE_BATCH_INVARIANT", raising=False)
+    eargs = EngineArgs(model="tiny-llama", quantization="bf16", num_blocks=64)
+    peer = open_peer("kvserve-blas", PeerContext("test", "", 1, eargs))
+    linears = [m for m in peer.engine.model.modules() if isinstance(m, Bf16Linear)]
+    assert linears and not any(m.packed for m in linears)
+    assert "KVSERVE_BATCH_INVARIANT" not in os.environ and peer.name == "kvserve-blas"
+
+
 # ---------------------------------------------------------------------- profiler categories
 def test_profile_categories_from_labels():
     from torch.profiler import profile, record_function

@@ -6,6 +6,8 @@
     kvserve-noprefix                               (kvserve with prefix caching off)
     kvserve-nospec, kvserve-ngram                  (kvserve with speculation off / n-gram on)
     kvserve-kv-int8, kvserve-kv-bfloat16, ...      (kvserve with that KV cache dtype)
+    kvserve-blas                                   (kvserve's opt-out of determinism:
+                                                    KVSERVE_BATCH_INVARIANT=0, oneDNN/MKL linears)
 
 Every peer has ``warmup()``, ``run(workload, progress) -> EngineRun`` and ``close()``. A peer
 that cannot run here (package absent, no GGUF file) is skipped with the reason.
@@ -13,6 +15,7 @@ that cannot run here (package absent, no GGUF file) is skipped with the reason.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,7 +35,7 @@ ALIASES = {
 PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
               "llamacpp-seq", "llamacpp-batch", "kvserve-noprefix",
               "kvserve-nospec", "kvserve-ngram", "kvserve-kv-int8", "kvserve-kv-bfloat16",
-              "kvserve-kv-float32"]
+              "kvserve-kv-float32", "kvserve-blas"]
 # Speculation of the kvserve-ngram peer: vLLM's defaults shape, k = 4.
 NGRAM_PEER_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 _HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -128,6 +131,22 @@ def open_peer(name: str, ctx: PeerContext):
         from kvserve.bench.kvserve_driver import KvserveDriver
 
         driver = KvserveDriver(dataclasses.replace(ctx.eargs, kv_cache_dtype=name.removeprefix("kvserve-kv-")))
+        driver.name = name
+        return driver
+    if name == "kvserve-blas":
+        from kvserve.bench.kvserve_driver import KvserveDriver
+
+        # The weights are packed for one path or the other at load: the flag only has to
+        # hold while this peer's engine is built.
+        previous = os.environ.get("KVSERVE_BATCH_INVARIANT")
+        os.environ["KVSERVE_BATCH_INVARIANT"] = "0"
+        try:
+            driver = KvserveDriver(ctx.eargs)
+        finally:
+            if previous is None:
+                del os.environ["KVSERVE_BATCH_INVARIANT"]
+            else:
+                os.environ["KVSERVE_BATCH_INVARIANT"] = previous
         driver.name = name
         return driver
     raise ConfigError(f"unknown peer {name!r}")
