@@ -144,6 +144,46 @@ def test_blas_peer_is_the_opt_out_of_batch_invariance(monkeypatch):
     assert "KVSERVE_BATCH_INVARIANT" not in os.environ and peer.name == "kvserve-blas"
 
 
+class _CrashingPeer:
+    """Dies the way llama.cpp's native AMX path does on some machines: SIGILL mid-run."""
+
+    name = "crasher"
+
+    def warmup(self) -> None:
+        pass
+
+    def run(self, workload, progress=True):
+        import signal
+        os.kill(os.getpid(), signal.SIGILL)
+
+    def close(self) -> None:
+        pass
+
+
+def _open_crashing_peer(name, ctx):
+    from kvserve.bench.peers import PeerUnavailable
+
+    if name == "absent":
+        raise PeerUnavailable("not installed here")
+    return _CrashingPeer()
+
+
+def test_isolated_peer_crash_is_reported_not_fatal():
+    from kvserve.bench.isolated import IsolatedPeer, PeerCrashed
+    from kvserve.bench.peers import PeerContext, PeerUnavailable
+    from kvserve.config import EngineArgs
+
+    ctx = PeerContext("test", "", 1, EngineArgs(model="tiny-llama"))
+    with pytest.raises(PeerUnavailable, match="not installed here"):
+        IsolatedPeer("absent", ctx, opener=_open_crashing_peer)
+    peer = IsolatedPeer("crasher", ctx, call_timeout_s=120, opener=_open_crashing_peer)
+    peer.warmup()
+    workload = build_workload(WORKLOADS["W3"], 1000)
+    with pytest.raises(PeerCrashed, match="SIGILL"):
+        peer.run(workload, progress=False)
+    peer.close()  # nothing left to close: must not raise or hang
+
+
 # ---------------------------------------------------------------------- profiler categories
 def test_profile_categories_from_labels():
     from torch.profiler import profile, record_function
@@ -213,6 +253,9 @@ def test_bench_throughput_end_to_end(tmp_path, capsys):
     assert k["prefix_cache_hit_rate"] > 0.3 and 3 <= k["peak_kv_blocks_used"] <= k["kv_blocks_total"]
     assert k["computed_tokens"] < 3 * 56 + 12  # cached prompt tokens are not recomputed
     assert set(r["machine"]["gflops"]) == {"bfloat16", "float32"}
+    from kvserve.bench.machine import CPU_FEATURES, cpu_info
+    assert r["machine"]["cpu"] == cpu_info() and set(cpu_info()["features"]) <= set(CPU_FEATURES)
+    assert f"cpu: {cpu_info()['model']}" in printed.out
     # Two round-robin passes; the best is kept, and the repeat is not served by the first
     # pass's cached blocks.
     assert r["repeats"] == 2 and len(k["output_tokens_per_s_each_repeat"]) == 2
