@@ -118,8 +118,10 @@ def test_ratios_against_each_peer_and_the_best():
 
 def test_peer_names():
     assert expand_peer_names("hf,llamacpp") == ["hf-fp32-seq", "hf-fp32-batch", "llamacpp-seq",
-                                                "llamacpp-batch"]
-    assert expand_peer_names("hf, llamacpp", sequential_only=True) == ["hf-fp32-seq", "llamacpp-seq"]
+                                                "llamacpp-batch", "llamacpp-q4_0-seq",
+                                                "llamacpp-q4_0-batch"]
+    assert expand_peer_names("hf, llamacpp", sequential_only=True) == ["hf-fp32-seq", "llamacpp-seq",
+                                                                       "llamacpp-q4_0-seq"]
     assert expand_peer_names("hf-bf16-batch,hf-bf16") == ["hf-bf16-batch", "hf-bf16-seq"]
     assert expand_peer_names("") == []
     with pytest.raises(ConfigError, match="unknown peer"):
@@ -439,3 +441,26 @@ def test_llamacpp_peers_sequential_and_batched():
         assert all(0 <= t < 49152 for r in run.requests for t in r.output_token_ids)
         assert all(r.ttft > 0 and r.token_times == sorted(r.token_times) for r in run.requests)
         assert run.summary()["output_tokens_per_s"] > 0
+
+
+def test_llamacpp_requantized_q4_0_peer(tmp_path):
+    """llama.cpp's fastest CPU format: the shipped weights requantized to Q4_0 through its own
+    quantizer, written once into the cache and reused."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra")
+    from kvserve.bench.llamacpp_peer import LlamaCppSequential, requantize_q4_0
+    from kvserve.bench.workloads import WorkloadSpec
+    from kvserve.loader.gguf_reader import GGUFFile
+
+    path = requantize_q4_0(_smollm2_gguf(), cache_dir=tmp_path)
+    assert path.endswith(".Q4_0.gguf") and os.path.getsize(path) > 50e6
+    mtime = os.path.getmtime(path)
+    assert requantize_q4_0(_smollm2_gguf(), cache_dir=tmp_path) == path
+    assert os.path.getmtime(path) == mtime  # reused, not written again
+    types = {t.quant_type.name for t in GGUFFile(path).tensors.values()}
+    assert "Q4_0" in types and "Q4_1" not in types
+    peer = LlamaCppSequential(path, n_threads=1)
+    try:
+        run = peer.run(build_workload(WorkloadSpec("t", "tiny", 1, (6, 12), 3), 49152), progress=False)
+    finally:
+        peer.close()
+    assert [r.num_output_tokens for r in run.requests] == [3]

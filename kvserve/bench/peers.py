@@ -2,7 +2,9 @@
 
     hf            = hf-fp32-seq, hf-fp32-batch     (HF transformers generate)
     hf-bf16       = hf-bf16-seq, hf-bf16-batch
-    llamacpp      = llamacpp-seq, llamacpp-batch   (llama-cpp-python, optional extra)
+    llamacpp      = llamacpp-seq, llamacpp-batch   (llama-cpp-python, optional extra: the
+                    llamacpp-q4_0-seq, -batch       shipped GGUF, and the same weights
+                                                    requantized to Q4_0, llama.cpp's fastest)
     kvserve-noprefix                               (kvserve with prefix caching off)
     kvserve-nospec, kvserve-ngram                  (kvserve with speculation off / n-gram on)
     kvserve-kv-int8, kvserve-kv-bfloat16, ...      (kvserve with that KV cache dtype)
@@ -29,11 +31,15 @@ ALIASES = {
     "hf-bf16": ["hf-bf16-seq", "hf-bf16-batch"],
     "hf-seq": ["hf-fp32-seq"],
     "hf-batch": ["hf-fp32-batch"],
-    "llamacpp": ["llamacpp-seq", "llamacpp-batch"],
-    "llama.cpp": ["llamacpp-seq", "llamacpp-batch"],
+    # The shipped file and llama.cpp's fastest CPU format (the same weights requantized to Q4_0).
+    "llamacpp": ["llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch"],
+    "llama.cpp": ["llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch"],
+    "llamacpp-file": ["llamacpp-seq", "llamacpp-batch"],
+    "llamacpp-q4_0": ["llamacpp-q4_0-seq", "llamacpp-q4_0-batch"],
 }
 PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
-              "llamacpp-seq", "llamacpp-batch", "kvserve-noprefix",
+              "llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch",
+              "kvserve-noprefix",
               "kvserve-nospec", "kvserve-ngram", "kvserve-kv-int8", "kvserve-kv-bfloat16",
               "kvserve-kv-float32", "kvserve-blas"]
 # Speculation of the kvserve-ngram peer: vLLM's defaults shape, k = 4.
@@ -111,9 +117,13 @@ def open_peer(name: str, ctx: PeerContext):
                                   "(pip install 'kvserve[llamacpp]')")
         if ctx.source_kind != "gguf":
             raise PeerUnavailable(f"llama.cpp needs a GGUF file, not a {ctx.source_kind} model")
-        if name == "llamacpp-seq":
-            return llamacpp_peer.LlamaCppSequential(ctx.source_path, ctx.num_threads)
-        return llamacpp_peer.LlamaCppBatched(ctx.source_path, ctx.num_threads)
+        path = ctx.source_path
+        if name.startswith("llamacpp-q4_0-"):
+            path = llamacpp_peer.requantize_q4_0(path)
+        peer = (llamacpp_peer.LlamaCppSequential(path, ctx.num_threads) if name.endswith("-seq")
+                else llamacpp_peer.LlamaCppBatched(path, ctx.num_threads))
+        peer.name = name
+        return peer
     if name == "kvserve-noprefix":
         from kvserve.bench.kvserve_driver import KvserveDriver
 
