@@ -43,14 +43,9 @@ MODELS = [
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("model,long_len,num_short", MODELS)
-def test_greedy_invariance(llm_factory, model, long_len, num_short, kv_cache_dtype, request):
-    if model == "gemma-3-270m" and kv_cache_dtype == "int8":
-        # Gemma's fp32 linear layers sum in a row-count-dependent order (test_models_parity's
-        # known miss: ~1e-6 relative); int8 KV turns such noise into a whole quantization step
-        # wherever a K/V value sits near a rounding boundary, and a near-tie token flips when
-        # the prompt is chunked. Batch-invariant linears (the determinism issue) fix the cause.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="row-count-dependent fp32 linears, "
-                                                                   "amplified by int8 rounding"))
+def test_greedy_invariance(llm_factory, model, long_len, num_short, kv_cache_dtype):
+    # int8 KV turns any row-count-dependent rounding in the linears into a whole quantization
+    # step near a rounding boundary: with the batch-invariant linears (issue #15) there is none.
     base = llm_factory(model=model, dtype="float32", kv_cache_dtype=kv_cache_dtype)
     prompts = _token_prompts(base, long_len, num_short)
     alone = [_greedy_tokens(base, [p])[0] for p in prompts]
