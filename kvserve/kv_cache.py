@@ -416,6 +416,9 @@ class KVCache:
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: Union[str, torch.dtype],
-                      device: torch.device | str) -> KVCache:
-    """A cache for ``config``'s layers (tests and tools; the runner allocates from its spec)."""
-    return KVCache.allocate(KVCacheSpec.for_model(config, block_size, dtype), num_blocks, device)
+                      device: torch.device | str, reclaim_sliding_window: bool = False) -> KVCache:
+    """A cache for ``config``'s layers (tests and tools; the runner allocates from its spec):
+    one group of every layer, read through one block table, unless ``reclaim_sliding_window``
+    (the engine's layout: then the attention metadata needs a table per group)."""
+    spec = KVCacheSpec.for_model(config, block_size, dtype, reclaim_sliding_window)
+    return KVCache.allocate(spec, num_blocks, device)

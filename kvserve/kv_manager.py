@@ -206,15 +206,17 @@ class KVCacheManager:
         if sum(num_new_blocks) + num_revived > self.block_pool.num_free_blocks + num_released:
             return None
 
-        for g in range(num_groups):
-            blocks = tables[g]
-            end, released = releases[g]
+        # Every group's releases, then every group's hits, then the new blocks: a hit sitting in
+        # the free queue must be taken before any new block could evict it.
+        for blocks, (end, released) in zip(tables, releases):
             if released:
                 blocks[:end] = [self._null] * end
                 self.block_pool.free_blocks(reversed(released))
-            self.block_pool.touch(b for b in hits[g] if b is not self._null)
-            blocks.extend(hits[g])
-            blocks.extend(self.block_pool.get_new_blocks(num_new_blocks[g]))
+        for blocks, group_hits in zip(tables, hits):
+            self.block_pool.touch(b for b in group_hits if b is not self._null)
+            blocks.extend(group_hits)
+        for blocks, n in zip(tables, num_new_blocks):
+            blocks.extend(self.block_pool.get_new_blocks(n))
         self._req_blocks[request.request_id] = tables
         if self.enable_prefix_caching:
             # Blocks whose every token is computed by the end of this step become findable now,

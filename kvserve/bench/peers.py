@@ -6,6 +6,7 @@
     kvserve-noprefix                               (kvserve with prefix caching off)
     kvserve-nospec, kvserve-ngram                  (kvserve with speculation off / n-gram on)
     kvserve-kv-int8, kvserve-kv-bfloat16, ...      (kvserve with that KV cache dtype)
+    kvserve-noreclaim                              (sliding-window layers keep the whole context)
 
 Every peer has ``warmup()``, ``run(workload, progress) -> EngineRun`` and ``close()``. A peer
 that cannot run here (package absent, no GGUF file) is skipped with the reason.
@@ -32,7 +33,7 @@ ALIASES = {
 PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
               "llamacpp-seq", "llamacpp-batch", "kvserve-noprefix",
               "kvserve-nospec", "kvserve-ngram", "kvserve-kv-int8", "kvserve-kv-bfloat16",
-              "kvserve-kv-float32"]
+              "kvserve-kv-float32", "kvserve-noreclaim"]
 # Speculation of the kvserve-ngram peer: vLLM's defaults shape, k = 4.
 NGRAM_PEER_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 _HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -111,10 +112,12 @@ def open_peer(name: str, ctx: PeerContext):
         if name == "llamacpp-seq":
             return llamacpp_peer.LlamaCppSequential(ctx.source_path, ctx.num_threads)
         return llamacpp_peer.LlamaCppBatched(ctx.source_path, ctx.num_threads)
-    if name == "kvserve-noprefix":
+    if name in ("kvserve-noprefix", "kvserve-noreclaim"):
         from kvserve.bench.kvserve_driver import KvserveDriver
 
-        driver = KvserveDriver(dataclasses.replace(ctx.eargs, enable_prefix_caching=False))
+        change = ({"enable_prefix_caching": False} if name == "kvserve-noprefix"
+                  else {"disable_sliding_window_reclaim": True})
+        driver = KvserveDriver(dataclasses.replace(ctx.eargs, **change))
         driver.name = name
         return driver
     if name in ("kvserve-nospec", "kvserve-ngram"):
