@@ -176,18 +176,19 @@ class LLMEngine:
 
     def describe_kv_cache(self) -> str:
         spec = self.kv_spec
+        per_group = f" of a group of {spec.slots_per_group} layers" if spec.num_groups > 1 else ""
         text = (f"KV cache: {self.num_blocks} blocks x {spec.block_size} tokens = "
-                f"{self.kv_cache_tokens} tokens, {self.kv_cache_bytes / 2**20:.1f} MiB "
+                f"{self.kv_cache_tokens} tokens{per_group}, {self.kv_cache_bytes / 2**20:.1f} MiB "
                 f"({spec.describe_token()}); ")
         if spec.num_groups > 1:
             # What a token costs in each group, and what the longest request really holds: its
             # full groups' whole context, its sliding groups' window plus one prefill chunk.
             windows = spec.group_windows
-            per_group = ", ".join(
+            groups = ", ".join(
                 f"{windows.count(w)} x {'full' if w is None else f'window {w}'} at {spec.bytes_per_group_token} "
                 f"bytes per token each" for w in dict.fromkeys(windows))
             blocks = self.max_request_blocks
-            text += (f"groups: {per_group}; a {self.max_model_len}-token request holds at most {blocks} blocks "
+            text += (f"groups: {groups}; a {self.max_model_len}-token request holds at most {blocks} blocks "
                      f"= {blocks * spec.bytes_per_block / 2**20:.1f} MiB, the cost of "
                      f"{blocks * spec.bytes_per_block // spec.bytes_per_token} tokens in every layer "
                      f"({self.max_model_len * spec.bytes_per_token / 2**20:.1f} MiB without reclaim); ")

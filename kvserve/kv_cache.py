@@ -10,6 +10,15 @@ against a block are then a sum over ``d`` of ``q[d]`` times a contiguous row of 
 keys, vector operations over the block's tokens with no horizontal sums, which is how the CPU
 kernels compute them.
 
+KV cache groups (issue #12; vLLM's hybrid KV cache layout): the layers are split into groups
+of equal size, full attention or one sliding window (``KVCacheSpec.groups``); a request has one
+block table per group, and a sliding group gives back the blocks out of its window. One pool
+of block ids serves every group: the cache holds one tensor per *slot* (position within a
+group), ``num_blocks`` blocks each, and layer L lives in slot ``slot_of(L)`` of its group,
+addressed through that group's table. A block id is thus ``slots_per_group`` layers' worth of
+one block, the same bytes in every group. A model with one group (LLaMA; or
+``--no-sliding-window-reclaim``) has one slot per layer: one tensor per layer, as before.
+
 INT8 (``kv_cache_dtype="int8"``): symmetric int8 with fp16 scales, for keys and values
 separately, one scale per token, KV head and group of 64 dims, in ``scales [2, num_kv_heads,
 num_blocks, groups, block_size]``. Before quantizing, each head vector is rotated by the
@@ -220,15 +229,8 @@ class KVCacheSpec:
         per_head = f"{self.head_dim} head dim x {self.element_bytes} bytes"
         if self.is_quantized:
             per_head = f"({per_head} + {self.scale_bytes_per_head} bytes of scale)"
-        text = (f"2 x {self.num_layers} layers x {self.num_kv_heads} kv heads x {per_head} "
+        return (f"2 x {self.num_layers} layers x {self.num_kv_heads} kv heads x {per_head} "
                 f"= {self.bytes_per_token} bytes per token, {self.dtype}")
-        if self.num_groups > 1:
-            kinds = ", ".join(f"{sum(1 for g in self.groups if g.window == w)} x "
-                              f"{'full' if w is None else f'window {w}'}"
-                              for w in dict.fromkeys(self.group_windows))
-            text += (f"; {self.num_groups} groups of {self.slots_per_group} layers ({kinds}), "
-                     f"{self.bytes_per_group_token} bytes per token per group")
-        return text
 
 
 @dataclass

@@ -44,8 +44,10 @@ def reference(prompt, max_tokens, windows):
 
 
 class GroupedFakeRunner:
-    def __init__(self, kv):
+    def __init__(self, kv, read_tables_only=False):
         self.kv = kv
+        # Long runs: check what a query would read is on real blocks, sample a constant.
+        self.read_tables_only = read_tables_only
         self.bs = kv.block_size
         self.null = kv.block_pool.null_block.block_id if kv.block_pool.null_block else None
         self.stores = [{} for _ in kv.group_windows]
@@ -65,6 +67,12 @@ class GroupedFakeRunner:
             if not c.needs_sample:
                 continue
             n = c.start_position + c.num_new_tokens
+            if self.read_tables_only:
+                for w, table in zip(self.kv.group_windows, c.block_tables):
+                    first = 0 if w is None else max(0, n - w)
+                    assert self.null not in table[first // self.bs:(n - 1) // self.bs + 1]
+                sampled[c.request.request_id] = 5
+                continue
             acc = 0
             for g, (w, table) in enumerate(zip(self.kv.group_windows, c.block_tables)):
                 first = 0 if w is None else max(0, n - w)
@@ -124,6 +132,29 @@ def test_decode_holds_a_window_and_frees_every_block():
     assert peak_prefill <= math.ceil((W - 1 + 8) / BS) + 1
     assert r.output_token_ids == reference(range(1, 30), 1000, windows)
     assert kv.num_used_blocks == 0 and kv.num_free_blocks == kv.num_usable_blocks == 399
+
+
+def test_4000_decode_steps_of_a_gemma_shaped_model():
+    """Gemma 3's shape (one full group, five sliding groups of window 512, 16-token blocks):
+    4,000 decode steps hold at most ceil(W / block) + 1 blocks per sliding group, every key a
+    query sees is on a real block, and every block comes back at the end."""
+    W, BS = 512, 16
+    windows = [None] + [W] * 5
+    sched, _ = make(windows, num_blocks=1200, block_size=BS, budget=2048, max_model_len=8192)
+    kv = sched.kv_manager
+    runner = GroupedFakeRunner(kv, read_tables_only=True)
+    prompt = [(3 * i) % VOCAB for i in range(600)]
+    r = req("a", prompt, max_tokens=4001)
+    sched.add_request(r)
+    decode_steps = 0
+    while sched.has_unfinished_requests():
+        out = step(sched, runner)
+        if out.chunks[0].num_new_tokens == 1:
+            decode_steps += 1
+            if not r.is_finished:
+                assert max(kv.num_held_blocks("a", g) for g in range(1, 6)) <= math.ceil(W / BS) + 1
+    assert decode_steps == 4000 and len(r.output_token_ids) == 4001
+    assert kv.num_used_blocks == 0 and kv.num_free_blocks == kv.num_usable_blocks == 1199
 
 
 def test_chunk_longer_than_the_window():

@@ -36,7 +36,8 @@ def test_layout_of_a_gemma_shaped_model(llm_factory):
     assert len({id(layer.data) for layer in llm.engine.runner.kv_cache}) == 1
     assert llm.engine.kv_cache_bytes == llm.engine.num_blocks * spec.bytes_per_block
     line = llm.engine.describe_kv_cache()
-    assert "1 x full at 2048 bytes per token each, 5 x window 32 at 2048 bytes per token each" in line
+    per_token = spec.bytes_per_group_token
+    assert f"1 x full at {per_token} bytes per token each, 5 x window 32 at {per_token} bytes per token each" in line
     assert f"a 8192-token request holds at most {llm.engine.max_request_blocks} blocks" in line
     # LLaMA: one full group, one tensor per layer, no null block: today's layout.
     llama = llm_factory(model="tiny-llama")
@@ -45,11 +46,13 @@ def test_layout_of_a_gemma_shaped_model(llm_factory):
     assert "groups" not in llama.engine.describe_kv_cache()
 
 
-def test_4000_decode_steps_hold_a_window_and_free_everything(llm_factory):
-    llm = llm_factory(model=SWA, dtype="float32", num_blocks=600)
+def test_decode_holds_a_window_and_frees_everything(llm_factory):
+    """The engine (runner, kernels, scheduler) over 600 decode steps, 18 window lengths; the
+    4,000-step bookkeeping run is tests/test_kv_groups.py's."""
+    llm = llm_factory(model=SWA, dtype="float32", num_blocks=1000)
     engine, kv = llm.engine, llm.engine.kv_manager
     bound = math.ceil(32 / 16) + 1
-    params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
     prompt = _prompts(1, [70])[0]
     rid = engine.add_request(None, prompt, params)
     other = engine.add_request(None, prompt[:48] + [7, 8, 9], SamplingParams(max_tokens=300, ignore_eos=True))
@@ -58,15 +61,16 @@ def test_4000_decode_steps_hold_a_window_and_free_everything(llm_factory):
         engine.step()
         steps += 1
         request = engine.scheduler.get_request(rid)
-        if request is not None and request.num_computed_tokens >= len(prompt):
+        if request is not None and request.num_computed_tokens > len(prompt):  # decoding
             held = [kv.num_held_blocks(rid, g) for g in range(1, 6)]
             peak = max(peak, *held)
             assert max(held) <= bound, (steps, held)
-            assert kv.num_held_blocks(rid, 0) == kv.num_blocks_for(request.num_computed_tokens + 1)
+            assert kv.num_held_blocks(rid, 0) == kv.num_blocks_for(request.num_computed_tokens)
         if steps == 150:
             engine.abort_request(other)  # an abort frees every group's blocks too
-    assert steps >= 4000 and peak == bound
-    assert kv.num_used_blocks == 0 and kv.num_free_blocks == kv.num_usable_blocks == 599
+            assert kv.num_used_blocks == sum(kv.num_held_blocks(rid, g) for g in range(6))
+    assert steps >= 600 and peak == bound
+    assert kv.num_used_blocks == 0 and kv.num_free_blocks == kv.num_usable_blocks == 999
 
 
 def test_greedy_identical_with_and_without_reclaim(llm_factory):
@@ -87,10 +91,12 @@ def test_greedy_identical_with_and_without_reclaim(llm_factory):
         chunked = llm_factory(model=SWA, dtype="float32", max_num_batched_tokens=budget,
                               enable_prefix_caching=False)
         assert _tokens(chunked, prompts, max_tokens) == alone, budget
-    # Room for the prompts in every group at once, not for the full group's growth.
-    spec = llm.engine.kv_spec
-    room = spec.num_groups * sum(-(-len(p) // 16) for p in prompts) + 1
-    small = llm_factory(model=SWA, dtype="float32", num_blocks=room, enable_prefix_caching=False)
+    # Room for the longest request alone (chunked: its sliding groups hold a window and a
+    # chunk), so the others push it or each other out and recompute.
+    windows = llm.engine.kv_spec.group_windows
+    room = max(max_blocks_per_request(len(p) + max_tokens - 1, 16, windows, 48) for p in prompts) + 1
+    small = llm_factory(model=SWA, dtype="float32", num_blocks=room, enable_prefix_caching=False,
+                        max_num_batched_tokens=48)
     assert _tokens(small, prompts, max_tokens) == alone
     assert small.engine.scheduler.num_preemptions > 0
 
@@ -105,17 +111,19 @@ def test_reclaim_with_other_kv_dtypes(llm_factory, kv_cache_dtype):
 
 
 def test_request_too_large_counts_each_group(llm_factory):
-    # Blocks for a 200-token request: 13 in the full group, at most
-    # ceil((31 + 200) / 16) + 1 = 16 -> capped at 13 in each sliding group while it prefills.
-    need = max_blocks_per_request(199, 16, [None] + [32] * 5, 2048)
+    # 208 tokens of KV: 13 blocks in the full group and, while the whole prompt is one chunk,
+    # min(13, ceil((31 + 208) / 16) + 1) = 13 in each sliding group.
+    need = max_blocks_per_request(208, 16, [None] + [32] * 5, 2048)
     assert need == 13 * 6
     llm = llm_factory(model=SWA, dtype="float32", num_blocks=need + 1)
-    assert len(_tokens(llm, [_prompts(1, [190])[0]], 10)[0]) == 10
-    with pytest.raises(RequestRejected, match="6 KV cache groups"):
-        llm.generate([_prompts(1, [190])[0]], SamplingParams(max_tokens=11))
-    # A smaller chunk budget lowers the sliding groups' peak: longer requests fit.
+    prompt = _prompts(1, [190])[0]
+    assert len(_tokens(llm, [prompt], 19)[0]) == 19
+    with pytest.raises(RequestRejected, match="84 blocks of 16 over 6 KV cache groups"):
+        llm.generate([prompt], SamplingParams(max_tokens=20))
+    # A smaller chunk budget lowers the sliding groups' peak (ceil((31 + 16) / 16) + 1 = 4
+    # blocks): a request 3x as long fits the same cache.
     chunked = llm_factory(model=SWA, dtype="float32", num_blocks=need + 1, max_num_batched_tokens=16)
-    assert len(_tokens(chunked, [_prompts(1, [400])[0]], 10)[0]) == 10
+    assert len(_tokens(chunked, [_prompts(1, [500])[0]], 10)[0]) == 10
 
 
 def _gemma_270m(reclaim: bool) -> KVCacheSpec:
@@ -140,3 +148,18 @@ def test_capacity_of_8192_token_gemma_requests_at_1_gib():
     assert after.slots_per_group == 3 and after.bytes_per_block * 6 == before.bytes_per_block
     assert requests_at_once(before) == 7 and requests_at_once(after) == 32
     assert requests_at_once(after) >= 4 * requests_at_once(before)
+
+
+def test_gemma_3_270m_greedy_identical_with_and_without_reclaim(llm_factory):
+    """The real model in fp32: prompts over two 512-token windows, generation crossing a
+    window boundary (positions 1024 and 1536), batched, then from the prefix cache."""
+    base = dict(model="gemma-3-270m", dtype="float32", quantization="none", kv_cache_memory=256 << 20)
+    prompts = _prompts(2, [1010, 1530], seed=12)
+    reference = llm_factory(**base, disable_sliding_window_reclaim=True)
+    llm = llm_factory(**base)
+    assert llm.engine.kv_spec.group_windows == [None] + [512] * 5
+    expected = _tokens(reference, prompts, 40)
+    assert _tokens(llm, prompts, 40) == expected
+    hits = llm.engine.kv_manager.prefix_cache_hits
+    assert _tokens(llm, prompts, 40) == expected
+    assert llm.engine.kv_manager.prefix_cache_hits - hits == 1008 + 1520
