@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from kvserve.attention import allocate_kv_caches, build_attention_metadata
+from kvserve.attention import build_attention_metadata
+from kvserve.kv_cache import allocate_kv_cache
 from kvserve.loader import load_model, resolve_model
 from kvserve.models.fused import attach_fused_layers
 from kvserve.quant import Bf16Linear, unpack_bf16_weight
@@ -33,7 +34,7 @@ def to_onednn(model: torch.nn.Module) -> None:
 
 def step_time(model, config, num_seqs: int, query_len: int, context: int, reps: int) -> float:
     blocks_per_seq = -(-(context + query_len) // 16)
-    caches = allocate_kv_caches(config, num_seqs * blocks_per_seq, 16, torch.bfloat16, "cpu")
+    caches = allocate_kv_cache(config, num_seqs * blocks_per_seq, 16, torch.bfloat16, "cpu")
     tables = [list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)) for s in range(num_seqs)]
     md = build_attention_metadata(tables, [context] * num_seqs, [query_len] * num_seqs, 16)
     ids = torch.randint(100, 30000, (num_seqs * query_len,), generator=torch.Generator().manual_seed(0))

@@ -118,12 +118,72 @@ def test_ratios_against_each_peer_and_the_best():
 
 def test_peer_names():
     assert expand_peer_names("hf,llamacpp") == ["hf-fp32-seq", "hf-fp32-batch", "llamacpp-seq",
-                                                "llamacpp-batch"]
-    assert expand_peer_names("hf, llamacpp", sequential_only=True) == ["hf-fp32-seq", "llamacpp-seq"]
+                                                "llamacpp-batch", "llamacpp-q4_0-seq",
+                                                "llamacpp-q4_0-batch"]
+    assert expand_peer_names("hf, llamacpp", sequential_only=True) == ["hf-fp32-seq", "llamacpp-seq",
+                                                                       "llamacpp-q4_0-seq"]
     assert expand_peer_names("hf-bf16-batch,hf-bf16") == ["hf-bf16-batch", "hf-bf16-seq"]
     assert expand_peer_names("") == []
     with pytest.raises(ConfigError, match="unknown peer"):
         expand_peer_names("vllm")
+
+
+def test_blas_peer_is_the_opt_out_of_batch_invariance(monkeypatch):
+    """kvserve-blas: the same engine with its bf16 linears on oneDNN (KVSERVE_BATCH_INVARIANT=0),
+    what the determinism cost is measured against; the flag does not outlive the peer."""
+    from kvserve.bench.peers import PeerContext, open_peer
+    from kvserve.config import EngineArgs
+    from kvserve.ops import load_extension
+    from kvserve.quant import Bf16Linear
+
+    if load_extension() is None:
+        pytest.skip("no native kernels: both paths are the same")
+    monkeypatch.delenv("KVSERVE_BATCH_INVARIANT", raising=False)
+    eargs = EngineArgs(model="tiny-llama", quantization="bf16", num_blocks=64)
+    peer = open_peer("kvserve-blas", PeerContext("test", "", 1, eargs))
+    linears = [m for m in peer.engine.model.modules() if isinstance(m, Bf16Linear)]
+    assert linears and not any(m.packed for m in linears)
+    assert "KVSERVE_BATCH_INVARIANT" not in os.environ and peer.name == "kvserve-blas"
+
+
+class _CrashingPeer:
+    """Dies the way llama.cpp's native AMX path does on some machines: SIGILL mid-run."""
+
+    name = "crasher"
+
+    def warmup(self) -> None:
+        pass
+
+    def run(self, workload, progress=True):
+        import signal
+        os.kill(os.getpid(), signal.SIGILL)
+
+    def close(self) -> None:
+        pass
+
+
+def _open_crashing_peer(name, ctx):
+    from kvserve.bench.peers import PeerUnavailable
+
+    if name == "absent":
+        raise PeerUnavailable("not installed here")
+    return _CrashingPeer()
+
+
+def test_isolated_peer_crash_is_reported_not_fatal():
+    from kvserve.bench.isolated import IsolatedPeer, PeerCrashed
+    from kvserve.bench.peers import PeerContext, PeerUnavailable
+    from kvserve.config import EngineArgs
+
+    ctx = PeerContext("test", "", 1, EngineArgs(model="tiny-llama"))
+    with pytest.raises(PeerUnavailable, match="not installed here"):
+        IsolatedPeer("absent", ctx, opener=_open_crashing_peer)
+    peer = IsolatedPeer("crasher", ctx, call_timeout_s=120, opener=_open_crashing_peer)
+    peer.warmup()
+    workload = build_workload(WORKLOADS["W3"], 1000)
+    with pytest.raises(PeerCrashed, match="SIGILL"):
+        peer.run(workload, progress=False)
+    peer.close()  # nothing left to close: must not raise or hang
 
 
 # ---------------------------------------------------------------------- profiler categories
@@ -195,6 +255,9 @@ def test_bench_throughput_end_to_end(tmp_path, capsys):
     assert k["prefix_cache_hit_rate"] > 0.3 and 3 <= k["peak_kv_blocks_used"] <= k["kv_blocks_total"]
     assert k["computed_tokens"] < 3 * 56 + 12  # cached prompt tokens are not recomputed
     assert set(r["machine"]["gflops"]) == {"bfloat16", "float32"}
+    from kvserve.bench.machine import CPU_FEATURES, cpu_info
+    assert r["machine"]["cpu"] == cpu_info() and set(cpu_info()["features"]) <= set(CPU_FEATURES)
+    assert f"cpu: {cpu_info()['model']}" in printed.out
     # Two round-robin passes; the best is kept, and the repeat is not served by the first
     # pass's cached blocks.
     assert r["repeats"] == 2 and len(k["output_tokens_per_s_each_repeat"]) == 2
@@ -378,3 +441,26 @@ def test_llamacpp_peers_sequential_and_batched():
         assert all(0 <= t < 49152 for r in run.requests for t in r.output_token_ids)
         assert all(r.ttft > 0 and r.token_times == sorted(r.token_times) for r in run.requests)
         assert run.summary()["output_tokens_per_s"] > 0
+
+
+def test_llamacpp_requantized_q4_0_peer(tmp_path):
+    """llama.cpp's fastest CPU format: the shipped weights requantized to Q4_0 through its own
+    quantizer, written once into the cache and reused."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra")
+    from kvserve.bench.llamacpp_peer import LlamaCppSequential, requantize_q4_0
+    from kvserve.bench.workloads import WorkloadSpec
+    from kvserve.loader.gguf_reader import GGUFFile
+
+    path = requantize_q4_0(_smollm2_gguf(), cache_dir=tmp_path)
+    assert path.endswith(".Q4_0.gguf") and os.path.getsize(path) > 50e6
+    mtime = os.path.getmtime(path)
+    assert requantize_q4_0(_smollm2_gguf(), cache_dir=tmp_path) == path
+    assert os.path.getmtime(path) == mtime  # reused, not written again
+    types = {t.quant_type.name for t in GGUFFile(path).tensors.values()}
+    assert "Q4_0" in types and "Q4_1" not in types
+    peer = LlamaCppSequential(path, n_threads=1)
+    try:
+        run = peer.run(build_workload(WorkloadSpec("t", "tiny", 1, (6, 12), 3), 49152), progress=False)
+    finally:
+        peer.close()
+    assert [r.num_output_tokens for r in run.requests] == [3]

@@ -40,11 +40,12 @@ def _add_workload_args(p: argparse.ArgumentParser, default: str, with_input: boo
 
 
 def _add_compare_args(p: argparse.ArgumentParser) -> None:
+    from kvserve.bench.peers import ALIASES, PEER_NAMES
+
     g = p.add_argument_group("comparison")
     g.add_argument("--compare", default="",
-                   help="peers run on the same workload in this run: hf, hf-bf16, llamacpp, "
-                        "kvserve-noprefix, or single modes (hf-fp32-seq, hf-fp32-batch, "
-                        "hf-bf16-seq, hf-bf16-batch, llamacpp-seq, llamacpp-batch)")
+                   help="peers run on the same workload in this run, comma-separated: "
+                        f"{', '.join(list(ALIASES) + PEER_NAMES)}")
     g.add_argument("--hf-batch-size", type=int, default=None,
                    help="static batch size of the hf-*-batch peers (default: whole workload)")
     g.add_argument("--repeats", type=int, default=1,

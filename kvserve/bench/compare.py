@@ -1,5 +1,6 @@
 """What throughput and latency share: the kvserve driver, the machine limit measured in the
-same run, and running each requested peer on the same workloads, one at a time."""
+same run, and running each requested peer (each in its own process) on the same workloads,
+one at a time."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,8 @@ import torch
 
 from kvserve.bench.kvserve_driver import KvserveDriver
 from kvserve.bench.machine import achieved, machine_limit, machine_load
-from kvserve.bench.peers import PeerContext, PeerUnavailable, open_peer
+from kvserve.bench.isolated import IsolatedPeer
+from kvserve.bench.peers import PeerContext, PeerUnavailable
 from kvserve.bench.timing import EngineRun, greedy_agreement
 from kvserve.config import EngineArgs
 
@@ -69,7 +71,7 @@ class BenchSession:
         skipped: dict[str, str] = {}
         for name in self.opts.peers:
             try:
-                peer = open_peer(name, self.peer_ctx)
+                peer = IsolatedPeer(name, self.peer_ctx)  # a crash takes only itself down
                 engines.append(peer)
                 peer.warmup()
             except PeerUnavailable as exc:

@@ -1,6 +1,8 @@
 """Peer: llama.cpp through llama-cpp-python (an optional extra), on the same GGUF file.
 
-Two modes: one request at a time through the high-level ``Llama.generate``, and llama.cpp's
+On the shipped file and, as ``llamacpp-q4_0-*``, on the same weights requantized to Q4_0 by
+llama.cpp's own quantizer (its fastest CPU format; cached beside the results). Two modes:
+one request at a time through the high-level ``Llama.generate``, and llama.cpp's
 own batching through the low-level API, every sequence in one ``llama_decode`` per step,
 each with its own KV stream (``kv_unified = False``): with one unified buffer every decode
 token would attend over all sequences' cells and llama.cpp would look slower than it is.
@@ -8,7 +10,10 @@ token would attend over all sequences' cells and llama.cpp would look slower tha
 from __future__ import annotations
 
 import ctypes
+import os
 import time
+from pathlib import Path
+
 import numpy as np
 from tqdm import tqdm
 
@@ -32,6 +37,43 @@ class _QuietLogs:
         # The ctypes callback must outlive every call into llama.cpp: keep it on the peer.
         self.callback = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
         llama_cpp.llama_log_set(self.callback, ctypes.c_void_p(0))
+
+
+# llama.cpp's fastest CPU format: its Q4_0 path is repacked and vectorised at load.
+Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
+
+
+def requantized_cache_dir() -> Path:
+    """Where requantized GGUF files are kept between runs (``KVSERVE_CACHE_DIR`` or
+    ``~/.cache/kvserve``), under ``llamacpp/``."""
+    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(Path.home(), ".cache", "kvserve")
+    return Path(root) / "llamacpp"
+
+
+def requantize_q4_0(gguf_path: str, cache_dir: Path | None = None) -> str:
+    """The same weights requantized to Q4_0 by llama.cpp's own ``llama_model_quantize``
+    (tensors in other formats are dequantized first), written once and reused: keyed by the
+    source's name, size and modification time."""
+    llama_cpp = import_llama_cpp()
+    src = Path(gguf_path)
+    stat = src.stat()
+    out_dir = cache_dir or requantized_cache_dir()
+    out = out_dir / f"{src.stem}.{stat.st_size}-{int(stat.st_mtime)}.Q4_0.gguf"
+    if out.exists():
+        return str(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quiet = _QuietLogs(llama_cpp)  # noqa: F841 (kept alive for the call)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = Q4_0_FTYPE
+    params.allow_requantize = True  # the source's tensors are already quantized
+    params.nthread = os.cpu_count() or 1
+    partial = out.with_suffix(".partial")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(partial).encode(), ctypes.byref(params))
+    if rc != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize failed on {src} (code {rc})")
+    partial.rename(out)  # only a complete file is ever found in the cache
+    return str(out)
 
 
 def _round_up(n: int, multiple: int) -> int:

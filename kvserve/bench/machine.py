@@ -43,8 +43,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# The vector and matrix features kvserve's kernels choose between (and llama.cpp's builds).
+CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_info() -> dict:
+    """The CPU model and which of CPU_FEATURES it has, from /proc/cpuinfo (Linux; elsewhere
+    the platform's processor string and no features)."""
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    model = value.strip()
+                elif key == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {"model": model, "features": [f for f in CPU_FEATURES if f in flags]}
+
+
 def machine_limit(size: int = 1024, seconds: float = 1.0, device: str = "cpu") -> dict:
     return {
+        "cpu": cpu_info(),
         "matmul_size": size,
         "num_threads": torch.get_num_threads(),
         "gflops": {"bfloat16": matmul_gflops(torch.bfloat16, size, seconds, device),

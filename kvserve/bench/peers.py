@@ -2,10 +2,14 @@
 
     hf            = hf-fp32-seq, hf-fp32-batch     (HF transformers generate)
     hf-bf16       = hf-bf16-seq, hf-bf16-batch
-    llamacpp      = llamacpp-seq, llamacpp-batch   (llama-cpp-python, optional extra)
+    llamacpp      = llamacpp-seq, llamacpp-batch   (llama-cpp-python, optional extra: the
+                    llamacpp-q4_0-seq, -batch       shipped GGUF, and the same weights
+                                                    requantized to Q4_0, llama.cpp's fastest)
     kvserve-noprefix                               (kvserve with prefix caching off)
     kvserve-nospec, kvserve-ngram                  (kvserve with speculation off / n-gram on)
     kvserve-kv-int8, kvserve-kv-bfloat16, ...      (kvserve with that KV cache dtype)
+    kvserve-blas                                   (kvserve's opt-out of determinism:
+                                                    KVSERVE_BATCH_INVARIANT=0, oneDNN/MKL linears)
     kvserve-noreclaim                              (sliding-window layers keep the whole context)
 
 Every peer has ``warmup()``, ``run(workload, progress) -> EngineRun`` and ``close()``. A peer
@@ -14,6 +18,7 @@ that cannot run here (package absent, no GGUF file) is skipped with the reason.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -27,13 +32,17 @@ ALIASES = {
     "hf-bf16": ["hf-bf16-seq", "hf-bf16-batch"],
     "hf-seq": ["hf-fp32-seq"],
     "hf-batch": ["hf-fp32-batch"],
-    "llamacpp": ["llamacpp-seq", "llamacpp-batch"],
-    "llama.cpp": ["llamacpp-seq", "llamacpp-batch"],
+    # The shipped file and llama.cpp's fastest CPU format (the same weights requantized to Q4_0).
+    "llamacpp": ["llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch"],
+    "llama.cpp": ["llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch"],
+    "llamacpp-file": ["llamacpp-seq", "llamacpp-batch"],
+    "llamacpp-q4_0": ["llamacpp-q4_0-seq", "llamacpp-q4_0-batch"],
 }
 PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
-              "llamacpp-seq", "llamacpp-batch", "kvserve-noprefix",
+              "llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch",
+              "kvserve-noprefix",
               "kvserve-nospec", "kvserve-ngram", "kvserve-kv-int8", "kvserve-kv-bfloat16",
-              "kvserve-kv-float32", "kvserve-noreclaim"]
+              "kvserve-kv-float32", "kvserve-blas", "kvserve-noreclaim"]
 # Speculation of the kvserve-ngram peer: vLLM's defaults shape, k = 4.
 NGRAM_PEER_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 _HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -109,9 +118,13 @@ def open_peer(name: str, ctx: PeerContext):
                                   "(pip install 'kvserve[llamacpp]')")
         if ctx.source_kind != "gguf":
             raise PeerUnavailable(f"llama.cpp needs a GGUF file, not a {ctx.source_kind} model")
-        if name == "llamacpp-seq":
-            return llamacpp_peer.LlamaCppSequential(ctx.source_path, ctx.num_threads)
-        return llamacpp_peer.LlamaCppBatched(ctx.source_path, ctx.num_threads)
+        path = ctx.source_path
+        if name.startswith("llamacpp-q4_0-"):
+            path = llamacpp_peer.requantize_q4_0(path)
+        peer = (llamacpp_peer.LlamaCppSequential(path, ctx.num_threads) if name.endswith("-seq")
+                else llamacpp_peer.LlamaCppBatched(path, ctx.num_threads))
+        peer.name = name
+        return peer
     if name in ("kvserve-noprefix", "kvserve-noreclaim"):
         from kvserve.bench.kvserve_driver import KvserveDriver
 
@@ -131,6 +144,22 @@ def open_peer(name: str, ctx: PeerContext):
         from kvserve.bench.kvserve_driver import KvserveDriver
 
         driver = KvserveDriver(dataclasses.replace(ctx.eargs, kv_cache_dtype=name.removeprefix("kvserve-kv-")))
+        driver.name = name
+        return driver
+    if name == "kvserve-blas":
+        from kvserve.bench.kvserve_driver import KvserveDriver
+
+        # The weights are packed for one path or the other at load: the flag only has to
+        # hold while this peer's engine is built.
+        previous = os.environ.get("KVSERVE_BATCH_INVARIANT")
+        os.environ["KVSERVE_BATCH_INVARIANT"] = "0"
+        try:
+            driver = KvserveDriver(ctx.eargs)
+        finally:
+            if previous is None:
+                del os.environ["KVSERVE_BATCH_INVARIANT"]
+            else:
+                os.environ["KVSERVE_BATCH_INVARIANT"] = previous
         driver.name = name
         return driver
     raise ConfigError(f"unknown peer {name!r}")

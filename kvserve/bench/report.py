@@ -105,8 +105,12 @@ def machine_line(machine: Optional[dict]) -> str:
     if not machine:
         return ""
     g = machine["gflops"]
-    return (f"machine limit (torch.matmul {machine['matmul_size']}^3, {machine['num_threads']} "
+    line = (f"machine limit (torch.matmul {machine['matmul_size']}^3, {machine['num_threads']} "
             f"threads): bf16 {g['bfloat16']:.1f} GFLOP/s, fp32 {g['float32']:.1f} GFLOP/s")
+    cpu = machine.get("cpu")
+    if cpu:
+        line = f"cpu: {cpu['model']} [{' '.join(cpu['features']) or 'no AVX2'}]\n" + line
+    return line
 
 
 def kvserve_line(s: dict) -> str:
