@@ -150,16 +150,24 @@ def test_capacity_of_8192_token_gemma_requests_at_1_gib():
     assert requests_at_once(after) >= 4 * requests_at_once(before)
 
 
-def test_gemma_3_270m_greedy_identical_with_and_without_reclaim(llm_factory):
+def test_gemma_3_270m_greedy_identical_with_and_without_reclaim():
     """The real model in fp32: prompts over two 512-token windows, generation crossing a
-    window boundary (positions 1024 and 1536), batched, then from the prefix cache."""
+    window boundary (positions 1024 and 1536), batched, then from the prefix cache. One fp32
+    Gemma in memory at a time (not the session's engine cache: 1 GB of weights each)."""
+    import gc
+
+    from kvserve.llm import LLM
+
     base = dict(model="gemma-3-270m", dtype="float32", quantization="none", kv_cache_memory=256 << 20)
     prompts = _prompts(2, [1010, 1530], seed=12)
-    reference = llm_factory(**base, disable_sliding_window_reclaim=True)
-    llm = llm_factory(**base)
-    assert llm.engine.kv_spec.group_windows == [None] + [512] * 5
+    reference = LLM(**base, disable_sliding_window_reclaim=True)
     expected = _tokens(reference, prompts, 40)
+    del reference
+    gc.collect()
+    llm = LLM(**base)
+    assert llm.engine.kv_spec.group_windows == [None] + [512] * 5
     assert _tokens(llm, prompts, 40) == expected
     hits = llm.engine.kv_manager.prefix_cache_hits
     assert _tokens(llm, prompts, 40) == expected
     assert llm.engine.kv_manager.prefix_cache_hits - hits == 1008 + 1520
+    assert llm.engine.kv_manager.num_used_blocks == 0
