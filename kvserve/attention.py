@@ -6,6 +6,7 @@ to the fused kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -35,9 +36,37 @@ class AttentionMetadata:
     # Device copies, for vectorised backends.
     seq_lens_tensor: Optional[torch.Tensor] = None  # [S] int32
     query_start_loc_tensor: Optional[torch.Tensor] = None  # [S+1] int32
+    # KV cache groups (kvserve.kv_cache.KVCacheGroup): slot_mapping and block_tables above are
+    # group 0's; group g >= 1 has its own at index g - 1 here (a sliding-window group's tables
+    # point at the null block, zeros, where its keys are out of every query's sight).
+    group_slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    group_block_tables: list[torch.Tensor] = field(default_factory=list)
     # Tensors a backend derives from the above (gather indices, masks): built by the first
     # layer that needs them and reused by the others. Lives and dies with this step.
     derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.group_block_tables)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata a layer of KV cache group ``group`` reads: that group's slot mapping
+        and block tables (with their own derived tensors), the rest shared."""
+        if group == 0:
+            return self
+        key = ("group", group)
+        if key not in self.derived:
+            self.derived[key] = dataclasses.replace(
+                self, slot_mapping=self.group_slot_mappings[group - 1],
+                block_tables=self.group_block_tables[group - 1], group_slot_mappings=[], group_block_tables=[],
+                derived={})
+        return self.derived[key]
+
+    def all_slot_mappings(self) -> list[torch.Tensor]:
+        return [self.slot_mapping, *self.group_slot_mappings]
+
+    def all_block_tables(self) -> list[torch.Tensor]:
+        return [self.block_tables, *self.group_block_tables]
 
     @property
     def num_seqs(self) -> int:
@@ -59,30 +88,41 @@ def build_attention_metadata(
     query_lens: Sequence[int],
     block_size: int,
     device: torch.device | str = "cpu",
+    group_block_tables: Sequence[Sequence[Sequence[int]]] = (),
 ) -> AttentionMetadata:
     """Metadata for sequences given their block tables, cached lengths and new-token counts
-    (a convenience for tests and tools; the runner builds its own from a SchedulerOutput)."""
+    (a convenience for tests and tools; the runner builds its own from a SchedulerOutput).
+    ``group_block_tables``: per KV cache group after group 0, every sequence's table."""
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
-    width = max(1, max((len(t) for t in block_tables), default=1))
-    tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    slots = []
-    for s, table in enumerate(block_tables):
-        table_t = torch.as_tensor(list(table), dtype=torch.int64)
-        tables[s, : len(table)] = table_t.to(torch.int32)
-        pos = torch.arange(context_lens[s], seq_lens[s])
-        slots.append(table_t[pos // block_size] * block_size + pos % block_size)
+
+    def tensors(tables_of_group: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(1, max((len(t) for t in tables_of_group), default=1))
+        tables = torch.zeros(len(tables_of_group), width, dtype=torch.int32)
+        slots = []
+        for s, table in enumerate(tables_of_group):
+            table_t = torch.as_tensor(list(table), dtype=torch.int64)
+            tables[s, : len(table)] = table_t.to(torch.int32)
+            pos = torch.arange(context_lens[s], seq_lens[s])
+            slots.append(table_t[pos // block_size] * block_size + pos % block_size)
+        slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+        return slot_mapping.to(device), tables.to(device)
+
+    slot_mapping, tables = tensors(block_tables)
+    groups = [tensors(g) for g in group_block_tables]
     return AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(device) if slots else torch.zeros(0, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
+        slot_mapping=slot_mapping,
+        block_tables=tables,
         query_start_loc=qsl,
         context_lens=list(context_lens),
         seq_lens=seq_lens,
         block_size=block_size,
         seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc_tensor=torch.tensor(qsl, dtype=torch.int32, device=device),
+        group_slot_mappings=[g[0] for g in groups],
+        group_block_tables=[g[1] for g in groups],
     )
 
 
@@ -297,6 +337,7 @@ def paged_attention(
     # One profiler label over the whole of attention (cache write included): `kvserve profile`
     # attributes time to it.
     with label("attention"):
+        attn_metadata = attn_metadata.for_group(kv.group)
         kv.write(k, v, attn_metadata.slot_mapping)
         if ops.enabled_for(q):
             return _kernel_attention(q, kv, attn_metadata, scale, sliding_window, logit_softcap)

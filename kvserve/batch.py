@@ -21,8 +21,15 @@ class ScheduledChunk:
 
     request: Request
     num_new_tokens: int
-    block_ids: list[int]  # the request's whole block table after this step's allocation
+    # The request's whole block table after this step's allocation, one per KV cache group
+    # (kvserve.kv_cache.KVCacheGroup); a model without sliding-window groups has one.
+    block_tables: list[list[int]]
     spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's table: the full-attention one, which holds every position."""
+        return self.block_tables[0]
 
     @property
     def start_position(self) -> int:

@@ -2,6 +2,11 @@
 
 Torch-free. A block is only an id here; the runner owns the tensors the ids point into.
 
+With ``reserve_null_block`` block 0 is never handed out: it is the zero-filled block that a
+sliding-window group's table points at for positions no query can see any more (kernels may
+still read it and mask it; it must hold finite values, unlike a freed block reused by another
+request).
+
 A block with ``ref_cnt == 0`` sits in the free queue. If it still carries a hash (it holds
 the KV of a full, cached block) it stays findable through the hash index until it is
 handed out again, which evicts it. Allocation takes from the head of the queue and freeing
@@ -51,16 +56,26 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block: Optional[Block] = None
+        if reserve_null_block:
+            self.null_block = self.blocks[0]
+            self.null_block.ref_cnt = 1  # held forever: never freed, never handed out
         # Ordered by block id: the OrderedDict gives O(1) pop-head, append-tail and removal
         # from the middle (a cache hit on a free block).
-        self._free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free_queue: OrderedDict[int, Block] = OrderedDict(
+            (b.block_id, b) for b in self.blocks if b is not self.null_block)
         self._cached: dict[BlockHash, Block] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block."""
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,11 +84,11 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_queue)
+        return self.num_usable_blocks - len(self._free_queue)
 
     @property
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        return self.num_used_blocks / self.num_usable_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -124,16 +139,23 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         block_token_ids: Sequence[tuple[int, ...]],
         parent: Optional[Block],
+        anchors: Optional[Sequence[Block]] = None,
     ) -> None:
         """Index a run of consecutive full blocks of one sequence; ``parent`` precedes the first.
+
+        With ``anchors`` (a sliding-window group, whose earlier blocks may be gone), each block
+        is verified against its anchor instead of the block before it: the block at the same
+        position in the full group, itself verified through the full chain.
 
         A hash already indexed (the same content computed twice, or a collision) keeps its
         first block; the newcomer simply stays uncached.
         """
         if not self.enable_caching:
             return
-        for block, block_hash, token_ids in zip(blocks, block_hashes, block_token_ids, strict=True):
-            if block.block_hash is None and block_hash not in self._cached:
+        for i, (block, block_hash, token_ids) in enumerate(zip(blocks, block_hashes, block_token_ids, strict=True)):
+            if anchors is not None:
+                parent = anchors[i]
+            if block.block_hash is None and block_hash not in self._cached and block is not self.null_block:
                 block.block_hash = block_hash
                 block.token_ids = token_ids
                 block.parent = parent

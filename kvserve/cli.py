@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--no-sliding-window-reclaim", action="store_true",
+                   help="keep every layer's KV for the whole context (sliding-window layers in one "
+                        "full group with the others, as before KV cache groups)")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     g.add_argument("--quantization", default=None, choices=["none", "bf16", "int8", "int4"],
@@ -59,6 +62,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching,
         enable_chunked_prefill=not ns.no_chunked_prefill, num_threads=ns.num_threads,
+        disable_sliding_window_reclaim=ns.no_sliding_window_reclaim,
         seed=ns.seed, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
         speculative_config=parse_speculative_config(ns.speculative_config),
     )

@@ -111,6 +111,9 @@ class EngineArgs:
     max_model_len: Optional[int] = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Sliding-window layers keep their KV for the whole context instead of their own group
+    # that gives back the blocks out of the window (the A/B baseline).
+    disable_sliding_window_reclaim: bool = False
     max_waiting_requests: Optional[int] = None
     seed: int = 0
     num_threads: Optional[int] = None

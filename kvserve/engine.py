@@ -12,7 +12,7 @@ import torch
 
 from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
 from kvserve.kv_cache import KVCacheSpec
-from kvserve.kv_manager import KVCacheManager
+from kvserve.kv_manager import KVCacheManager, max_blocks_per_request
 from kvserve.loader import load_model
 from kvserve.loader.resolve import ModelSource, resolve_model
 from kvserve.output_processor import OutputProcessor
@@ -131,22 +131,30 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids))
 
         cache = args.cache_config()
-        self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype)
+        self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype,
+                                             reclaim_sliding_window=not args.disable_sliding_window_reclaim)
         bytes_per_block = self.kv_spec.bytes_per_block
+        # A sliding-window group's released entries point at a reserved, always-zero block.
+        num_reserved = 1 if self.kv_spec.has_sliding_groups else 0
+        # Blocks a request of the maximum length holds at its peak, over all groups.
+        self.max_request_blocks = max_blocks_per_request(self.max_model_len, cache.block_size,
+                                                         self.kv_spec.group_windows, args.max_num_batched_tokens)
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
         else:
             budget = cache.kv_cache_memory or default_kv_cache_memory(self.device)
             num_blocks = budget // bytes_per_block
             # No point holding more than max_num_seqs full contexts.
-            max_useful = args.max_num_seqs * -(-self.max_model_len // cache.block_size) + 1
+            max_useful = args.max_num_seqs * self.max_request_blocks + 1 + num_reserved
             num_blocks = min(num_blocks, max_useful)
-        if num_blocks < 1:
-            raise ConfigError(f"kv_cache_memory is too small for one block ({bytes_per_block} bytes)")
+        if num_blocks < 1 + num_reserved:
+            raise ConfigError(f"kv_cache_memory is too small for {1 + num_reserved} blocks "
+                              f"({bytes_per_block} bytes each)")
         self.num_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * bytes_per_block
 
-        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                         self.kv_spec.group_windows)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_batched_tokens, args.max_num_seqs,
                                    self.max_model_len, args.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, cfg, self.kv_spec, num_blocks, self.device)
@@ -167,9 +175,24 @@ class LLMEngine:
         return self.num_blocks * self.kv_spec.block_size
 
     def describe_kv_cache(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.kv_spec.block_size} tokens = "
-                f"{self.kv_cache_tokens} tokens, {self.kv_cache_bytes / 2**20:.1f} MiB "
-                f"({self.kv_spec.describe_token()}); activations {str(self.dtype).removeprefix('torch.')}, linear weights "
+        spec = self.kv_spec
+        per_group = f" of a group of {spec.slots_per_group} layers" if spec.num_groups > 1 else ""
+        text = (f"KV cache: {self.num_blocks} blocks x {spec.block_size} tokens = "
+                f"{self.kv_cache_tokens} tokens{per_group}, {self.kv_cache_bytes / 2**20:.1f} MiB "
+                f"({spec.describe_token()}); ")
+        if spec.num_groups > 1:
+            # What a token costs in each group, and what the longest request really holds: its
+            # full groups' whole context, its sliding groups' window plus one prefill chunk.
+            windows = spec.group_windows
+            groups = ", ".join(
+                f"{windows.count(w)} x {'full' if w is None else f'window {w}'} at {spec.bytes_per_group_token} "
+                f"bytes per token each" for w in dict.fromkeys(windows))
+            blocks = self.max_request_blocks
+            text += (f"groups: {groups}; a {self.max_model_len}-token request holds at most {blocks} blocks "
+                     f"= {blocks * spec.bytes_per_block / 2**20:.1f} MiB, the cost of "
+                     f"{blocks * spec.bytes_per_block // spec.bytes_per_token} tokens in every layer "
+                     f"({self.max_model_len * spec.bytes_per_token / 2**20:.1f} MiB without reclaim); ")
+        return (text + f"activations {str(self.dtype).removeprefix('torch.')}, linear weights "
                 f"{self.weight_format or str(self.dtype).removeprefix('torch.')}")
 
     def new_request_id(self) -> str:

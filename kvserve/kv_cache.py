@@ -10,6 +10,15 @@ against a block are then a sum over ``d`` of ``q[d]`` times a contiguous row of 
 keys, vector operations over the block's tokens with no horizontal sums, which is how the CPU
 kernels compute them.
 
+KV cache groups (issue #12; vLLM's hybrid KV cache layout): the layers are split into groups
+of equal size, full attention or one sliding window (``KVCacheSpec.groups``); a request has one
+block table per group, and a sliding group gives back the blocks out of its window. One pool
+of block ids serves every group: the cache holds one tensor per *slot* (position within a
+group), ``num_blocks`` blocks each, and layer L lives in slot ``slot_of(L)`` of its group,
+addressed through that group's table. A block id is thus ``slots_per_group`` layers' worth of
+one block, the same bytes in every group. A model with one group (LLaMA; or
+``--no-sliding-window-reclaim``) has one slot per layer: one tensor per layer, as before.
+
 INT8 (``kv_cache_dtype="int8"``): symmetric int8 with fp16 scales, for keys and values
 separately, one scale per token, KV head and group of 64 dims, in ``scales [2, num_kv_heads,
 num_blocks, groups, block_size]``. Before quantizing, each head vector is rotated by the
@@ -34,6 +43,7 @@ side by side); ``block_keys``/``block_values`` read either back as ``[.., block_
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
@@ -69,24 +79,78 @@ def kv_dtype_name(dtype: Union[str, torch.dtype]) -> str:
 
 
 @dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers whose KV shares one block table per request: full attention (``window`` None)
+    or one sliding window of ``window`` tokens, whose blocks a request gives back once no
+    future query can see them."""
+
+    layers: tuple[int, ...]
+    window: Optional[int] = None
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window is not None
+
+
+def kv_cache_groups(config: ModelConfig, reclaim_sliding_window: bool = True) -> tuple[KVCacheGroup, ...]:
+    """Split the layers into groups of equal size, so that a block (one block id of the shared
+    pool) holds the same bytes in every group; full groups first.
+
+    The group size is the gcd of the layer counts per attention kind (Gemma 3: 3 full and 15
+    sliding layers -> six groups of 3; tiny-gemma3: 1 and 3 -> four groups of 1): equal groups
+    with no padding, at the price of more block tables per request when the gcd is small. A
+    model with one kind only (LLaMA), or a model that cannot reclaim (no full layer to anchor
+    prefix-cache hits, or reclaim turned off) is one full group of every layer, as before.
+    """
+    n = config.num_hidden_layers
+    kinds: dict[Optional[int], list[int]] = {}
+    for layer in range(n):
+        window = config.sliding_window if config.is_sliding(layer) and config.sliding_window else None
+        kinds.setdefault(window, []).append(layer)
+    if not reclaim_sliding_window or len(kinds) == 1 or None not in kinds:
+        return (KVCacheGroup(tuple(range(n))),)
+    size = math.gcd(*(len(layers) for layers in kinds.values()))
+    groups = []
+    for window in sorted(kinds, key=lambda w: (w is not None, w or 0)):
+        layers = kinds[window]
+        groups.extend(KVCacheGroup(tuple(layers[i:i + size]), window) for i in range(0, len(layers), size))
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
-    """What one token costs and how the tensors are shaped; torch dtypes derived from ``dtype``."""
+    """What one token costs and how the tensors are shaped; torch dtypes derived from ``dtype``.
+
+    ``groups`` (default: one full group of every layer) say which layers share a block table.
+    All groups have ``slots_per_group`` layers; the cache holds one tensor per slot, of
+    ``num_blocks`` blocks, and layer L reads and writes slot ``slot_of(L)`` through its group's
+    block table, so one block id is one block in every slot.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: str  # a kv_dtype_name (a torch dtype or an alias is normalised to one)
+    groups: tuple[KVCacheGroup, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", kv_dtype_name(self.dtype))
         if self.is_quantized and (self.block_size % 2 or self.head_dim < 16 or self.head_dim & (self.head_dim - 1)):
             raise ConfigError(f"an int8 KV cache pairs tokens and rotates heads: it needs an even block size "
                               f"(got {self.block_size}) and a power-of-two head dim >= 16 (got {self.head_dim})")
+        if not self.groups:
+            object.__setattr__(self, "groups", (KVCacheGroup(tuple(range(self.num_layers))),))
+        layers = sorted(layer for group in self.groups for layer in group.layers)
+        if layers != list(range(self.num_layers)) or len({len(g.layers) for g in self.groups}) != 1:
+            raise ConfigError(f"KV cache groups must cover each of the {self.num_layers} layers once, "
+                              f"in groups of equal size: {self.groups}")
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: Union[str, torch.dtype]) -> "KVCacheSpec":
-        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, dtype)
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: Union[str, torch.dtype],
+                  reclaim_sliding_window: bool = True) -> "KVCacheSpec":
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, dtype,
+                   kv_cache_groups(config, reclaim_sliding_window))
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -109,15 +173,56 @@ class KVCacheSpec:
     def scale_bytes_per_head(self) -> int:
         return self.scale_groups * SCALE_DTYPE.itemsize
 
+    # ---- groups --------------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def slots_per_group(self) -> int:
+        return len(self.groups[0].layers)
+
+    @property
+    def group_windows(self) -> list[Optional[int]]:
+        """Each group's sliding window (None: full attention), what the KV manager takes."""
+        return [g.window for g in self.groups]
+
+    @property
+    def has_sliding_groups(self) -> bool:
+        return any(g.is_sliding for g in self.groups)
+
+    def group_of(self, layer: int) -> int:
+        return self._layer_map[layer][0]
+
+    def slot_of(self, layer: int) -> int:
+        return self._layer_map[layer][1]
+
+    @functools.cached_property
+    def _layer_map(self) -> dict[int, tuple[int, int]]:
+        return {layer: (g, s) for g, group in enumerate(self.groups) for s, layer in enumerate(group.layers)}
+
+    # ---- sizes -----------------------------------------------------------------------------
+
+    @property
+    def bytes_per_layer_token(self) -> int:
+        """One token of one layer: 2 (K and V) x kv heads x (head dim x element bytes + scales)."""
+        return 2 * self.num_kv_heads * (self.head_dim * self.element_bytes + self.scale_bytes_per_head)
+
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv heads x (head dim x element bytes + scale bytes)."""
-        return (2 * self.num_layers * self.num_kv_heads
-                * (self.head_dim * self.element_bytes + self.scale_bytes_per_head))
+        """A token held in every layer (what a cache without groups pays per token)."""
+        return self.num_layers * self.bytes_per_layer_token
+
+    @property
+    def bytes_per_group_token(self) -> int:
+        """A token held in one group: its ``slots_per_group`` layers."""
+        return self.slots_per_group * self.bytes_per_layer_token
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+        """One block id of the pool: a block of every slot."""
+        return self.bytes_per_group_token * self.block_size
 
     def describe_token(self) -> str:
         """The bytes-per-token formula with this cache's numbers, for the start-up line."""
@@ -130,10 +235,13 @@ class KVCacheSpec:
 
 @dataclass
 class LayerKV:
-    """One layer's cache: ``data`` in the layout above and, for int8, its ``scales``."""
+    """One layer's cache: ``data`` in the layout above and, for int8, its ``scales``; ``group``
+    picks the block table (``AttentionMetadata.for_group``) its block ids come from. Layers of
+    different groups in the same slot share the tensors."""
 
     data: torch.Tensor  # [2, KVH, NB, BS, D]
     scales: Optional[torch.Tensor] = None  # [2, KVH, NB, groups, BS] fp16, int8 caches only
+    group: int = 0
 
     @property
     def block_size(self) -> int:
@@ -259,7 +367,8 @@ def dequantize_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Every layer's ``LayerKV``, allocated once for the pool's ``num_blocks`` blocks."""
+    """Every layer's ``LayerKV``, allocated once for the pool's ``num_blocks`` blocks: one
+    tensor (and scales) per group slot, shared by the layers in that slot of every group."""
 
     def __init__(self, spec: KVCacheSpec, layers: list[LayerKV]) -> None:
         self.spec = spec
@@ -268,16 +377,18 @@ class KVCache:
     @classmethod
     def allocate(cls, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> "KVCache":
         """Zero-filled, not ``empty``: padded block-table entries and masked keys are still
-        read, and uninitialised memory could hold NaNs, which survive a zero attention weight."""
+        read, and uninitialised memory could hold NaNs, which survive a zero attention weight.
+        (The same holds for the null block that stands for a sliding group's released blocks.)"""
         shape = (2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
-        layers = []
-        for _ in range(spec.num_layers):
+        slots = []
+        for _ in range(spec.slots_per_group):
             data = ops.empty_huge_pages(shape, spec.storage_dtype, device).zero_()
             scales = None
             if spec.is_quantized:
                 scales = torch.zeros((*shape[:3], spec.scale_groups, spec.block_size), dtype=SCALE_DTYPE,
                                      device=device)
-            layers.append(LayerKV(data, scales))
+            slots.append((data, scales))
+        layers = [LayerKV(*slots[spec.slot_of(layer)], group=spec.group_of(layer)) for layer in range(spec.num_layers)]
         return cls(spec, layers)
 
     @property
@@ -286,8 +397,8 @@ class KVCache:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers
-                   for t in (layer.data, layer.scales) if t is not None)
+        tensors = {id(t): t for layer in self.layers for t in (layer.data, layer.scales) if t is not None}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def __getitem__(self, layer: int) -> LayerKV:
         return self.layers[layer]
@@ -298,13 +409,18 @@ class KVCache:
     def __iter__(self) -> Iterator[LayerKV]:
         return iter(self.layers)
 
-    def native_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(data tensors, scale tensors — empty for float caches), as decoder.cpp takes them."""
+    def native_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """(data tensors, scale tensors — empty for float caches, block-table group), one entry
+        per layer, as decoder.cpp takes them (a slot's tensor appears once per group)."""
         return ([layer.data for layer in self.layers],
-                [layer.scales for layer in self.layers if layer.scales is not None])
+                [layer.scales for layer in self.layers if layer.scales is not None],
+                [layer.group for layer in self.layers])
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: Union[str, torch.dtype],
-                      device: torch.device | str) -> KVCache:
-    """A cache for ``config``'s layers (tests and tools; the runner allocates from its spec)."""
-    return KVCache.allocate(KVCacheSpec.for_model(config, block_size, dtype), num_blocks, device)
+                      device: torch.device | str, reclaim_sliding_window: bool = False) -> KVCache:
+    """A cache for ``config``'s layers (tests and tools; the runner allocates from its spec):
+    one group of every layer, read through one block table, unless ``reclaim_sliding_window``
+    (the engine's layout: then the attention metadata needs a table per group)."""
+    spec = KVCacheSpec.for_model(config, block_size, dtype, reclaim_sliding_window)
+    return KVCache.allocate(spec, num_blocks, device)

@@ -4,6 +4,22 @@ Torch-free. A request's KV lives in a list of fixed-size blocks (its block table
 blocks are identified by a chained hash of their tokens, so requests that share a prompt
 prefix share the blocks holding it, and a finished request's blocks stay findable until
 the pool needs them back.
+
+KV cache groups (``kvserve.kv_cache.KVCacheGroup``): a request has one block table per group,
+all drawing on one pool. Group 0 attends to everything and keeps every block, as a model with
+one group always did. A sliding-window group of window W keeps only the blocks a query can
+still see: once the next query is at position p, keys before ``p - W + 1`` are invisible to
+every future query, so the blocks wholly before that go back to the pool (they stay in the
+hash index while free) and their table entries point at the pool's null block. A group's
+cached blocks are indexed under the chain hash tagged with the group.
+
+Prefix-cache rule for sliding groups (vLLM's): a hit of h tokens needs group 0's whole chain
+``[0, h)`` and, in each sliding group, the blocks holding keys a query at h can see,
+``[h - W + 1, h)``; the hit is the largest block multiple h, at most group 0's longest chain,
+where every group has them. A sliding group's cached block is verified (tokens and identity)
+against group 0's block at the same position, itself verified through the whole chain, so a
+hash collision can no more serve wrong KV than before, and a block whose predecessors were
+evicted can still be hit.
 """
 from __future__ import annotations
 
@@ -23,14 +39,21 @@ def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: Sequence[int]
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 group_windows: Sequence[Optional[int]] = (None,)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.group_windows = list(group_windows)
+        if not self.group_windows or self.group_windows[0] is not None:
+            raise ValueError(f"group 0 must attend to everything (window None), got {self.group_windows}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
-        self._req_blocks: dict[str, list[Block]] = {}
-        # Per request: how many leading blocks of its table have been offered to the cache.
+        has_sliding = any(w is not None for w in self.group_windows)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, reserve_null_block=has_sliding)
+        self._null = self.block_pool.null_block
+        # Per request, per group: its block table (a sliding group's released entries: null).
+        self._req_blocks: dict[str, list[list[Block]]] = {}
+        # Per request: how many leading blocks of its tables have been offered to the cache.
         self._num_cached_blocks: dict[str, int] = {}
         # Token counts, like vLLM: prompt (and recomputed) tokens looked up, and those found.
         self.prefix_cache_queries = 0
@@ -39,8 +62,17 @@ class KVCacheManager:
     # ---- sizes -------------------------------------------------------------------------
 
     @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold (all but the null block, when there is one)."""
+        return self.block_pool.num_usable_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,23 +89,40 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+    def max_blocks_for(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request holding up to ``num_tokens`` tokens of KV ever needs at
+        once, over all groups, when a step computes at most ``max_chunk`` of its tokens."""
+        return max_blocks_per_request(num_tokens, self.block_size, self.group_windows, max_chunk)
+
+    def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        tables = self._req_blocks.get(request_id)
+        return [b.block_id for b in tables[group]] if tables else []
+
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        tables = self._req_blocks.get(request_id)
+        return [[b.block_id for b in t] for t in tables] if tables else [[] for _ in self.group_windows]
+
+    def num_held_blocks(self, request_id: str, group: int) -> int:
+        """Real blocks (not the null block) in one group's table of the request."""
+        tables = self._req_blocks.get(request_id)
+        return sum(1 for b in tables[group] if b is not self._null) if tables else 0
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest cached prefix of ``request``'s full blocks: (block ids, tokens covered).
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+        """The longest cached prefix of ``request``'s full blocks: (block ids per group, tokens
+        covered); a sliding group's list starts with null blocks where keys are out of sight.
 
         The last token is never served from the cache: computing it is what yields the
         logits to sample from. Pass the result straight to ``allocate_slots``: the blocks
         are not referenced until then and any allocation in between may evict them.
         """
+        no_hit: list[list[int]] = [[] for _ in self.group_windows]
         if not self.enable_prefix_caching:
-            return [], 0
+            return no_hit, 0
         if (request.prompt_logprobs is not None
                 and len(request.prompt_logprobs) < request.num_prompt_tokens - 1):
-            return [], 0  # a cached token's logits are never computed: its logprob would be lost
+            return no_hit, 0  # a cached token's logits are never computed: its logprob would be lost
         num_tokens = request.num_tokens
         max_hit_blocks = (num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_hit_blocks)
@@ -85,10 +134,38 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = block
-        num_hit_tokens = len(hits) * self.block_size
+        num_hit, group_hits = self._sliding_hits(request, hits)
+        num_hit_tokens = num_hit * self.block_size
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
-        return [b.block_id for b in hits], num_hit_tokens
+        return [[b.block_id for b in hits[:num_hit]]] + group_hits, num_hit_tokens
+
+    def _sliding_hits(self, request: Request, full_hits: list[Block]) -> tuple[int, list[list[int]]]:
+        """The largest k <= len(full_hits) such that every sliding group holds the cached
+        blocks a query at ``k * block_size`` sees, and those groups' hit tables."""
+        k = len(full_hits)
+        found: dict[tuple[int, int], Optional[Block]] = {}
+
+        def cached(group: int, i: int) -> Optional[Block]:
+            if (group, i) not in found:
+                block = self.block_pool.get_cached_block(_group_key(group, request.block_hashes[i]))
+                ok = block is not None and block.holds(self._block_tokens(request, i), full_hits[i])
+                found[group, i] = block if ok else None
+            return found[group, i]
+
+        changed = True
+        while changed and k > 0:
+            changed = False
+            for g in range(1, self.num_groups):
+                for i in range(k - 1, self._first_needed_block(g, k * self.block_size) - 1, -1):
+                    if cached(g, i) is None:
+                        k, changed = i, True  # a hit must end at or before the missing block
+                        break
+        tables = []
+        for g in range(1, self.num_groups):
+            first = self._first_needed_block(g, k * self.block_size) if k else 0
+            tables.append([self._null.block_id] * first + [cached(g, i).block_id for i in range(first, k)])
+        return k, tables
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()
@@ -99,71 +176,111 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_block_ids: Sequence[int] = (),
+        new_computed_block_ids: Sequence[Sequence[int]] = (),
         num_new_computed_tokens: int = 0,
         lookahead: int = 0,
-    ) -> Optional[list[int]]:
+    ) -> Optional[list[list[int]]]:
         """Give ``request`` blocks for all tokens it will hold after this step.
 
         That is ``num_computed_tokens + num_new_computed_tokens + num_new_tokens + lookahead``
-        tokens, where the prefix-hit blocks ``new_computed_block_ids`` cover the
-        ``num_new_computed_tokens`` tokens after ``num_computed_tokens``. Returns the whole
-        block table, or None (changing nothing) when the pool cannot supply the blocks.
+        tokens, where the prefix-hit blocks ``new_computed_block_ids`` (per group, as
+        ``get_computed_blocks`` returns them) cover the ``num_new_computed_tokens`` tokens after
+        ``num_computed_tokens``. A sliding group first gives back the blocks no query of this
+        step or later can see. Returns the whole block table of every group, or None (changing
+        nothing) when the pool cannot supply the blocks.
         """
-        blocks = self._req_blocks.get(request.request_id, [])
-        hit_blocks = [self.block_pool.blocks[i] for i in new_computed_block_ids]
+        num_groups = self.num_groups
+        tables = self._req_blocks.get(request.request_id) or [[] for _ in range(num_groups)]
+        hit_ids = list(new_computed_block_ids) or [[] for _ in range(num_groups)]
+        hits = [[self.block_pool.blocks[i] for i in ids] for ids in hit_ids]
         num_known_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = self.num_blocks_for(num_known_tokens + lookahead)
-        num_new_blocks = max(0, num_required - len(blocks) - len(hit_blocks))
-        # Hit blocks sitting in the free queue are taken out of it by ``touch``.
-        num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
+        first_query = request.num_computed_tokens + num_new_computed_tokens
+
+        num_new_blocks = [max(0, num_required - len(tables[g]) - len(hits[g])) for g in range(num_groups)]
+        releases = [self._releasable(tables[g], g, first_query) for g in range(num_groups)]
+        # Hit blocks sitting in the free queue are taken out of it by ``touch``; released blocks
+        # nobody else holds join it.
+        num_revived = sum(1 for group_hits in hits for b in group_hits if b.ref_cnt == 0)
+        num_released = sum(1 for _, rel in releases for b in rel if b.ref_cnt == 1)
+        if sum(num_new_blocks) + num_revived > self.block_pool.num_free_blocks + num_released:
             return None
 
-        self.block_pool.touch(hit_blocks)
-        blocks.extend(hit_blocks)
-        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        self._req_blocks[request.request_id] = blocks
+        # Every group's releases, then every group's hits, then the new blocks: a hit sitting in
+        # the free queue must be taken before any new block could evict it.
+        for blocks, (end, released) in zip(tables, releases):
+            if released:
+                blocks[:end] = [self._null] * end
+                self.block_pool.free_blocks(reversed(released))
+        for blocks, group_hits in zip(tables, hits):
+            self.block_pool.touch(b for b in group_hits if b is not self._null)
+            blocks.extend(group_hits)
+        for blocks, n in zip(tables, num_new_blocks):
+            blocks.extend(self.block_pool.get_new_blocks(n))
+        self._req_blocks[request.request_id] = tables
         if self.enable_prefix_caching:
             # Blocks whose every token is computed by the end of this step become findable now,
             # so a request scheduled later in the same step may hit them: the runner must write
             # a layer's new K/V for the whole batch before any attention reads the cache.
-            self._cache_full_blocks(request, blocks, min(num_known_tokens, request.num_tokens) // self.block_size)
-        return [b.block_id for b in blocks]
+            self._cache_full_blocks(request, tables, min(num_known_tokens, request.num_tokens) // self.block_size)
+        return [[b.block_id for b in blocks] for blocks in tables]
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Give back the tail blocks beyond the first ``num_tokens`` tokens (rejected
         speculative drafts' lookahead). Those blocks were never hashed: only tokens the
         request holds are, and drafts are not among them until accepted."""
-        blocks = self._req_blocks.get(request.request_id)
+        tables = self._req_blocks.get(request.request_id)
         keep = self.num_blocks_for(num_tokens)
-        if not blocks or len(blocks) <= keep:
+        if not tables:
             return
-        assert self._num_cached_blocks.get(request.request_id, 0) <= keep
-        tail = blocks[keep:]
-        del blocks[keep:]
-        self.block_pool.free_blocks(reversed(tail))
+        for blocks in tables:
+            if len(blocks) <= keep:
+                continue
+            assert self._num_cached_blocks.get(request.request_id, 0) <= keep
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.block_pool.free_blocks(b for b in reversed(tail) if b is not self._null)
 
     def free(self, request: Request) -> None:
         """Return every block of ``request`` at once; cached ones stay findable until evicted."""
-        blocks = self._req_blocks.pop(request.request_id, [])
+        tables = self._req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        # Tail first: a sequence's last blocks are the least likely to be shared, evict them first.
-        self.block_pool.free_blocks(reversed(blocks))
+        # Tail first, position by position across groups: a sequence's last blocks are the
+        # least likely to be shared, evict them first.
+        length = max((len(t) for t in tables), default=0)
+        self.block_pool.free_blocks(t[i] for i in range(length - 1, -1, -1) for t in tables
+                                    if i < len(t) and t[i] is not self._null)
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _cache_full_blocks(self, request: Request, blocks: list[Block], num_full: int) -> None:
+    def _first_needed_block(self, group: int, first_query: int) -> int:
+        """The first block of ``group`` a query at ``first_query`` or later can see."""
+        window = self.group_windows[group]
+        if window is None:
+            return 0
+        return max(0, first_query - window + 1) // self.block_size
+
+    def _releasable(self, blocks: list[Block], group: int, first_query: int) -> tuple[int, list[Block]]:
+        """(n, the blocks among the first n entries of a sliding group's table not yet
+        released): the entries no query from ``first_query`` on sees."""
+        end = min(self._first_needed_block(group, first_query), len(blocks))
+        if end == 0 or blocks[end - 1] is self._null:
+            return end, []  # nothing new: entries before the last null one are null too
+        return end, [b for b in blocks[:end] if b is not self._null]
+
+    def _cache_full_blocks(self, request: Request, tables: list[list[Block]], num_full: int) -> None:
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
         self._update_block_hashes(request, num_full)
-        self.block_pool.cache_full_blocks(
-            blocks[start:num_full],
-            request.block_hashes[start:num_full],
-            [self._block_tokens(request, i) for i in range(start, num_full)],
-            parent=blocks[start - 1] if start > 0 else None,
-        )
+        hashes = request.block_hashes[start:num_full]
+        token_ids = [self._block_tokens(request, i) for i in range(start, num_full)]
+        full = tables[0]
+        self.block_pool.cache_full_blocks(full[start:num_full], hashes, token_ids,
+                                          parent=full[start - 1] if start > 0 else None)
+        for g in range(1, self.num_groups):
+            self.block_pool.cache_full_blocks(tables[g][start:num_full], [_group_key(g, h) for h in hashes],
+                                              token_ids, parent=None, anchors=full[start:num_full])
         self._num_cached_blocks[request.request_id] = num_full
 
     def _update_block_hashes(self, request: Request, num_blocks: int) -> None:
@@ -181,3 +298,26 @@ class KVCacheManager:
         if start >= num_prompt:
             return tuple(output[start - num_prompt:end - num_prompt])
         return tuple(prompt[start:]) + tuple(output[:end - num_prompt])
+
+
+def _group_key(group: int, block_hash: BlockHash) -> BlockHash:
+    """The index key of a group's block: the same token chain is a different block per group."""
+    return block_hash + group.to_bytes(2, "little") if group else block_hash
+
+
+def max_blocks_per_request(num_tokens: int, block_size: int, group_windows: Sequence[Optional[int]],
+                           max_chunk: int) -> int:
+    """Peak blocks, over all groups, of a request holding up to ``num_tokens`` tokens when one
+    step computes at most ``max_chunk`` of them. A full group holds them all; a sliding group
+    of window W holds, during a chunk of C tokens starting at p, the blocks of ``[p - W + 1,
+    p + C)``: at most ``ceil((W - 1 + C) / block_size) + 1`` (the + 1: a range that does not
+    start on a block boundary), ``ceil(W / block_size) + 1`` in steady decode."""
+    full = -(-num_tokens // block_size)
+    total = 0
+    for window in group_windows:
+        if window is None:
+            total += full
+        else:
+            chunk = min(max_chunk, num_tokens)
+            total += min(full, -(-(window - 1 + chunk) // block_size) + 1)
+    return total

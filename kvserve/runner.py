@@ -81,9 +81,11 @@ class ModelRunner:
         n_tokens = sched.total_num_scheduled_tokens
         input_ids = np.empty(n_tokens, dtype=np.int64)
         positions = np.empty(n_tokens, dtype=np.int64)
-        slot_mapping = np.empty(n_tokens, dtype=np.int64)
-        max_blocks = max(len(c.block_ids) for c in sched.chunks)
-        block_tables = np.zeros((len(sched.chunks), max_blocks), dtype=np.int32)
+        # One table per KV cache group; group g's tokens go to its own blocks (same offsets).
+        num_groups = len(sched.chunks[0].block_tables)
+        max_blocks = max(len(t) for c in sched.chunks for t in c.block_tables)
+        block_tables = np.zeros((num_groups, len(sched.chunks), max_blocks), dtype=np.int32)
+        slot_mapping = np.empty((num_groups, n_tokens), dtype=np.int64)
         query_start_loc = [0]
         context_lens: list[int] = []
         seq_lens: list[int] = []
@@ -107,9 +109,10 @@ class ModelRunner:
                 input_ids[offset + n - len(spec):offset + n] = spec
             pos = np.arange(start, end, dtype=np.int64)
             positions[offset:offset + n] = pos
-            table = np.asarray(chunk.block_ids, dtype=np.int64)
-            block_tables[row, :len(table)] = table
-            slot_mapping[offset:offset + n] = table[pos // block_size] * block_size + pos % block_size
+            for g, group_table in enumerate(chunk.block_tables):
+                table = np.asarray(group_table, dtype=np.int64)
+                block_tables[g, row, :len(table)] = table
+                slot_mapping[g, offset:offset + n] = table[pos // block_size] * block_size + pos % block_size
             if req.prompt_logprobs is not None:
                 # Position p's logits predict prompt token p + 1; those already computed (a
                 # chunk recomputed after preemption) are not asked again.
@@ -135,9 +138,13 @@ class ModelRunner:
                 n_decode += n
 
         dev = self.device
+        slot_mappings = torch.from_numpy(slot_mapping).to(dev)
+        tables = torch.from_numpy(block_tables).to(dev)
         attn = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
+            slot_mapping=slot_mappings[0],
+            block_tables=tables[0],
+            group_slot_mappings=list(slot_mappings[1:]),
+            group_block_tables=list(tables[1:]),
             query_start_loc=query_start_loc,
             context_lens=context_lens,
             seq_lens=seq_lens,

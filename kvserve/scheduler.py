@@ -76,14 +76,16 @@ class Scheduler:
                 raise RequestRejected(
                     f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
                     f"more than the maximum context length of {self.max_model_len} tokens")
-        # The last sampled token is never fed back, so it needs no KV slot.
+        # The last sampled token is never fed back, so it needs no KV slot. With sliding-window
+        # groups the cost is each group's peak, a prefill chunk's window included.
         kv = self.kv_manager
-        blocks_needed = kv.num_blocks_for(total - 1)
-        if blocks_needed > kv.num_blocks:
+        blocks_needed = kv.max_blocks_for(total - 1, self.max_num_batched_tokens)
+        if blocks_needed > kv.num_usable_blocks:
+            groups = f" over {kv.num_groups} KV cache groups" if kv.num_groups > 1 else ""
             raise RequestRejected(
                 f"the request needs up to {total - 1} tokens of KV cache ({blocks_needed} blocks of "
-                f"{kv.block_size}), more than the whole cache holds ({kv.num_blocks} blocks, "
-                f"{kv.num_blocks * kv.block_size} tokens); lower max_tokens or the prompt length")
+                f"{kv.block_size}{groups}), more than the whole cache holds ({kv.num_usable_blocks} blocks, "
+                f"{kv.num_usable_blocks * kv.block_size} tokens); lower max_tokens or the prompt length")
         if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
             raise RequestRejected(
                 f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens "

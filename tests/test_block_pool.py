@@ -120,3 +120,27 @@ def test_reset_prefix_cache():
     assert pool.num_cached_blocks == 0
     assert all(pool.get_cached_block(h) is None for h in hashes)
     assert pool.num_free_blocks == 3
+
+
+def test_null_block_is_never_handed_out_or_cached():
+    pool = BlockPool(4, enable_caching=True, reserve_null_block=True)
+    assert pool.null_block is pool.blocks[0] and pool.num_usable_blocks == 3
+    assert pool.num_free_blocks == 3 and pool.num_used_blocks == 0 and pool.usage == 0
+    blocks = pool.get_new_blocks(3)
+    assert pool.null_block not in blocks and pool.usage == 1
+    pool.cache_full_blocks([pool.null_block], [b"n"], [(1,)], parent=None)
+    assert pool.get_cached_block(b"n") is None
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+
+
+def test_anchored_blocks_are_verified_against_their_anchor():
+    # A sliding-window group's block names the full group's block at its position: it stays a
+    # hit while that anchor is unchanged, whatever happened to the blocks before it.
+    pool = BlockPool(4, enable_caching=True)
+    anchor, sliding = pool.get_new_blocks(2)
+    pool.cache_full_blocks([sliding], [b"s"], [(1, 2)], parent=None, anchors=[anchor])
+    assert pool.get_cached_block(b"s").holds((1, 2), anchor)
+    pool.free_blocks([anchor])
+    pool.get_new_blocks(3)  # evicts and hands out the anchor again: a new generation
+    assert not sliding.holds((1, 2), anchor)

@@ -18,7 +18,7 @@ import random
 import pytest
 
 from kvserve import SamplingParams
-from kvserve.bench.determinism import run_check, signature
+from kvserve.bench.determinism import preemption_room, run_check, signature
 from kvserve.llm import LLM
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0",
@@ -117,7 +117,7 @@ def test_tiny_prompt_splits_and_streaming(tiny_model, dtype, quantization, kv):
     # admitted last, is the victim.
     group = _prompts(1, seed=21, lo=32, hi=33) + _prompts(1, seed=22, lo=48, hi=49) + [TARGET]
     growing = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    room = 2 + 3 + -(-(len(TARGET) + MAX_TOKENS) // 16)
+    room = preemption_room(llm.engine.kv_spec, [len(p) for p in group[:-1]], len(TARGET) + MAX_TOKENS)
     small = _tiny(tiny_model, dtype, quantization, kv, num_blocks=room, enable_prefix_caching=False)
     outs = small.generate(group, [growing] * 2 + [PARAMS])
     assert small.engine.scheduler.num_preemptions > 0

@@ -84,3 +84,56 @@ def test_fused_layers_only_where_the_kernels_run():
     model, _ = load_model(resolve_model("tiny-llama"), quantization="int4")
     with ops.use_kernels(False):
         assert not model.model.fused_layers.applies_to(torch.zeros(1, 8), [])
+
+
+def _three_steps_grouped(model, cfg, kv_dtype: str, grouped: bool, block_size: int = 8) -> torch.Tensor:
+    """``_three_steps`` on the engine's layout: one block table per KV cache group, sliding
+    groups' entries before the window on the null block (0), as the KV manager leaves them."""
+    from kvserve.kv_cache import KVCacheSpec
+    spec = KVCacheSpec.for_model(cfg, block_size, kv_dtype, reclaim_sliding_window=grouped)
+    lens = [151, 12]
+    per_seq = [-(-n // block_size) for n in lens]
+    caches = allocate_kv_cache(cfg, 1 + spec.num_groups * sum(per_seq), block_size, kv_dtype, "cpu",
+                               reclaim_sliding_window=grouped)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, cfg.vocab_size, (200,), generator=gen)
+    tables, next_id = [], 1
+    for _ in spec.groups:
+        group_tables = []
+        for n in per_seq:
+            group_tables.append(list(range(next_id, next_id + n)))
+            next_id += n
+        tables.append(group_tables)
+    outs = []
+    steps = [([0, 0], [100, 10]), ([100, 10], [50, 1]), ([150, 11], [1, 1])]
+    for context, new in steps:
+        step_tables = []
+        for group, group_tables in zip(spec.groups, tables):
+            step_tables.append([])
+            for c, table in zip(context, group_tables):
+                # What no query of this step or later sees is released: the null block.
+                first = max(0, c - group.window + 1) // block_size if group.window else 0
+                step_tables[-1].append([0] * first + table[first:])
+        md = build_attention_metadata(step_tables[0], context, new, block_size, group_block_tables=step_tables[1:])
+        rows = torch.cat([ids[c:c + n] + 17 * s for s, (c, n) in enumerate(zip(context, new))]) % cfg.vocab_size
+        pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context, new)])
+        outs.append(model.model(rows, pos, md, caches))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_sliding_window_groups_match_one_group_exactly(kv_dtype):
+    """Per-group block tables with released blocks on the null block (int8 tiles read from a
+    16-key grid, so with 8-token blocks they read the null block and mask it): the same numbers
+    as one table for every layer, native and layer by layer."""
+    model, cfg = load_model(resolve_model("tiny-gemma3"))
+    fused = model.model.fused_layers
+    one_group = _three_steps_grouped(model, cfg, kv_dtype, grouped=False)
+    native = _three_steps_grouped(model, cfg, kv_dtype, grouped=True)
+    model.model.fused_layers = None
+    try:
+        layer_by_layer = _three_steps_grouped(model, cfg, kv_dtype, grouped=True)
+    finally:
+        model.model.fused_layers = fused
+    assert torch.equal(native, one_group)
+    assert torch.equal(layer_by_layer, one_group)

@@ -13,12 +13,13 @@ def _req(rid, tokens):
 
 
 def _admit(kv, request):
-    """What the scheduler does for a waiting request: lookup, then allocate the rest."""
+    """What the scheduler does for a waiting request: lookup, then allocate the rest; returns
+    group 0's table (the only one here)."""
     hit_ids, num_hit = kv.get_computed_blocks(request)
-    ids = kv.allocate_slots(request, request.num_tokens - num_hit, hit_ids, num_hit)
-    if ids is not None:
+    tables = kv.allocate_slots(request, request.num_tokens - num_hit, hit_ids, num_hit)
+    if tables is not None:
         request.num_computed_tokens = num_hit
-    return ids, num_hit
+    return (tables[0] if tables is not None else None), num_hit
 
 
 def _ref_counts(kv):
@@ -114,7 +115,7 @@ def test_failed_allocation_changes_nothing():
 
     kv.free(c)
     ids, num_hit = _admit(kv, b)
-    assert num_hit == 8 and ids[:2] == hit_ids and len(ids) == 4
+    assert num_hit == 8 and ids[:2] == hit_ids[0] and len(ids) == 4
 
 
 def test_decode_growth_caches_output_blocks_and_lookahead():
@@ -125,12 +126,12 @@ def test_decode_growth_caches_output_blocks_and_lookahead():
     a.num_computed_tokens = 3
     for tok in [4, 5, 6]:  # decode: the sampled token is fed back one step later
         a.output_token_ids.append(tok)
-        ids = kv.allocate_slots(a, 1)
+        ids = kv.allocate_slots(a, 1)[0]
         a.num_computed_tokens += 1
     assert len(ids) == 2 and len(a.block_hashes) == 1  # 6 tokens: one full block so far
     assert kv.get_computed_blocks(_req("x", [1, 2, 3, 4, 9]))[1] == 4
 
-    assert len(kv.allocate_slots(a, 1, lookahead=5)) == 3  # 7 + 5 tokens need 3 blocks
+    assert len(kv.allocate_slots(a, 1, lookahead=5)[0]) == 3  # 7 + 5 tokens need 3 blocks
     assert len(a.block_hashes) == 1  # lookahead slots hold no known tokens yet
 
 
@@ -150,7 +151,7 @@ def test_prefix_caching_disabled():
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
     prompt = list(range(9))
     _admit(kv, _req("a", prompt))
-    assert kv.get_computed_blocks(_req("b", prompt)) == ([], 0)
+    assert kv.get_computed_blocks(_req("b", prompt)) == ([[]], 0)
     assert kv.prefix_cache_queries == 0 and kv.prefix_cache_hits == 0
     assert kv.block_pool.num_cached_blocks == 0
 

@@ -57,6 +57,10 @@ def test_greedy_with_ngram_is_identical_to_without(llm_factory, model):
     # A KV pool too small for all three to grow: preemption (by recompute) while speculating.
     lens = [len(off.tokenizer.encode(p)) for p in PROMPTS]
     num_blocks = max(sum(-(-n // 16) for n in lens), -(-(max(lens) + 24) // 16))
+    # Per KV cache group (Gemma: six; these prompts stay inside the sliding window, so every
+    # group grows alike), and the null block sliding groups reserve.
+    spec = off.engine.kv_spec
+    num_blocks = spec.num_groups * num_blocks + int(spec.has_sliding_groups)
     small = llm_factory(model=model, dtype="float32", speculative_config=NGRAM,
                         num_blocks=num_blocks, enable_prefix_caching=False)
     assert _tokens(small, PROMPTS) == alone

@@ -31,6 +31,18 @@ def _unrelated_prompts(llm, n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, min(vocab, 30000)) for _ in range(rng.randrange(8, 160))] for _ in range(n)]
 
 
+def preemption_room(kv_spec: Any, other_prompt_lens: list[int], target_tokens: int) -> int:
+    """Blocks for the others' prompts and the target's whole request, in every KV cache group
+    (a prefill's sliding-window groups hold all of its chunk), plus the null block where there
+    are sliding groups: the cache is full once all are admitted, so the others' first decode
+    (their prompts end on a block boundary) needs a block and the target, admitted last, is
+    the victim."""
+    def blocks(n: int) -> int:
+        return -(-n // kv_spec.block_size)
+    per_group = sum(blocks(n) for n in other_prompt_lens) + blocks(target_tokens)
+    return kv_spec.num_groups * per_group + int(kv_spec.has_sliding_groups)
+
+
 def run_check(make_llm: Callable[..., Any], max_tokens: int = 24, logprobs: int = 5,
               crowd: int = CROWD, prompt: Optional[list[int]] = None) -> dict[str, Any]:
     """``make_llm(**engine_overrides)`` builds an LLM (same model/format/KV dtype each time);
@@ -59,9 +71,7 @@ def run_check(make_llm: Callable[..., Any], max_tokens: int = 24, logprobs: int 
     group = [[rng.randrange(100, 30000) for _ in range(n)] for n in (32, 48, 64)] + [prompt]
     growing = SamplingParams(temperature=0.0, max_tokens=max_tokens + 48, ignore_eos=True)
 
-    def blocks(n: int) -> int:
-        return -(-n // 16)
-    room = sum(blocks(len(p)) for p in group[:-1]) + blocks(len(prompt) + max_tokens)
+    room = preemption_room(llm.engine.kv_spec, [len(p) for p in group[:-1]], len(prompt) + max_tokens)
     small = make_llm(num_blocks=room, enable_prefix_caching=False)
     outs = small.generate(group, [growing] * 3 + [params])
     runs["preempted"] = [signature(outs[-1])]

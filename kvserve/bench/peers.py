@@ -10,6 +10,7 @@
     kvserve-kv-int8, kvserve-kv-bfloat16, ...      (kvserve with that KV cache dtype)
     kvserve-blas                                   (kvserve's opt-out of determinism:
                                                     KVSERVE_BATCH_INVARIANT=0, oneDNN/MKL linears)
+    kvserve-noreclaim                              (sliding-window layers keep the whole context)
 
 Every peer has ``warmup()``, ``run(workload, progress) -> EngineRun`` and ``close()``. A peer
 that cannot run here (package absent, no GGUF file) is skipped with the reason.
@@ -41,7 +42,7 @@ PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
               "llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch",
               "kvserve-noprefix",
               "kvserve-nospec", "kvserve-ngram", "kvserve-kv-int8", "kvserve-kv-bfloat16",
-              "kvserve-kv-float32", "kvserve-blas"]
+              "kvserve-kv-float32", "kvserve-blas", "kvserve-noreclaim"]
 # Speculation of the kvserve-ngram peer: vLLM's defaults shape, k = 4.
 NGRAM_PEER_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 _HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -124,10 +125,12 @@ def open_peer(name: str, ctx: PeerContext):
                 else llamacpp_peer.LlamaCppBatched(path, ctx.num_threads))
         peer.name = name
         return peer
-    if name == "kvserve-noprefix":
+    if name in ("kvserve-noprefix", "kvserve-noreclaim"):
         from kvserve.bench.kvserve_driver import KvserveDriver
 
-        driver = KvserveDriver(dataclasses.replace(ctx.eargs, enable_prefix_caching=False))
+        change = ({"enable_prefix_caching": False} if name == "kvserve-noprefix"
+                  else {"disable_sliding_window_reclaim": True})
+        driver = KvserveDriver(dataclasses.replace(ctx.eargs, **change))
         driver.name = name
         return driver
     if name in ("kvserve-nospec", "kvserve-ngram"):

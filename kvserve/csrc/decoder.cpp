@@ -141,10 +141,18 @@ class FusedDecoderLayers {
   // rope tables [T, D] for global and local layers; attention metadata as paged_attention's.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor local_cos,
                         torch::Tensor local_sin, const std::vector<torch::Tensor>& kv_caches,
-                        const std::vector<torch::Tensor>& kv_scales, torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
-                        torch::Tensor seq_ids, torch::Tensor query_starts, torch::Tensor query_lens) const {
+                        const std::vector<torch::Tensor>& kv_scales, const std::vector<int64_t>& kv_groups,
+                        const std::vector<torch::Tensor>& slot_mappings, const std::vector<torch::Tensor>& block_tables,
+                        torch::Tensor seq_lens, torch::Tensor seq_ids, torch::Tensor query_starts,
+                        torch::Tensor query_lens) const {
+    // KV cache groups (kvserve/kv_cache.py): layer i writes and reads its cache through the slot
+    // mapping and block tables of its group kv_groups[i] (sliding-window groups hold fewer blocks).
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     TORCH_CHECK(kv_scales.empty() || kv_scales.size() == layers_.size(), "one KV scale tensor per layer, or none");
+    TORCH_CHECK(kv_groups.size() == layers_.size() && slot_mappings.size() == block_tables.size(),
+                "one KV cache group per layer, one slot mapping and block table per group");
+    for (const int64_t g : kv_groups)
+      TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(block_tables.size()), "KV cache group out of range");
     const int64_t T = hidden.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
     hidden = hidden.contiguous();  // the residual stream, updated in place (the caller's fresh embeddings)
     pybind11::gil_scoped_release no_gil;
@@ -161,9 +169,10 @@ class FusedDecoderLayers {
         RECORD_FUNCTION("attention", std::vector<c10::IValue>());  // the label kvserve profile counts
         const c10::optional<torch::Tensor> scales =
             kv_scales.empty() ? c10::nullopt : c10::optional<torch::Tensor>(kv_scales[i]);
-        write_kv_cache(k, v, kv_caches[i], scales, slot_mapping);
-        paged_attention(attn, q, kv_caches[i], scales, block_tables, seq_lens, seq_ids, query_starts, query_lens,
-                        layer.scale, layer.window, layer.softcap);
+        const auto group = kv_groups[i];
+        write_kv_cache(k, v, kv_caches[i], scales, slot_mappings[group]);
+        paged_attention(attn, q, kv_caches[i], scales, block_tables[group], seq_lens, seq_ids, query_starts,
+                        query_lens, layer.scale, layer.window, layer.softcap);
       }
       auto out = layer.o(attn.view({T, H * D}));
       if (layer.post_attn_norm) out = rms_norm(out, *layer.post_attn_norm, eps_, norm_offset_);

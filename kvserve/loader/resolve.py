@@ -17,7 +17,7 @@ from kvserve.loader.gguf import open_gguf
 from kvserve.loader.gguf_reader import GGUF_MAGIC
 from kvserve.loader.safetensors import config_from_hf, read_hf_config, safetensors_files
 
-TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3"}
+TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-swa": "gemma3-swa"}
 
 
 @dataclass(frozen=True)

@@ -85,10 +85,10 @@ class FusedDecoderLayers:
                  local_rope: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata,
                  kv_caches: KVCache) -> torch.Tensor:
         md = attn_metadata
-        data, scales = kv_caches.native_views()
+        data, scales, groups = kv_caches.native_views()
         return self.native.forward(hidden, rope[0].contiguous(), rope[1].contiguous(), local_rope[0].contiguous(),
-                                   local_rope[1].contiguous(), data, scales, md.slot_mapping, md.block_tables,
-                                   md.seq_lens_tensor, *kernel_rows(md))
+                                   local_rope[1].contiguous(), data, scales, groups, md.all_slot_mappings(),
+                                   md.all_block_tables(), md.seq_lens_tensor, *kernel_rows(md))
 
     def applies_to(self, hidden: torch.Tensor, kv_caches: KVCache) -> bool:
         return ops.enabled_for(hidden) and all(layer.data.is_contiguous() for layer in kv_caches)

@@ -16,7 +16,7 @@ from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RMSNorm
 from kvserve.models.registry import get_model_class
 
-TINY_ARCHITECTURES = ("llama", "gemma3")
+TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa")
 
 
 def tiny_config(arch: str) -> ModelConfig:
@@ -34,6 +34,16 @@ def tiny_config(arch: str) -> ModelConfig:
             rope_local_base_freq=1e4, hidden_act="gelu_pytorch_tanh", sliding_window=8,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             query_pre_attn_scalar=16.0, name="tiny-gemma3", **common,
+        )
+    if arch == "gemma3-swa":
+        # Gemma 3's 5 sliding : 1 global pattern with a window of two 16-token blocks and room
+        # for thousands of tokens: sliding-window KV groups and their block reclaim.
+        common["max_position_embeddings"] = 8192
+        return ModelConfig(
+            architecture="gemma3", num_hidden_layers=6, rms_norm_eps=1e-6, rope_theta=1e6,
+            rope_local_base_freq=1e4, hidden_act="gelu_pytorch_tanh", sliding_window=32,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            query_pre_attn_scalar=16.0, name="tiny-gemma3-swa", **common,
         )
     raise ConfigError(f"no tiny model for architecture '{arch}' (have: {', '.join(TINY_ARCHITECTURES)})")
 
