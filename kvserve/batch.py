@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.request import Request
 
@@ -23,6 +24,10 @@ class ScheduledChunk:
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table after this step's allocation
     spec_token_ids: list[int] = field(default_factory=list)
+    # A model drafter sampling at temperature > 0: its processed distribution at each draft
+    # ([k, vocab] tensor) for rejection sampling. None: q = 1 on the proposed tokens (n-gram,
+    # greedy), and verification compares the target's samples with the drafts.
+    draft_probs: Any = None
 
     @property
     def start_position(self) -> int:

@@ -23,6 +23,7 @@ from kvserve.sampler import make_generator
 from kvserve.scheduler import Scheduler
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.spec import Speculator, build_speculator, parse_speculative_config
+from kvserve.spec.draft_model import DraftModel, DraftModelDrafter, load_draft_model
 from kvserve.tokenizer import Tokenizer
 from kvserve.tracing import label
 
@@ -132,7 +133,14 @@ class LLMEngine:
 
         cache = args.cache_config()
         self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype)
-        bytes_per_block = self.kv_spec.bytes_per_block
+        self.spec_config = parse_speculative_config(args.speculative_config)
+        # A draft model keeps its KV in the same blocks (a second cache, same block ids).
+        self.draft_model: Optional[DraftModel] = None
+        if self.spec_config is not None and self.spec_config.method == "draft_model":
+            self.draft_model = load_draft_model(self.spec_config, cfg, self.tokenizer, self.dtype,
+                                                self.weight_format, kv_dtype, cache.block_size, self.device)
+        bytes_per_block = self.kv_spec.bytes_per_block + (
+            self.draft_model.kv_spec.bytes_per_block if self.draft_model else 0)
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
         else:
@@ -153,8 +161,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs; llguidance's view of the vocabulary is built on first use.
         self.grammar_compiler = GrammarCompiler(self.tokenizer.hf, cfg.vocab_size, self.eos_token_ids)
-        self.spec_config = parse_speculative_config(args.speculative_config)
-        self.speculator: Optional[Speculator] = (build_speculator(self.spec_config)
+        drafter = (DraftModelDrafter(self.draft_model, num_blocks, self.device,
+                                     self.spec_config.num_speculative_tokens)
+                   if self.draft_model is not None else None)
+        self.speculator: Optional[Speculator] = (build_speculator(self.spec_config, drafter)
                                                  if self.spec_config else None)
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
@@ -170,7 +180,9 @@ class LLMEngine:
         return (f"KV cache: {self.num_blocks} blocks x {self.kv_spec.block_size} tokens = "
                 f"{self.kv_cache_tokens} tokens, {self.kv_cache_bytes / 2**20:.1f} MiB "
                 f"({self.kv_spec.describe_token()}); activations {str(self.dtype).removeprefix('torch.')}, linear weights "
-                f"{self.weight_format or str(self.dtype).removeprefix('torch.')}")
+                f"{self.weight_format or str(self.dtype).removeprefix('torch.')}"
+                + (f"; with the draft model's KV ({self.draft_model.kv_spec.describe_token()}) in the "
+                   "same blocks" if self.draft_model else ""))
 
     def new_request_id(self) -> str:
         return f"req-{next(self._request_counter)}"
@@ -258,6 +270,9 @@ class LLMEngine:
                 self.speculator.propose(self.scheduler.running)
         with label("scheduler.schedule"):
             sched = self.scheduler.schedule()
+        if self.speculator is not None and not sched.is_empty:
+            with label("spec.draft_model"):
+                self.speculator.fill(sched.chunks)  # a draft model proposes into its slots
         touched: set[str] = set(self._pending_finished)
         self._pending_finished.clear()
         stats = StepStats()

@@ -38,6 +38,7 @@ STEP_PARTS = {
     "scheduler.update": "scheduler and batch building",
     "detokenizer": "detokenizer",
     "spec.propose": "scheduler and batch building",
+    "spec.draft_model": "draft model",
 }
 ATTENTION_LABEL = "attention"
 ATTENTION_OPS = {"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
@@ -52,7 +53,7 @@ LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::
 
 ROW_ORDER = ["prefill forward", "  attention (prefill)", "  linear layers (prefill)",
              "  other ops (prefill)", "decode forward", "  attention (decode)",
-             "  linear layers (decode)", "  other ops (decode)", "sampler",
+             "  linear layers (decode)", "  other ops (decode)", "draft model", "sampler",
              "scheduler and batch building", "detokenizer", "other step overhead", "idle"]
 
 

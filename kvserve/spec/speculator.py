@@ -18,11 +18,14 @@ Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from kvserve.request import Request
 from kvserve.spec.config import SpeculativeConfig
 from kvserve.spec.ngram import NgramDrafter
+
+if TYPE_CHECKING:
+    from kvserve.batch import ScheduledChunk
 
 
 class Drafter(Protocol):
@@ -77,6 +80,8 @@ class Speculator:
         if len(self._state) > 2 * len(running) + 64:
             alive = {r.request_id for r in running}
             self._state = {rid: s for rid, s in self._state.items() if rid in alive}
+            if hasattr(self.drafter, "retain"):
+                self.drafter.retain(alive)
         if not decoding or len(decoding) > self.config.disable_by_batch_size:
             return 0
         num = 0
@@ -91,6 +96,14 @@ class Speculator:
                                                           self.config.num_speculative_tokens)
             num += bool(request.spec_token_ids)
         return num
+
+    def fill(self, chunks: Sequence["ScheduledChunk"]) -> int:
+        """After scheduling: a deferred drafter (a draft model, which needs the step's
+        lookahead slots for its own KV) replaces the planned placeholders with its drafts.
+        Nothing to do for the n-gram drafter, whose drafts were final before scheduling."""
+        if not getattr(self.drafter, "deferred", False):
+            return 0
+        return self.drafter.fill(chunks)
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Feed back one verify step of one request."""
@@ -107,7 +120,11 @@ class Speculator:
             state.backoff = 0
 
 
-def build_speculator(config: SpeculativeConfig) -> Speculator:
+def build_speculator(config: SpeculativeConfig, drafter: Optional[Drafter] = None) -> Speculator:
+    """The n-gram drafter is built here; a draft model is loaded by the engine (it needs the
+    device, the dtypes and the pool's block count) and passed in as ``drafter``."""
+    if drafter is not None:
+        return Speculator(config, drafter)
     if config.method == "ngram":
         drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max,
                                config.num_speculative_tokens)
