@@ -8,6 +8,7 @@ attention) and from the aten ops inside the forward pass, never from guesses:
         attention                   the ``attention`` label (or an SDPA op outside it)
         linear layers               aten linear / matmul ops outside attention
         other ops                   norms, RoPE, activations, embedding, copies
+      draft model                   a draft_model drafter's forward passes and sampling
       sampler                       logits -> token ids (and the host copy)
       scheduler.* + runner.prepare_inputs   scheduling and batch building
       detokenizer                   detokenization, stop strings, output assembly
@@ -125,7 +126,7 @@ def categorize(events: Iterable, wall_us: float) -> dict[str, float]:
     for phase in ("prefill", "decode"):
         inner = totals[f"  attention ({phase})"] + totals[f"  linear layers ({phase})"]
         totals[f"  other ops ({phase})"] = max(0.0, totals[f"{phase} forward"] - inner)
-    top = sum(totals[k] for k in ("prefill forward", "decode forward", "sampler",
+    top = sum(totals[k] for k in ("prefill forward", "decode forward", "draft model", "sampler",
                                   "scheduler and batch building", "detokenizer"))
     totals["other step overhead"] = max(0.0, totals["engine.step"] - top)
     totals["idle"] = max(0.0, wall_us - totals["engine.step"])
