@@ -103,6 +103,9 @@ def test_draft_blocks_are_the_requests_blocks(llm_factory):
                      speculative_config=draft("tiny-llama", quantization="int4"))
     engine = on.engine
     engine.add_request("a", [1000 + i for i in range(20)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step()  # the prompt: the draft computes it alongside the target
+    drafter = engine.speculator.drafter
+    assert drafter._progress["a"].num_computed == 20 and drafter.num_forwards == 1
     while engine.speculator.stats.num_draft_tokens == 0:
         engine.step()
     table = engine.kv_manager.get_block_ids("a")

@@ -124,35 +124,46 @@ class DraftModelDrafter:
 
     # ---- proposing into the allocated slots --------------------------------------------------
 
+    def _start(self, request) -> int:
+        """How many leading tokens of ``request`` the draft's cache holds (valid KV)."""
+        prog = self._progress.get(request.request_id)
+        if prog is None or prog.num_preemptions != request.num_preemptions:
+            return 0  # new, or preempted since: its blocks (and the draft's KV) were given back
+        return min(prog.num_computed, request.num_computed_tokens)
+
     @torch.inference_mode()
-    def fill(self, chunks: Sequence[ScheduledChunk]) -> int:
+    def fill(self, chunks: Sequence[ScheduledChunk], prefill_chunks: Sequence[ScheduledChunk] = ()) -> int:
         """Replace the placeholder drafts of ``chunks`` with the draft model's proposals (and,
         for requests sampled at temperature > 0, set ``chunk.draft_probs`` to the draft's
-        processed distributions ``q``, one row per draft). Returns how many chunks drafted."""
+        processed distributions ``q``, one row per draft). ``prefill_chunks`` (prompt chunks
+        of requests likely to draft soon) are computed by the draft in the same first pass, so
+        its prompt prefill happens with the target's rather than in the first decode step.
+        Returns how many chunks drafted."""
         active = [c for c in chunks if c.spec_token_ids]
-        if not active:
+        prefill = [c for c in prefill_chunks if not c.spec_token_ids]
+        if not active and not prefill:
             return 0
-        if len(self._progress) > 2 * len(active) + 256:
+        if len(self._progress) > 2 * len(chunks) + 256:
             self.retain(c.request.request_id for c in chunks)
         num_drafts = [len(c.spec_token_ids) for c in active]
         drafts: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
-        # First forward: catch up to (and including) each request's last token.
+        # First forward: catch up to (and including) each drafting request's last token, and
+        # through this step's chunk of each prefilling one.
         tables, context_lens, query_lens, input_ids = [], [], [], []
-        for c in active:
+        for c in active + prefill:
             req = c.request
-            num_tokens = req.num_tokens
-            assert req.num_computed_tokens == num_tokens - 1, "drafts only follow a decode"
-            prog = self._progress.get(req.request_id)
-            start = 0
-            if prog is not None and prog.num_preemptions == req.num_preemptions:
-                start = min(prog.num_computed, req.num_computed_tokens)
+            if c.spec_token_ids:
+                assert req.num_computed_tokens == req.num_tokens - 1, "drafts only follow a decode"
+            end = req.num_computed_tokens + c.num_new_tokens - len(c.spec_token_ids)
+            start = self._start(req)
             tables.append(c.block_ids)
             context_lens.append(start)
-            query_lens.append(num_tokens - start)
-            input_ids.extend(token_slice(req, start, num_tokens))
+            query_lens.append(end - start)
+            input_ids.extend(token_slice(req, start, end))
+            self._progress[req.request_id] = _Progress(end, req.num_preemptions)
         rows = list(range(len(active)))
-        for step in range(max(num_drafts)):
+        for step in range(max(num_drafts, default=0) or 1):
             if step > 0:
                 rows = [i for i in rows if num_drafts[i] > step]
                 tables = [active[i].block_ids for i in rows]
@@ -176,13 +187,19 @@ class DraftModelDrafter:
 
     def _forward_and_sample(self, chunks: list[ScheduledChunk], tables, context_lens, query_lens,
                             input_ids) -> tuple[list[int], Optional[list[Optional[torch.Tensor]]]]:
+        """One draft forward over the sequences given (the first ``len(chunks)`` of them
+        sampled at their last token, any after them only computed), then one draft token per
+        sampled sequence."""
         dev = self.device
         md = build_attention_metadata(tables, context_lens, query_lens, self.block_size, dev)
         positions = torch.cat([torch.arange(c, c + n, dtype=torch.int64) for c, n in zip(context_lens, query_lens)])
-        last_rows = torch.tensor(md.query_start_loc[1:], dtype=torch.int64) - 1
+        # (At least one row of logits: a pass that only prefills still runs the LM head once.)
+        last_rows = torch.tensor(md.query_start_loc[1:max(2, len(chunks) + 1)], dtype=torch.int64) - 1
         logits = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev), positions.to(dev), md,
                             self.kv_cache, last_rows.to(dev))
         self.num_forwards += 1
+        if not chunks:
+            return [], None
         # The request's own processing (logit bias, temperature, top-k/p, min-p), as the
         # target's sampler applies it: rejection sampling compares like with like.
         requests = [c.request for c in chunks]

@@ -103,7 +103,11 @@ class Speculator:
         Nothing to do for the n-gram drafter, whose drafts were final before scheduling."""
         if not getattr(self.drafter, "deferred", False):
             return 0
-        return self.drafter.fill(chunks)
+        # A batch small enough to draft in: the draft also computes this step's prompt
+        # chunks, so its prefill rides with the target's instead of delaying the first draft.
+        prefill = ([c for c in chunks if c.is_prefill and can_speculate(c.request)]
+                   if len(chunks) <= self.config.disable_by_batch_size else [])
+        return self.drafter.fill(chunks, prefill)
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Feed back one verify step of one request."""
