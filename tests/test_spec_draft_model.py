@@ -179,6 +179,31 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible(llm_factory):
     assert on.engine.stats()["spec_draft_tokens"] > 0
 
 
+def test_greedy_and_sampled_requests_in_one_verify_step(llm_factory, monkeypatch):
+    # The sampled request goes through rejection sampling, the greedy one (in the same step)
+    # through the sampler and the longest matching prefix: its output is still the target's.
+    spec = draft("tiny-gemma3", disable_by_batch_size=8)
+    off = llm_factory(model="tiny-llama", dtype="float32")
+    on = llm_factory(model="tiny-llama", dtype="float32", speculative_config=spec)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in (7, 30)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    ref = off.generate(prompts[0], greedy)[0].outputs[0]
+    before = on.engine.stats()
+    runner, mixed = on.engine.runner, []
+    verify = runner._verify_with_draft_probs
+    monkeypatch.setattr(runner, "_verify_with_draft_probs", lambda logits, inputs, out: (
+        mixed.append(None in inputs.draft_probs), verify(logits, inputs, out))[1])
+    outs = on.generate(prompts, [greedy, sampled])
+    assert any(mixed)  # some step verified both kinds
+    assert outs[0].outputs[0].token_ids == ref.token_ids
+    for a, b in zip(outs[0].outputs[0].logprobs, ref.logprobs):
+        assert a.keys() == b.keys()
+    assert len(outs[1].outputs[0].token_ids) == 24
+    assert _delta(on, before)[0] > 0
+
+
 def test_smollm2_fp32_with_its_int4_weights_as_draft_is_lossless(llm_factory):
     off = llm_factory(model="smollm2-135m-instruct", dtype="float32")
     on = llm_factory(model="smollm2-135m-instruct", dtype="float32",
