@@ -60,7 +60,8 @@ def test_draft_with_another_vocabulary_is_a_config_error():
 def test_tiny_greedy_identical_and_draft_kv_shares_the_blocks(llm_factory, draft_model, quant):
     # tiny-llama verifying its own int4 weights (mostly accepted) and a different
     # architecture (mostly rejected): either way the output is the target's.
-    spec = draft(draft_model, **({"quantization": quant} if quant else {}))
+    # (No back-off: tiny-gemma3 costs more than the target, the policy would rarely draft.)
+    spec = draft(draft_model, max_backoff_steps=0, **({"quantization": quant} if quant else {}))
     # Random-weight models mostly repeat their last token; on these prompts the target
     # switches tokens where tiny-gemma3 does not (drafts rejected and rolled back).
     rng = random.Random(0)
@@ -226,3 +227,26 @@ def test_smollm2_fp32_with_its_int4_weights_as_draft_is_lossless(llm_factory):
     assert _tokens(small, PROMPTS) == alone
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_a_draft_model_backs_off_unless_its_drafts_pay_for_its_forwards():
+    from kvserve.models.testing import tiny_config
+    from kvserve.spec import SpeculativeConfig, Speculator
+    from kvserve.spec.draft_model import relative_cost
+    from kvserve.spec.ngram import NgramDrafter
+
+    cfg = tiny_config("llama")
+    assert relative_cost(cfg, "int4", cfg, "bf16", torch.float32) == pytest.approx(0.3125)
+    assert relative_cost(cfg, None, cfg, None, torch.float32) == 1.0
+
+    class Drafter:
+        relative_cost = 0.3125  # 4 drafts cost 1.25 target steps: 2 accepted pay, 1 does not
+
+    spec = Speculator(SpeculativeConfig(method="draft_model", model="x"), Drafter())
+    assert [spec.min_accepted(k) for k in (1, 3, 4)] == [1, 1, 2]
+    spec.observe("a", 4, 1)
+    assert spec._state["a"].skip == 1
+    spec.observe("a", 4, 2)
+    assert spec._state["a"].backoff == 0
+    ngram = Speculator(SpeculativeConfig(), NgramDrafter(2, 4, 4))  # free drafts: one accepted pays
+    assert ngram.min_accepted(4) == 1

@@ -8,7 +8,8 @@ price, and drafts that are rejected are a pure loss. So:
 - no drafting while more than ``disable_by_batch_size`` requests are decoding;
 - per request, after a verify step that accepted nothing, drafting pauses for 1, 2, 4...
   steps (text that does not repeat its context stops paying at once); any accepted draft
-  resets the pause;
+  resets the pause. A draft model's forwards cost something: for it, a step "accepted
+  nothing" when it accepted fewer drafts than its draft forwards cost (``min_accepted``);
 - requests whose next-token distribution depends on the tokens before it in ways the
   batched verification does not replay (penalties, ``min_tokens`` still blocking EOS) do
   not draft.
@@ -117,11 +118,19 @@ class Speculator:
         self.stats.num_draft_tokens += num_drafts
         self.stats.num_accepted_tokens += num_accepted
         state = self._state.setdefault(request_id, _RequestState())
-        if num_accepted == 0 and self.config.max_backoff_steps:
-            state.backoff = min(max(1, 2 * state.backoff), self.config.max_backoff_steps)
-            state.skip = state.backoff
-        elif num_accepted:
+        if num_accepted < self.min_accepted(num_drafts):
+            if self.config.max_backoff_steps:
+                state.backoff = min(max(1, 2 * state.backoff), self.config.max_backoff_steps)
+                state.skip = state.backoff
+        else:
             state.backoff = 0
+
+    def min_accepted(self, num_drafts: int) -> int:
+        """Accepted drafts a verify step needs to have paid for itself. A step yields 1 +
+        accepted tokens; drafting cost ``num_drafts`` draft forwards of ``relative_cost``
+        target steps each (0 for n-gram lookup: then any accepted draft pays)."""
+        cost = getattr(self.drafter, "relative_cost", 0.0) * num_drafts
+        return int(cost) + 1
 
 
 def build_speculator(config: SpeculativeConfig, drafter: Optional[Drafter] = None) -> Speculator:
