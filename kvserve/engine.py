@@ -138,7 +138,8 @@ class LLMEngine:
         self.draft_model: Optional[DraftModel] = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             self.draft_model = load_draft_model(self.spec_config, cfg, self.tokenizer, self.dtype,
-                                                self.weight_format, kv_dtype, cache.block_size, self.device)
+                                                self.weight_format, kv_dtype, cache.block_size, self.device,
+                                                self.max_model_len)
         bytes_per_block = self.kv_spec.bytes_per_block + (
             self.draft_model.kv_spec.bytes_per_block if self.draft_model else 0)
         if cache.num_gpu_blocks is not None:

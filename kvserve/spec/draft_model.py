@@ -91,7 +91,7 @@ def _peek_config(source) -> ModelConfig:
 
 def load_draft_model(spec: SpeculativeConfig, target_config: ModelConfig, target_tokenizer,
                      dtype: torch.dtype, target_weight_format: Optional[str], kv_dtype,
-                     block_size: int, device: torch.device) -> DraftModel:
+                     block_size: int, device: torch.device, max_model_len: int) -> DraftModel:
     """Load ``spec.model`` with the target's activation dtype and KV dtype, in the weight
     format ``spec.quantization`` (default: the target's). Raises ConfigError unless it shares
     the target's vocabulary: its token ids must mean the target's tokens."""
@@ -109,6 +109,9 @@ def load_draft_model(spec: SpeculativeConfig, target_config: ModelConfig, target
     if draft_vocab != target_tokenizer.hf.get_vocab():
         raise ConfigError(f"draft model {spec.model!r} has a different tokenizer from the target's "
                           "(same size, different tokens): a draft model must share the target's tokenizer")
+    if config.max_position_embeddings < max_model_len:
+        raise ConfigError(f"draft model {spec.model!r} handles {config.max_position_embeddings} positions, "
+                          f"fewer than the target's max_model_len {max_model_len}; lower max_model_len")
     weight_format = target_weight_format if spec.quantization is None else spec.quantization
     weight_format = None if weight_format == "none" else weight_format
     model, config = load_model(source, dtype=dtype, device=device, quantization=weight_format)
