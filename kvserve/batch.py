@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.request import Request
 
@@ -25,6 +26,10 @@ class ScheduledChunk:
     # (kvserve.kv_cache.KVCacheGroup); a model without sliding-window groups has one.
     block_tables: list[list[int]]
     spec_token_ids: list[int] = field(default_factory=list)
+    # A model drafter sampling at temperature > 0: its processed distribution at each draft
+    # ([k, vocab] tensor) for rejection sampling. None: q = 1 on the proposed tokens (n-gram,
+    # greedy), and verification compares the target's samples with the drafts.
+    draft_probs: Any = None
 
     @property
     def block_ids(self) -> list[int]:

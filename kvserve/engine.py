@@ -23,6 +23,7 @@ from kvserve.sampler import make_generator
 from kvserve.scheduler import Scheduler
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.spec import Speculator, build_speculator, parse_speculative_config
+from kvserve.spec.draft_model import DraftModel, DraftModelDrafter, load_draft_model
 from kvserve.tokenizer import Tokenizer
 from kvserve.tracing import label
 
@@ -133,7 +134,16 @@ class LLMEngine:
         cache = args.cache_config()
         self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype,
                                              reclaim_sliding_window=not args.disable_sliding_window_reclaim)
-        bytes_per_block = self.kv_spec.bytes_per_block
+        self.spec_config = parse_speculative_config(args.speculative_config)
+        # A draft model keeps its KV in the same blocks (a second cache, same block ids: the
+        # full-attention group's table).
+        self.draft_model: Optional[DraftModel] = None
+        if self.spec_config is not None and self.spec_config.method == "draft_model":
+            self.draft_model = load_draft_model(self.spec_config, cfg, self.tokenizer, self.dtype,
+                                                self.weight_format, kv_dtype, cache.block_size, self.device,
+                                                self.max_model_len)
+        bytes_per_block = self.kv_spec.bytes_per_block + (
+            self.draft_model.kv_spec.bytes_per_block if self.draft_model else 0)
         # A sliding-window group's released entries point at a reserved, always-zero block.
         num_reserved = 1 if self.kv_spec.has_sliding_groups else 0
         # Blocks a request of the maximum length holds at its peak, over all groups.
@@ -161,8 +171,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs; llguidance's view of the vocabulary is built on first use.
         self.grammar_compiler = GrammarCompiler(self.tokenizer.hf, cfg.vocab_size, self.eos_token_ids)
-        self.spec_config = parse_speculative_config(args.speculative_config)
-        self.speculator: Optional[Speculator] = (build_speculator(self.spec_config)
+        drafter = (DraftModelDrafter(self.draft_model, num_blocks, self.device,
+                                     self.spec_config.num_speculative_tokens)
+                   if self.draft_model is not None else None)
+        self.speculator: Optional[Speculator] = (build_speculator(self.spec_config, drafter)
                                                  if self.spec_config else None)
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
@@ -193,7 +205,9 @@ class LLMEngine:
                      f"{blocks * spec.bytes_per_block // spec.bytes_per_token} tokens in every layer "
                      f"({self.max_model_len * spec.bytes_per_token / 2**20:.1f} MiB without reclaim); ")
         return (text + f"activations {str(self.dtype).removeprefix('torch.')}, linear weights "
-                f"{self.weight_format or str(self.dtype).removeprefix('torch.')}")
+                f"{self.weight_format or str(self.dtype).removeprefix('torch.')}"
+                + (f"; with the draft model's KV ({self.draft_model.kv_spec.describe_token()}) in the "
+                   "full-attention group's blocks" if self.draft_model else ""))
 
     def new_request_id(self) -> str:
         return f"req-{next(self._request_counter)}"
@@ -281,6 +295,9 @@ class LLMEngine:
                 self.speculator.propose(self.scheduler.running)
         with label("scheduler.schedule"):
             sched = self.scheduler.schedule()
+        if self.speculator is not None and not sched.is_empty:
+            with label("spec.draft_model"):
+                self.speculator.fill(sched.chunks)  # a draft model proposes into its slots
         touched: set[str] = set(self._pending_finished)
         self._pending_finished.clear()
         stats = StepStats()

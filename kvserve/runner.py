@@ -15,6 +15,7 @@ from kvserve.config import ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.request import Logprob, Request
 from kvserve.sampler import Sampler, build_sampling_metadata
+from kvserve.spec.rejection import rejection_sample
 from kvserve.spec.verify import accept_run
 from kvserve.tracing import label
 
@@ -47,6 +48,9 @@ class ModelInputs:
     # and (request, number of rows) in row order.
     prompt_targets: list[int] = field(default_factory=list)
     prompt_owners: list[tuple[Request, int]] = field(default_factory=list)
+    # Per sampled request, in row order: a model drafter's distributions q (rejection
+    # sampling), or None.
+    draft_probs: list = field(default_factory=list)
 
 
 def token_slice(request: Request, start: int, end: int) -> list[int]:
@@ -95,6 +99,7 @@ class ModelRunner:
         prompt_targets: list[int] = []
         prompt_owners: list[tuple[Request, int]] = []
         drafts: list[list[int]] = []
+        draft_probs: list = []
         n_prefill = n_decode = 0
 
         offset = 0
@@ -132,6 +137,7 @@ class ModelRunner:
                 logits_indices.extend(range(offset - num_rows, offset))
                 sampled_requests.extend([req] * num_rows)
                 drafts.append(list(spec))
+                draft_probs.append(chunk.draft_probs if spec else None)
             if chunk.is_prefill:
                 n_prefill += n
             else:
@@ -163,6 +169,7 @@ class ModelRunner:
             num_decode_tokens=n_decode,
             prompt_targets=prompt_targets,
             prompt_owners=prompt_owners,
+            draft_probs=draft_probs,
         )
 
     @torch.inference_mode()
@@ -184,6 +191,10 @@ class ModelRunner:
             logits = logits[:num_sampled]
         if not inputs.sampled_requests:
             return out
+        if any(q is not None for q in inputs.draft_probs):
+            with label("sampler"):
+                self._verify_with_draft_probs(logits, inputs, out)
+            return out
         with label("sampler"):
             md = build_sampling_metadata(inputs.sampled_requests, logits.shape[-1], logits.device)
             sampler_out = self.sampler(logits, md)
@@ -198,6 +209,45 @@ class ModelRunner:
                 out.logprobs[req.request_id] = sampler_out.logprobs[row:row + len(tokens)]
             row += num_rows
         return out
+
+    def _verify_with_draft_probs(self, logits: torch.Tensor, inputs: ModelInputs, out: RunnerOutput) -> None:
+        """A step where some requests verify a draft model's samples (temperature > 0): those
+        go through rejection sampling against the draft's q, the rest through the sampler as
+        usual. Logprobs are the raw model's, for the tokens finally emitted."""
+        vocab = logits.shape[-1]
+        rows: list[list[int]] = []
+        row = 0
+        for spec in inputs.drafts:
+            rows.append(list(range(row, row + len(spec) + 1)))
+            row += len(spec) + 1
+        plain = [r for rs, q in zip(rows, inputs.draft_probs) if q is None for r in rs]
+        tokens_by_row: dict[int, int] = {}
+        if plain:
+            index = torch.tensor(plain, dtype=torch.int64, device=logits.device)
+            md = build_sampling_metadata([inputs.sampled_requests[r] for r in plain], vocab, logits.device)
+            sampled = self.sampler(logits.index_select(0, index), md).sampled_token_ids.tolist()
+            tokens_by_row.update(zip(plain, sampled))
+        spec_rows = [r for rs, q in zip(rows, inputs.draft_probs) if q is not None for r in rs]
+        index = torch.tensor(spec_rows, dtype=torch.int64, device=logits.device)
+        spec_requests = [inputs.sampled_requests[r] for r in spec_rows]
+        md = build_sampling_metadata(spec_requests, vocab, logits.device)
+        probs = Sampler.processed_probs(Sampler.apply_logits_processors(logits.index_select(0, index).float(), md), md)
+        local = {r: i for i, r in enumerate(spec_rows)}
+        for rs, spec, q in zip(rows, inputs.drafts, inputs.draft_probs):
+            req = inputs.sampled_requests[rs[0]]
+            if q is None:
+                tokens = accept_run(spec, [tokens_by_row[r] for r in rs]) if spec else [tokens_by_row[rs[0]]]
+            else:
+                p = probs[local[rs[0]]:local[rs[-1]] + 1]
+                tokens = rejection_sample(spec, p, q, req.generator)
+            out.sampled[req.request_id] = tokens
+            wanted = req.sampling_params.logprobs
+            if wanted is not None:
+                lp_rows = torch.tensor(rs[:len(tokens)], dtype=torch.int64, device=logits.device)
+                raw = torch.log_softmax(logits.index_select(0, lp_rows).float(), dim=-1)
+                targets = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+                entries = Sampler.target_logprobs(raw, targets, wanted)
+                out.logprobs[req.request_id] = entries
 
     def _prompt_logprobs(self, logits: torch.Tensor, inputs: ModelInputs, out: RunnerOutput) -> None:
         targets = torch.tensor(inputs.prompt_targets, dtype=torch.int64, device=logits.device)

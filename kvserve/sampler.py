@@ -278,6 +278,13 @@ class Sampler:
     @staticmethod
     def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one exponential race per row."""
+        return exponential_race(Sampler.processed_probs(logits, md), md.generators)
+
+    @staticmethod
+    def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows sample from: ``logits`` (after the logits processors)
+        through temperature, top-k, top-p and min-p (unnormalised after min-p). Speculative
+        rejection sampling compares the draft's and the target's with the same processing."""
         assert md.temperature is not None
         logits = logits / md.temperature
         if md.top_k is not None or md.top_p is not None:
@@ -288,7 +295,7 @@ class Sampler:
             # same whether min-p is applied before or after them.
             threshold = md.min_p * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return exponential_race(probs, md.generators)
+        return probs
 
     @staticmethod
     def target_logprobs(logprobs: torch.Tensor, targets: torch.Tensor,

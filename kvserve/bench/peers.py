@@ -7,6 +7,7 @@
                                                     requantized to Q4_0, llama.cpp's fastest)
     kvserve-noprefix                               (kvserve with prefix caching off)
     kvserve-nospec, kvserve-ngram                  (kvserve with speculation off / n-gram on)
+    kvserve-draft                                  (kvserve drafting with the model's own int4 weights)
     kvserve-kv-int8, kvserve-kv-bfloat16, ...      (kvserve with that KV cache dtype)
     kvserve-blas                                   (kvserve's opt-out of determinism:
                                                     KVSERVE_BATCH_INVARIANT=0, oneDNN/MKL linears)
@@ -41,10 +42,13 @@ ALIASES = {
 PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
               "llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch",
               "kvserve-noprefix",
-              "kvserve-nospec", "kvserve-ngram", "kvserve-kv-int8", "kvserve-kv-bfloat16",
+              "kvserve-nospec", "kvserve-ngram", "kvserve-draft", "kvserve-kv-int8", "kvserve-kv-bfloat16",
               "kvserve-kv-float32", "kvserve-blas", "kvserve-noreclaim"]
 # Speculation of the kvserve-ngram peer: vLLM's defaults shape, k = 4.
 NGRAM_PEER_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
+# The kvserve-draft peer: the target model drafting for itself with int4 weights (SmolLM2's
+# Q4_1 blocks), k = 4.
+DRAFT_PEER_CONFIG = {"method": "draft_model", "quantization": "int4", "num_speculative_tokens": 4}
 _HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -133,10 +137,11 @@ def open_peer(name: str, ctx: PeerContext):
         driver = KvserveDriver(dataclasses.replace(ctx.eargs, **change))
         driver.name = name
         return driver
-    if name in ("kvserve-nospec", "kvserve-ngram"):
+    if name in ("kvserve-nospec", "kvserve-ngram", "kvserve-draft"):
         from kvserve.bench.kvserve_driver import KvserveDriver
 
-        spec = None if name == "kvserve-nospec" else NGRAM_PEER_CONFIG
+        spec = {"kvserve-nospec": None, "kvserve-ngram": NGRAM_PEER_CONFIG,
+                "kvserve-draft": {**DRAFT_PEER_CONFIG, "model": ctx.eargs.model}}[name]
         driver = KvserveDriver(dataclasses.replace(ctx.eargs, speculative_config=spec))
         driver.name = name
         return driver

@@ -8,6 +8,7 @@ attention) and from the aten ops inside the forward pass, never from guesses:
         attention                   the ``attention`` label (or an SDPA op outside it)
         linear layers               aten linear / matmul ops outside attention
         other ops                   norms, RoPE, activations, embedding, copies
+      draft model                   a draft_model drafter's forward passes and sampling
       sampler                       logits -> token ids (and the host copy)
       scheduler.* + runner.prepare_inputs   scheduling and batch building
       detokenizer                   detokenization, stop strings, output assembly
@@ -38,6 +39,7 @@ STEP_PARTS = {
     "scheduler.update": "scheduler and batch building",
     "detokenizer": "detokenizer",
     "spec.propose": "scheduler and batch building",
+    "spec.draft_model": "draft model",
 }
 ATTENTION_LABEL = "attention"
 ATTENTION_OPS = {"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
@@ -52,7 +54,7 @@ LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::
 
 ROW_ORDER = ["prefill forward", "  attention (prefill)", "  linear layers (prefill)",
              "  other ops (prefill)", "decode forward", "  attention (decode)",
-             "  linear layers (decode)", "  other ops (decode)", "sampler",
+             "  linear layers (decode)", "  other ops (decode)", "draft model", "sampler",
              "scheduler and batch building", "detokenizer", "other step overhead", "idle"]
 
 
@@ -124,7 +126,7 @@ def categorize(events: Iterable, wall_us: float) -> dict[str, float]:
     for phase in ("prefill", "decode"):
         inner = totals[f"  attention ({phase})"] + totals[f"  linear layers ({phase})"]
         totals[f"  other ops ({phase})"] = max(0.0, totals[f"{phase} forward"] - inner)
-    top = sum(totals[k] for k in ("prefill forward", "decode forward", "sampler",
+    top = sum(totals[k] for k in ("prefill forward", "decode forward", "draft model", "sampler",
                                   "scheduler and batch building", "detokenizer"))
     totals["other step overhead"] = max(0.0, totals["engine.step"] - top)
     totals["idle"] = max(0.0, wall_us - totals["engine.step"])

@@ -7,7 +7,10 @@ from typing import Any, Optional, Union
 
 from kvserve.config import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+# Keys holding strings; every other key but "method" is an integer.
+_STRING_KEYS = ("model", "quantization")
+WEIGHT_FORMATS = ("bf16", "int8", "int4")
 
 
 @dataclass
@@ -24,6 +27,10 @@ class SpeculativeConfig:
     # Per request: after a verify step that accepted nothing, skip drafting for 1, 2, 4...
     # steps (up to this many); any accepted draft resets it. 0 disables the back-off.
     max_backoff_steps: int = 32
+    # draft_model: the drafter, any model kvserve loads (a name, a .gguf, an HF directory)
+    # with the target's tokenizer, and its linear weight format (default: the target's).
+    model: Optional[str] = None
+    quantization: Optional[str] = None
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -37,6 +44,13 @@ class SpeculativeConfig:
             raise ConfigError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if self.max_backoff_steps < 0:
             raise ConfigError(f"max_backoff_steps must be >= 0, got {self.max_backoff_steps}")
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError('speculative method "draft_model" needs a "model" (a name, a .gguf '
+                              'file or an HF directory sharing the target\'s tokenizer)')
+        if self.method != "draft_model" and (self.model is not None or self.quantization is not None):
+            raise ConfigError(f'"model" and "quantization" are draft_model keys; method is {self.method!r}')
+        if self.quantization not in (None, "none", *WEIGHT_FORMATS):
+            raise ConfigError(f"unknown draft quantization {self.quantization!r}; use {', '.join(WEIGHT_FORMATS)}")
 
 
 def parse_speculative_config(value: Union[None, str, dict, SpeculativeConfig]) -> Optional[SpeculativeConfig]:
@@ -61,7 +75,10 @@ def parse_speculative_config(value: Union[None, str, dict, SpeculativeConfig]) -
     if "method" not in value:
         raise ConfigError('speculative_config needs a "method" (e.g. "ngram")')
     kwargs: dict[str, Any] = dict(value)
-    for name in known - {"method"}:
+    for name in _STRING_KEYS:
+        if kwargs.get(name) is not None and not isinstance(kwargs[name], str):
+            raise ConfigError(f"speculative_config {name} must be a string, got {kwargs[name]!r}")
+    for name in known - {"method", *_STRING_KEYS}:
         if name in kwargs and (not isinstance(kwargs[name], int) or isinstance(kwargs[name], bool)):
             raise ConfigError(f"speculative_config {name} must be an integer, got {kwargs[name]!r}")
     config = SpeculativeConfig(**kwargs)

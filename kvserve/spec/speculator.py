@@ -8,7 +8,8 @@ price, and drafts that are rejected are a pure loss. So:
 - no drafting while more than ``disable_by_batch_size`` requests are decoding;
 - per request, after a verify step that accepted nothing, drafting pauses for 1, 2, 4...
   steps (text that does not repeat its context stops paying at once); any accepted draft
-  resets the pause;
+  resets the pause. A draft model's forwards cost something: for it, a step "accepted
+  nothing" when it accepted fewer drafts than its draft forwards cost (``min_accepted``);
 - requests whose next-token distribution depends on the tokens before it in ways the
   batched verification does not replay (penalties, ``min_tokens`` still blocking EOS) do
   not draft.
@@ -18,11 +19,14 @@ Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from kvserve.request import Request
 from kvserve.spec.config import SpeculativeConfig
 from kvserve.spec.ngram import NgramDrafter
+
+if TYPE_CHECKING:
+    from kvserve.batch import ScheduledChunk
 
 
 class Drafter(Protocol):
@@ -77,6 +81,8 @@ class Speculator:
         if len(self._state) > 2 * len(running) + 64:
             alive = {r.request_id for r in running}
             self._state = {rid: s for rid, s in self._state.items() if rid in alive}
+            if hasattr(self.drafter, "retain"):
+                self.drafter.retain(alive)
         if not decoding or len(decoding) > self.config.disable_by_batch_size:
             return 0
         num = 0
@@ -92,6 +98,18 @@ class Speculator:
             num += bool(request.spec_token_ids)
         return num
 
+    def fill(self, chunks: Sequence["ScheduledChunk"]) -> int:
+        """After scheduling: a deferred drafter (a draft model, which needs the step's
+        lookahead slots for its own KV) replaces the planned placeholders with its drafts.
+        Nothing to do for the n-gram drafter, whose drafts were final before scheduling."""
+        if not getattr(self.drafter, "deferred", False):
+            return 0
+        # A batch small enough to draft in: the draft also computes this step's prompt
+        # chunks, so its prefill rides with the target's instead of delaying the first draft.
+        prefill = ([c for c in chunks if c.is_prefill and can_speculate(c.request)]
+                   if len(chunks) <= self.config.disable_by_batch_size else [])
+        return self.drafter.fill(chunks, prefill)
+
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Feed back one verify step of one request."""
         if num_drafts <= 0:
@@ -100,14 +118,26 @@ class Speculator:
         self.stats.num_draft_tokens += num_drafts
         self.stats.num_accepted_tokens += num_accepted
         state = self._state.setdefault(request_id, _RequestState())
-        if num_accepted == 0 and self.config.max_backoff_steps:
-            state.backoff = min(max(1, 2 * state.backoff), self.config.max_backoff_steps)
-            state.skip = state.backoff
-        elif num_accepted:
+        if num_accepted < self.min_accepted(num_drafts):
+            if self.config.max_backoff_steps:
+                state.backoff = min(max(1, 2 * state.backoff), self.config.max_backoff_steps)
+                state.skip = state.backoff
+        else:
             state.backoff = 0
 
+    def min_accepted(self, num_drafts: int) -> int:
+        """Accepted drafts a verify step needs to have paid for itself. A step yields 1 +
+        accepted tokens; drafting cost ``num_drafts`` draft forwards of ``relative_cost``
+        target steps each (0 for n-gram lookup: then any accepted draft pays)."""
+        cost = getattr(self.drafter, "relative_cost", 0.0) * num_drafts
+        return int(cost) + 1
 
-def build_speculator(config: SpeculativeConfig) -> Speculator:
+
+def build_speculator(config: SpeculativeConfig, drafter: Optional[Drafter] = None) -> Speculator:
+    """The n-gram drafter is built here; a draft model is loaded by the engine (it needs the
+    device, the dtypes and the pool's block count) and passed in as ``drafter``."""
+    if drafter is not None:
+        return Speculator(config, drafter)
     if config.method == "ngram":
         drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max,
                                config.num_speculative_tokens)

@@ -12,6 +12,7 @@ target's token at the first disagreement (or after the last draft).
   rejection resamples from max(0, p - q) normalised, which is p with d removed. Sampling
   x ~ p and accepting when x == d does both at once: P(accept) = p(d), and a rejected x is
   distributed as p conditioned on x != d. The output distribution is exactly the target's.
+  A draft model's samples (q not a point mass) go through ``rejection.rejection_sample``.
 Torch-free.
 """
 from __future__ import annotations

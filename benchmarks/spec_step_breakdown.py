@@ -1,0 +1,92 @@
+"""Where a speculative step's time goes, batch 1: per step that verifies 5 tokens (the last
+token + 4 drafts), the mean time of each part, without the profiler (plain perf_counter
+wrappers around the engine's parts), next to a plain decode step of the same engine
+without speculation. Text: a W6 prompt, greedy, EOS ignored.
+
+    python benchmarks/spec_step_breakdown.py [--text code_continue] [--output-len 128]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+from kvserve.bench.workloads import load_text
+from kvserve.config import EngineArgs
+from kvserve.engine import LLMEngine
+from kvserve.request import SamplingParams
+
+PARTS = {  # (owner attribute path, method) -> part name
+    ("speculator", "propose"): "drafter propose (n-gram lookup / draft plan)",
+    ("scheduler", "schedule"): "scheduler.schedule",
+    ("speculator", "fill"): "draft model (catch-up + k forwards + sampling)",
+    ("runner", "prepare_inputs"): "runner.prepare_inputs",
+    ("runner", "model"): "target forward",
+    ("runner", "sampler"): "sampler + verification",
+    ("scheduler", "update_from_output"): "scheduler.update (accept, rollback, stops, detok)",
+}
+
+
+def instrument(engine: LLMEngine, acc: dict) -> None:
+    for (owner_name, method), part in PARTS.items():
+        owner = getattr(engine, owner_name, None)
+        if owner is None:
+            continue
+        fn = getattr(owner, method)
+
+        def timed(*a, __fn=fn, __part=part, **kw):
+            t0 = time.perf_counter()
+            try:
+                return __fn(*a, **kw)
+            finally:
+                acc[__part] += time.perf_counter() - t0
+
+        setattr(owner, method, timed)
+
+
+def breakdown(engine: LLMEngine, prompt: list[int], n_out: int) -> tuple[dict, int, float]:
+    acc: dict = defaultdict(float)
+    instrument(engine, acc)
+    engine.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
+    totals: dict = defaultdict(float)
+    steps, step_time = 0, 0.0
+    while engine.has_unfinished_requests():
+        acc.clear()
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        last = engine.counters.step_history[-1]
+        want = 5 if engine.speculator is not None else 1
+        if last.num_prefill_tokens == 0 and last.num_decode_tokens == want:
+            steps += 1
+            step_time += dt
+            for k, v in acc.items():
+                totals[k] += v
+    return {k: v / steps for k, v in totals.items()}, steps, step_time / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--text", default="code_continue")
+    ap.add_argument("--output-len", type=int, default=128)
+    ns = ap.parse_args()
+    configs = {"nospec (1 token)": None,
+               "ngram (verifies 5)": {"method": "ngram", "num_speculative_tokens": 4},
+               "draft_model int4 (verifies 5)": {"method": "draft_model", "model": ns.model,
+                                                 "quantization": "int4", "num_speculative_tokens": 4}}
+    for name, cfg in configs.items():
+        engine = LLMEngine(EngineArgs(model=ns.model, speculative_config=cfg, kv_cache_memory=128 << 20))
+        prompt = engine.tokenizer.encode(load_text(ns.text))
+        breakdown(engine, prompt, 16)  # warm-up
+        parts, steps, mean = breakdown(engine, prompt, ns.output_len)
+        print(f"{name}: {steps} steps, {1e3 * mean:.2f} ms per step")
+        for part in PARTS.values():
+            if part in parts:
+                print(f"    {part:<52} {1e3 * parts[part]:7.2f} ms  {100 * parts[part] / mean:5.1f} %")
+        rest = mean - sum(parts.values())
+        print(f"    {'rest of the step (detokenizer, outputs, ...)':<52} {1e3 * rest:7.2f} ms  {100 * rest / mean:5.1f} %")
+
+
+if __name__ == "__main__":
+    main()
