@@ -250,3 +250,22 @@ def test_a_draft_model_backs_off_unless_its_drafts_pay_for_its_forwards():
     assert spec._state["a"].backoff == 0
     ngram = Speculator(SpeculativeConfig(), NgramDrafter(2, 4, 4))  # free drafts: one accepted pays
     assert ngram.min_accepted(4) == 1
+
+
+def test_draft_for_a_sliding_window_target_reads_the_full_groups_blocks(llm_factory):
+    # The target reclaims its sliding layers' blocks past the window; the draft (its own
+    # architecture, one group) keeps its KV in the full-attention group's blocks, which hold
+    # every position. Prompts and generation cross the 32-token window several times.
+    spec = draft("tiny-gemma3", max_backoff_steps=0)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in (70, 101)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    off = llm_factory(model="tiny-gemma3-swa", dtype="float32")
+    on = llm_factory(model="tiny-gemma3-swa", dtype="float32", speculative_config=spec, max_model_len=4096)
+    assert on.engine.kv_spec.has_sliding_groups and on.engine.draft_model.kv_spec.num_groups == 1
+    alone = [_tokens(off, [p], params)[0] for p in prompts]
+    before = on.engine.stats()
+    assert [_tokens(on, [p], params)[0] for p in prompts] == alone
+    assert _tokens(on, prompts, params) == alone
+    drafted, _ = _delta(on, before)
+    assert drafted > 0
