@@ -151,7 +151,9 @@ class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     echo: Optional[bool] = False
     logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: Optional[str] = None
+    # OpenAI's insertion suffix is not supported: the spec allows it only empty (or null),
+    # so clients generated from the spec do not send what the server would refuse.
+    suffix: Optional[Annotated[str, Field(max_length=0)]] = None
 
     # OpenAI's default for the legacy completions endpoint.
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
