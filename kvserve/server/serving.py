@@ -147,7 +147,7 @@ class ServingContext:
                               f"{num_prompt_tokens} tokens and this model's context is {limit} "
                               f"tokens, leaving room for {room}", param="max_tokens",
                               code="context_length_exceeded")
-        return dataclasses.replace(params, max_tokens=room)
+        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
     # ------------------------------------------------------------------ tokenization
     async def tokenize(self, text: str, param: str) -> list[int]:
