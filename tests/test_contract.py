@@ -95,7 +95,10 @@ def test_spec_states_the_limits(server):
     assert re.fullmatch(bias["propertyNames"]["pattern"], str(engine.model_config.vocab_size - 1))
     assert not re.fullmatch(bias["propertyNames"]["pattern"], str(engine.model_config.vocab_size))
     assert schemas["CompletionRequest"]["properties"]["suffix"]["anyOf"][0] == {"type": "string", "maxLength": 0}
-    assert "x-kvserve-token" not in httpx.get(url + "/openapi.json").text
+    for op, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_completion_tokens")):
+        assert schemas[op]["properties"][field]["anyOf"][0] == {
+            "type": "integer", "minimum": 1, "maximum": engine.max_model_len - 1}
+    assert "x-kvserve-" not in httpx.get(url + "/openapi.json").text
     # And the bound it states is the one enforced.
     vocab = engine.model_config.vocab_size
     assert httpx.post(url + "/detokenize", json={"tokens": [vocab - 1]}).status_code == 200

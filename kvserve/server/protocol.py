@@ -25,6 +25,9 @@ def _integral(value: Any) -> Any:
 Integer = Annotated[int, BeforeValidator(_integral)]
 TOKEN_ID_MARK = "x-kvserve-token-id"
 TOKEN_KEY_MARK = "x-kvserve-token-key"  # a token id written as an object key (logit_bias)
+# A generation length: below the context (max_model_len - 1 with a one-token prompt; the
+# server refuses more, and what the prompt leaves, which no schema can state).
+MAX_TOKENS_MARK = "x-kvserve-max-tokens"
 TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
@@ -102,7 +105,7 @@ class SamplingRequest(RequestModel):
     n: Optional[Integer] = Field(None, ge=1, le=MAX_N)
     temperature: Optional[float] = Field(None, ge=0.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    max_tokens: Optional[Integer] = Field(None, ge=1)
+    max_tokens: Optional[Integer] = Field(None, ge=1, json_schema_extra={MAX_TOKENS_MARK: True})
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[Integer] = Field(None, ge=-(2**63), lt=2**63)  # int64, as OpenAI
     stream: Optional[bool] = False
@@ -237,7 +240,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: Optional[Integer] = Field(None, ge=1)
+    max_completion_tokens: Optional[Integer] = Field(None, ge=1, json_schema_extra={MAX_TOKENS_MARK: True})
     add_generation_prompt: Optional[bool] = True
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
