@@ -43,6 +43,9 @@ def server():
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"01": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"},
+                         "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format"),
 ])
 def test_what_the_spec_forbids_is_a_400(server, path, body, param):
     url, _ = server
@@ -58,6 +61,7 @@ def test_what_the_spec_forbids_is_a_400(server, path, body, param):
     {"prompt": "hi", "max_tokens": 3, "min_tokens": 9},
     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "min_tokens": 5},
     {"prompt": "hi", "logit_bias": {"0": 100, "7": -100}},
+    {"prompt": "hi", "response_format": {"type": "text"}, "structured_outputs": {"choice": ["a", "b"]}},
 ])
 def test_what_the_spec_allows_is_accepted(server, body):
     url, _ = server
@@ -98,6 +102,8 @@ def test_spec_states_the_limits(server):
     for op, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_completion_tokens")):
         assert schemas[op]["properties"][field]["anyOf"][0] == {
             "type": "integer", "minimum": 1, "maximum": engine.max_model_len - 1}
+    assert schemas["CompletionRequest"]["allOf"][0]["not"]["required"] == ["response_format", "structured_outputs"]
+    assert schemas["ResponseFormat"]["then"]["required"] == ["json_schema"]
     assert "x-kvserve-" not in httpx.get(url + "/openapi.json").text
     # And the bound it states is the one enforced.
     vocab = engine.model_config.vocab_size

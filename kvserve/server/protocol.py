@@ -77,7 +77,12 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema (the
+    json_schema type needs its json_schema object, as the spec says)."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+        "then": {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}})
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
@@ -97,9 +102,20 @@ class StructuredOutputsRequest(RequestModel):
                                                      "json_object")]})
 
 
+# One output constraint at a time: a JSON response_format and structured_outputs together
+# are refused, and the spec says so.
+ONE_CONSTRAINT = {"not": {
+    "required": ["response_format", "structured_outputs"],
+    "properties": {"response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["json_object", "json_schema"]}}},
+        "structured_outputs": {"type": "object"}}}}
+
+
 class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "default";
     OpenAI clients send explicit nulls."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra={"allOf": [ONE_CONSTRAINT]})
 
     model: Optional[str] = None
     n: Optional[Integer] = Field(None, ge=1, le=MAX_N)
@@ -235,6 +251,7 @@ class ChatCompletionRequest(SamplingRequest):
         {"if": {"properties": {"tool_choice": {"not": {"enum": ["none", None]}}},
                 "required": ["tool_choice"]},
          "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
+        ONE_CONSTRAINT,
     ]})
 
     messages: list[ChatMessage] = Field(min_length=1)
