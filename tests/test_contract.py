@@ -41,6 +41,7 @@ def server():
     ("/detokenize", {"tokens": [True]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": ["hi", "\x13"]}, "prompt.1"),  # no tokens (tiny's tokenizer)
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"01": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"},

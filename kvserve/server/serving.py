@@ -154,7 +154,11 @@ class ServingContext:
         check_text(text, param)
         if not text:
             raise bad_request(f"{param} is empty", param=param)
-        return await self.in_engine(lambda engine: engine.tokenizer.encode(text))
+        ids = await self.in_engine(lambda engine: engine.tokenizer.encode(text))
+        if not ids:  # a tokenizer without byte fallback can drop every character
+            raise bad_request(f"{param} has no tokens: the tokenizer keeps nothing of its text",
+                              param=param)
+        return ids
 
     async def chat_prompt_ids(self, messages: list[ChatMessage],
                               add_generation_prompt: bool = True,
