@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -239,6 +240,27 @@ def gathered_rows_dot(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> to
 def gathered_rows_dot_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     rows = w.index_select(0, idx.reshape(-1)).view(*idx.shape, -1)
     return torch.bmm(rows.float(), x.float().unsqueeze(-1)).squeeze(-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
+    """A copy of ``logits`` [S, V] with -inf at every token the grammar of a constrained row
+    forbids: row ``rows[r]`` follows ``bitmask[r]`` (int32 words on the host, bit t % 32 of
+    word t / 32 allowing token t; tokens past the bitmask are forbidden)."""
+    if enabled_for(logits) and logits.dim() == 2 and logits.is_contiguous():
+        return _ext.apply_token_bitmask(logits, torch.from_numpy(bitmask),
+                                        torch.tensor(rows, dtype=torch.int64))
+    return apply_token_bitmask_reference(logits, rows, bitmask)
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    allowed = np.zeros((len(rows), vocab), dtype=np.bool_)
+    allowed[:, :bits.shape[1]] = bits
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    mask = torch.from_numpy(allowed).to(logits.device)
+    masked = torch.where(mask, logits.index_select(0, index), float("-inf"))
+    return logits.index_copy(0, index, masked)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -63,8 +63,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     # Per-row number of logprob alternatives (None: row did not ask); None if no row asked.
     num_logprobs: Optional[list[Optional[int]]]
-    # Structured outputs: (row indices, [R, V] bool allowed tokens, on the host) of the rows
-    # whose output follows a grammar; None when no row does.
+    # Structured outputs: (row indices, [R, ceil(V / 32)] int32 bitmask on the host, bit t
+    # allowing token t) of the rows whose output follows a grammar; None when no row does.
     allowed_tokens: Optional[tuple[list[int], np.ndarray]] = None
 
     @property
@@ -187,15 +187,13 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
 
 
 def grammar_masks(requests: Sequence[Request], vocab_size: int) -> tuple[list[int], np.ndarray]:
-    """Each constrained row's allowed next tokens: the grammar writes a bitmask (one bit per
-    token) on the host, unpacked to bools in one numpy pass."""
+    """Each constrained row's allowed next tokens: its grammar writes one row of a packed
+    bitmask (one bit per token, llguidance's layout), applied to the logits as it is."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-    words = (vocab_size + 31) // 32
-    bitmask = np.empty((len(rows), words), dtype=np.int32)
+    bitmask = np.empty((len(rows), (vocab_size + 31) // 32), dtype=np.int32)
     for j, i in enumerate(rows):
         requests[i].grammar.fill_bitmask(bitmask, j)
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
-    return rows, allowed.view(np.bool_)
+    return rows, bitmask
 
 
 def _padded_ids(token_lists: list[list[int]], vocab_size: int,
@@ -349,22 +347,9 @@ class Sampler:
         return result
 
 
-def apply_allowed_tokens(logits: torch.Tensor, rows: list[int], allowed: np.ndarray) -> torch.Tensor:
-    """-inf outside each constrained row's allowed tokens (a new tensor). On the CPU this is
-    one single-threaded numpy select: torch's threaded masked_fill costs several times more
-    for a few rows of a 50k vocabulary (thread start-up), and the mask is on the host anyway."""
-    neg_inf = np.float32(-np.inf)
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        values = logits.numpy()
-        if len(rows) == values.shape[0]:  # every row constrained (rows are 0..S-1 in order)
-            return torch.from_numpy(np.where(allowed, values, neg_inf))
-        out = values.copy()
-        out[rows] = np.where(allowed, values[rows], neg_inf)
-        return torch.from_numpy(out)
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    mask = torch.from_numpy(allowed).to(logits.device)
-    masked = torch.where(mask, logits.index_select(0, index), float("-inf"))
-    return logits.index_copy(0, index, masked)
+def apply_allowed_tokens(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
+    """-inf outside each constrained row's allowed tokens (a new tensor)."""
+    return ops.apply_token_bitmask(logits, rows, bitmask)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

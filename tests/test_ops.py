@@ -197,3 +197,31 @@ def test_top_k_and_argmax_match_torch():
     assert torch.equal(ops.argmax(x), x.argmax(-1))
     assert ops.top_k(x, 5)[1][1].tolist() == [1000, 1001, 1002, 1003, 1004]
     assert torch.equal(ops.top_k(x[:, :7], 7)[0], x[:, :7].topk(7, dim=-1)[0])
+
+
+@pytest.mark.parametrize("vocab", [49_152, 1_000, 37])  # whole words, a ragged last word, < 2 words
+def test_apply_token_bitmask_matches_reference(vocab):
+    """Grammar masks: bit t % 32 of int32 word t / 32 allows token t (sign bit included);
+    only the listed rows change, tokens past the bitmask are forbidden."""
+    import numpy as np
+
+    rng = np.random.default_rng(vocab)
+    x = torch.from_numpy(rng.standard_normal((5, vocab)).astype(np.float32))
+    words = (vocab + 31) // 32
+    bitmask = rng.integers(-2**31, 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+    bitmask[0] = 0
+    bitmask[0, -1] = -1  # only the last word's tokens
+    bitmask[1] = -1  # everything
+    rows = [4, 0, 2]
+    got = ops.apply_token_bitmask(x, rows, bitmask)
+    want = ops.apply_token_bitmask_reference(x, rows, bitmask)
+    assert torch.equal(got, want) and got.data_ptr() != x.data_ptr()
+    assert torch.equal(got[[1, 3]], x[[1, 3]]) and torch.equal(got[0], x[0])
+    assert torch.isinf(got[4, :32 * (words - 1)]).all() and torch.equal(got[4, 32 * (words - 1):], x[4, 32 * (words - 1):])
+    bit = lambda t: bool((int(bitmask[2, t // 32]) >> (t % 32)) & 1)
+    assert [bool(torch.isfinite(got[2, t])) for t in range(vocab)] == [bit(t) for t in range(vocab)]
+    # A bitmask narrower than the logits (a padded LM head): the extra columns are forbidden.
+    wide = torch.cat([x, x[:, :40]], dim=1)
+    got_wide = ops.apply_token_bitmask(wide, rows, bitmask)
+    assert torch.equal(got_wide, ops.apply_token_bitmask_reference(wide, rows, bitmask))
+    assert torch.isinf(got_wide[:, 32 * words:][[4, 0, 2]]).all()

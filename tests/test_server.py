@@ -395,7 +395,7 @@ BAD_REQUESTS = [
     ("top-p-above-one", "/v1/chat/completions", {"messages": chat_messages("hi"), "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
     ("n-too-large", "/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n", "128"),
     ("token-id-outside-vocab", "/v1/completions", {"prompt": [1, 2, 10**7]}, 400, "prompt", "vocabulary"),
-    ("bad-logit-bias", "/v1/completions", {"prompt": "hi", "logit_bias": {"banana": 5}}, 400, "logit_bias", "token ids"),
+    ("bad-logit-bias", "/v1/completions", {"prompt": "hi", "logit_bias": {"banana": 5}}, 400, "logit_bias.banana", "pattern"),
     ("stream-options-without-stream", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("top-logprobs-too-many", "/v1/chat/completions", {"messages": chat_messages("hi"), "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", "20"),
     ("non-text-content-part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content", "text"),

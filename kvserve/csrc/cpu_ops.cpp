@@ -1056,6 +1056,58 @@ std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k) 
   return {values, indices};
 }
 
+// Structured outputs: a copy of the logits x [S, V] where the constrained rows (rows[r] for
+// row r of bitmask [R, W]) keep only the tokens their grammar allows: token t is allowed when
+// bit t % 32 of int32 word t / 32 is set (llguidance's layout); tokens past 32 W are not.
+// One pass writing each row once, a 32-token word per two 16-lane blends: ~0.2 ms for 32
+// rows of a 49 k vocabulary, where numpy's unpack-to-bool plus select took ~1.1 ms.
+torch::Tensor apply_token_bitmask(torch::Tensor x, torch::Tensor bitmask, torch::Tensor rows) {
+  check_fp32_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [S, V] tensor");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous(),
+              "bitmask must be a contiguous [R, W] int32 tensor");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.size(0) == bitmask.size(0),
+              "rows must be [R] int64, one per bitmask row");
+  const int64_t S = x.size(0), V = x.size(1), R = bitmask.size(0), W = bitmask.size(1);
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  std::vector<int64_t> mask_row(S, -1);  // each logits row's bitmask row (-1: unconstrained)
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < S, "row index out of range");
+    mask_row[rp[r]] = r;
+  }
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t full_words = std::min<int64_t>(W, V / 32);
+  for (int64_t s = 0; s < S; ++s) {
+    const float* in = xp + s * V;
+    float* dst = op + s * V;
+    if (mask_row[s] < 0) {
+      std::memcpy(dst, in, V * sizeof(float));
+      continue;
+    }
+    const uint32_t* words = bp + mask_row[s] * W;
+    int64_t w = 0;
+#if defined(__AVX512F__)
+    const __m512 neg = _mm512_set1_ps(kNegInf);
+    for (; w < full_words; ++w) {
+      const uint32_t bits = words[w];
+      const float* src = in + 32 * w;
+      _mm512_storeu_ps(dst + 32 * w, _mm512_mask_blend_ps(static_cast<__mmask16>(bits), neg, _mm512_loadu_ps(src)));
+      _mm512_storeu_ps(dst + 32 * w + 16,
+                       _mm512_mask_blend_ps(static_cast<__mmask16>(bits >> 16), neg, _mm512_loadu_ps(src + 16)));
+    }
+#endif
+    for (int64_t t = 32 * w; t < V; ++t) {
+      const bool allowed = t / 32 < W && ((words[t / 32] >> (t % 32)) & 1u);
+      dst[t] = allowed ? in[t] : kNegInf;
+    }
+  }
+  return out;
+}
+
 // Ask the kernel for transparent huge pages under a large tensor (call before first touch).
 // Paged attention reads blocks scattered over the KV pool: with 4 KB pages nearly every
 // block read is a TLB miss. Returns whether the advice was taken (Linux only).
@@ -1084,6 +1136,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_portable_int8_attention", [](bool portable) { g_portable_int8_attention = portable; });
   m.def("act_and_mul", &act_and_mul);
   m.def("top_k_rows", &top_k_rows);
+  m.def("apply_token_bitmask", &apply_token_bitmask);
   m.def("q4_linear", &q4_linear);
   m.def("q8_linear", &q8_linear);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);

@@ -19,7 +19,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                      CompletionRequest, CompletionResponse, DetokenizeRequest,
                                      DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                                     TOKEN_ID_MARK, TokenizeRequest, TokenizeResponse)
+                                     MAX_TOKENS_MARK, TOKEN_ID_MARK, TOKEN_KEY_MARK, TokenizeRequest, TokenizeResponse)
 from kvserve.server.serving import ServingContext, check_text
 from kvserve.server.streams import AdmissionGate
 
@@ -133,7 +133,7 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
         if app.openapi_schema is None:
             app.openapi_schema = served_spec(get_openapi(
                 title=app.title, version=app.version, description=app.description,
-                routes=app.routes), ctx.vocab_size)
+                routes=app.routes), ctx.vocab_size, ctx.max_model_len)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -142,9 +142,10 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
     return app
 
 
-def served_spec(spec: dict, vocab_size: int) -> dict:
+def served_spec(spec: dict, vocab_size: int, max_model_len: int) -> dict:
     """The OpenAPI spec with what only the running server knows: token ids are below the
-    vocabulary size (the server refuses others with a 400); bounds pydantic left as raw
+    vocabulary size and generation lengths below the context (the server refuses others with
+    a 400); bounds pydantic left as raw
     ge/le keys are written as JSON Schema keywords."""
     keywords = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
 
@@ -156,6 +157,12 @@ def served_spec(spec: dict, vocab_size: int) -> dict:
                         node[keyword] = node.pop(raw)
             if node.pop(TOKEN_ID_MARK, False):
                 node["maximum"] = vocab_size - 1
+            if node.pop(MAX_TOKENS_MARK, False):  # on an Optional field: the integer branch
+                for branch in node.get("anyOf", [node]):
+                    if branch.get("type") == "integer":
+                        branch["maximum"] = max_model_len - 1
+            if node.pop(TOKEN_KEY_MARK, False):
+                node["pattern"] = decimal_below_pattern(vocab_size)
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):
@@ -163,6 +170,27 @@ def served_spec(spec: dict, vocab_size: int) -> dict:
                 walk(value)
     walk(spec)
     return spec
+
+
+def decimal_below_pattern(limit: int) -> str:
+    """A regex matching the decimal integers 0 .. limit - 1, without leading zeros (a token id
+    written as a JSON object key, where no minimum/maximum applies)."""
+    top = str(limit - 1)
+    alternatives = ["0"] if len(top) > 1 else []
+    if len(top) > 2:
+        alternatives.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")
+    elif len(top) == 2:
+        alternatives.append("[1-9]")
+    # Numbers as long as ``top`` and at most it: agree on a prefix, then a smaller digit.
+    for i, digit in enumerate(top):
+        low = "1" if i == 0 and len(top) > 1 else "0"
+        if digit > low:
+            high = str(int(digit) - 1)
+            rest = len(top) - i - 1
+            alternatives.append(top[:i] + (f"[{low}-{high}]" if high != low else low)
+                                + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(top)
+    return "^(" + "|".join(alternatives) + ")$"
 
 
 def _is_loopback(host: str) -> bool:

@@ -56,8 +56,6 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest,
                             raw_request: Request) -> Response | CompletionResponse:
     ctx.check_model(body.model)
     ctx.check_stream_options(body)
-    if body.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
     params = ctx.sampling_params(body)
     if body.echo and body.logprobs is not None:
         # The prompt's own logprobs come back with the echoed prompt (lm-eval's loglikelihood).

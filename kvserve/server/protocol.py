@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from kvserve.request import SamplingParams
 
@@ -24,11 +24,24 @@ def _integral(value: Any) -> Any:
 # them into JSON Schema's minimum/maximum.
 Integer = Annotated[int, BeforeValidator(_integral)]
 TOKEN_ID_MARK = "x-kvserve-token-id"
+TOKEN_KEY_MARK = "x-kvserve-token-key"  # a token id written as an object key (logit_bias)
+# A generation length: below the context (max_model_len - 1 with a one-token prompt; the
+# server refuses more, and what the prompt leaves, which no schema can state).
+MAX_TOKENS_MARK = "x-kvserve-max-tokens"
 TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 PromptInput = Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds,
                     Annotated[list[TokenIds], Field(min_length=1)]]
+
+
+_TOKEN_KEY = r"^(0|[1-9][0-9]{0,9})$"
+# Pydantic writes constrained dict keys as patternProperties, which leaves other keys allowed:
+# the spec states propertyNames instead.
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=_TOKEN_KEY)], Annotated[float, Field(ge=-100.0, le=100.0)]],
+    WithJsonSchema({"type": "object", "propertyNames": {"pattern": _TOKEN_KEY, TOKEN_KEY_MARK: True},
+                    "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0}})]
 
 
 class ErrorInfo(BaseModel):
@@ -64,7 +77,12 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema (the
+    json_schema type needs its json_schema object, as the spec says)."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+        "then": {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}})
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
@@ -84,20 +102,33 @@ class StructuredOutputsRequest(RequestModel):
                                                      "json_object")]})
 
 
+# One output constraint at a time: a JSON response_format and structured_outputs together
+# are refused, and the spec says so.
+ONE_CONSTRAINT = {"not": {
+    "required": ["response_format", "structured_outputs"],
+    "properties": {"response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["json_object", "json_schema"]}}},
+        "structured_outputs": {"type": "object"}}}}
+
+
 class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "default";
     OpenAI clients send explicit nulls."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra={"allOf": [ONE_CONSTRAINT]})
 
     model: Optional[str] = None
     n: Optional[Integer] = Field(None, ge=1, le=MAX_N)
     temperature: Optional[float] = Field(None, ge=0.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    max_tokens: Optional[Integer] = Field(None, ge=1)
+    max_tokens: Optional[Integer] = Field(None, ge=1, json_schema_extra={MAX_TOKENS_MARK: True})
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[Integer] = Field(None, ge=-(2**63), lt=2**63)  # int64, as OpenAI
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[dict[str, float]] = None
+    # Token id (decimal, as OpenAI's) -> bias in [-100, 100]; the spec says both, so a client
+    # generated from it cannot send a key or value the server refuses.
+    logit_bias: Optional[LogitBias] = None
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     user: Optional[str] = None
@@ -105,6 +136,8 @@ class SamplingRequest(RequestModel):
     top_k: Optional[Integer] = Field(None, ge=-1)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    # At most max_tokens in effect: a min_tokens above it (above the default max_tokens, say)
+    # is cut to it rather than refused, since no schema can compare the two fields.
     min_tokens: Optional[Integer] = Field(None, ge=0)
     ignore_eos: Optional[bool] = False
     stop_token_ids: Optional[list[TokenId]] = None
@@ -136,7 +169,8 @@ class SamplingRequest(RequestModel):
             repetition_penalty=pick(self.repetition_penalty, 1.0),
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0), logit_bias=bias, seed=self.seed,
-            max_tokens=max_tokens, min_tokens=pick(self.min_tokens, 0),
+            max_tokens=max_tokens,
+            min_tokens=min(pick(self.min_tokens, 0), max_tokens if max_tokens is not None else 1 << 62),
             ignore_eos=bool(self.ignore_eos), stop=[s for s in stop if s],
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=bool(self.include_stop_str_in_output), logprobs=logprobs,
@@ -151,7 +185,9 @@ class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     echo: Optional[bool] = False
     logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: Optional[str] = None
+    # OpenAI's insertion suffix is not supported: the spec allows it only empty (or null),
+    # so clients generated from the spec do not send what the server would refuse.
+    suffix: Optional[Annotated[str, Field(max_length=0)]] = None
 
     # OpenAI's default for the legacy completions endpoint.
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
@@ -215,12 +251,13 @@ class ChatCompletionRequest(SamplingRequest):
         {"if": {"properties": {"tool_choice": {"not": {"enum": ["none", None]}}},
                 "required": ["tool_choice"]},
          "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
+        ONE_CONSTRAINT,
     ]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: Optional[Integer] = Field(None, ge=1)
+    max_completion_tokens: Optional[Integer] = Field(None, ge=1, json_schema_extra={MAX_TOKENS_MARK: True})
     add_generation_prompt: Optional[bool] = True
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None

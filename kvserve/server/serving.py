@@ -147,14 +147,18 @@ class ServingContext:
                               f"{num_prompt_tokens} tokens and this model's context is {limit} "
                               f"tokens, leaving room for {room}", param="max_tokens",
                               code="context_length_exceeded")
-        return dataclasses.replace(params, max_tokens=room)
+        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
     # ------------------------------------------------------------------ tokenization
     async def tokenize(self, text: str, param: str) -> list[int]:
         check_text(text, param)
         if not text:
             raise bad_request(f"{param} is empty", param=param)
-        return await self.in_engine(lambda engine: engine.tokenizer.encode(text))
+        ids = await self.in_engine(lambda engine: engine.tokenizer.encode(text))
+        if not ids:  # a tokenizer without byte fallback can drop every character
+            raise bad_request(f"{param} has no tokens: the tokenizer keeps nothing of its text",
+                              param=param)
+        return ids
 
     async def chat_prompt_ids(self, messages: list[ChatMessage],
                               add_generation_prompt: bool = True,
