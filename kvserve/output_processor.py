@@ -66,7 +66,11 @@ class RequestGroup:
             outputs.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=list(req.output_token_ids),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-                logprobs=seq.logprobs, cumulative_logprob=seq.cumulative_logprob,
+                # A copy, like token_ids: the server reads outputs on its own thread while the
+                # engine appends to the live list (a shared list ran ahead of its token ids and
+                # a streamed logprob went missing).
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob,
                 delta_text=delta_text, delta_token_ids=list(delta_ids)))
         first = self.sequences[0].request
         metrics = RequestMetrics(

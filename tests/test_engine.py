@@ -147,6 +147,19 @@ def test_abort_mid_decode_frees_blocks_in_same_step(llm_factory):
     assert len(finished[ids[0]].token_ids) == 40 and len(finished[ids[2]].token_ids) == 40
 
 
+def test_each_output_is_a_snapshot_of_its_step(llm_factory):
+    """The server reads a step's outputs on another thread while the engine runs the next
+    steps: an output's token ids and logprobs must stay as they were when it was built."""
+    engine = llm_factory(model="tiny-llama").engine
+    rid = engine.add_request(None, [100] * 12, SamplingParams(temperature=0.0, max_tokens=6,
+                                                              logprobs=2, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o.outputs[0] for o in engine.step() if o.request_id == rid]
+    assert [len(o.token_ids) for o in outputs] == list(range(1, 7))
+    assert all(len(o.logprobs) == len(o.token_ids) for o in outputs)
+
+
 def test_rejects_requests_that_can_never_fit(llm_factory):
     llm = llm_factory(model="tiny-llama", num_blocks=8, max_model_len=512)
     with pytest.raises(RequestRejected, match="max_model_len|context"):
