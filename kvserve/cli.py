@@ -38,6 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "int4 reuses GGUF Q4_1 blocks; default with --dtype auto on a CPU with "
                         "AVX512-BF16: bf16")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N worker processes (gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layer stack into N stages (not implemented yet)")
+    g.add_argument("--distributed-timeout", type=float, default=EngineArgs.distributed_timeout_s,
+                   metavar="SECONDS", help="a parallel worker silent this long is taken as hung "
+                                           "and the engine stops")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
@@ -61,6 +68,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         enable_chunked_prefill=not ns.no_chunked_prefill, num_threads=ns.num_threads,
         seed=ns.seed, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
         speculative_config=parse_speculative_config(ns.speculative_config),
+        tensor_parallel_size=ns.tensor_parallel_size, pipeline_parallel_size=ns.pipeline_parallel_size,
+        distributed_timeout_s=ns.distributed_timeout,
     )
     return dataclasses.replace(args, **overrides)
 

@@ -14,6 +14,7 @@ from torch import nn
 from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.distributed import ParallelGroup
 
 
 class PagedCausalLM(nn.Module):
@@ -25,6 +26,9 @@ class PagedCausalLM(nn.Module):
     config: ModelConfig
     model: nn.Module
     lm_head: nn.Linear
+    # Tensor parallelism (models/tensor_parallel.py): the LM head holds one vocabulary shard
+    # and the logits are gathered from every rank; None on a single process.
+    tp: Optional[ParallelGroup] = None
 
     def forward(
         self,
@@ -38,6 +42,8 @@ class PagedCausalLM(nn.Module):
         # Only the rows that will be sampled reach the final norm and the (vocab-wide) head.
         hidden = self.model.norm(hidden.index_select(0, logits_indices))
         logits = self.lm_head(hidden).float()
+        if self.tp is not None and logits.shape[0]:
+            logits = self.tp.all_gather_last_dim(logits)[:, :self.config.vocab_size]
         cap: Optional[float] = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

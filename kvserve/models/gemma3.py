@@ -17,6 +17,7 @@ from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
 from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ModelConfig
+from kvserve.distributed import ParallelGroup
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, rope_cos_sin
 from kvserve.models.llama import GatedMLP
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 
 class Gemma3Attention(nn.Module):
+    tp: Optional[ParallelGroup] = None  # this rank's heads; o_proj's partial sums all-reduced
+
     def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -54,7 +57,8 @@ class Gemma3Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window, self.softcap)
-        return self.o_proj(out.reshape(n, -1))
+        y = self.o_proj(out.reshape(n, -1))
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -15,6 +15,7 @@ from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
 from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.distributed import ParallelGroup
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import RMSNorm, RopeFrequencies, rope_cos_sin
 
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
+    # Tensor parallelism: this rank's slice of the intermediate dimension; the down
+    # projection's partial sums are all-reduced (models/tensor_parallel.py).
+    tp: Optional[ParallelGroup] = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
@@ -34,10 +39,13 @@ class GatedMLP(nn.Module):
         self.hidden_act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.act_and_mul(self.gate_up_proj(x), self.hidden_act))
+        y = self.down_proj(ops.act_and_mul(self.gate_up_proj(x), self.hidden_act))
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class LlamaAttention(nn.Module):
+    tp: Optional[ParallelGroup] = None  # this rank's heads; o_proj's partial sums all-reduced
+
     def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -62,7 +70,8 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(n, -1))
+        y = self.o_proj(out.reshape(n, -1))
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class LlamaDecoderLayer(nn.Module):
