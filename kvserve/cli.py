@@ -11,6 +11,7 @@ import time
 from typing import Optional
 
 from kvserve.config import DEFAULT_MODEL, KV_CACHE_DTYPES, ConfigError, EngineArgs
+from kvserve.executor.base import ExecutorError
 from kvserve.spec.config import parse_speculative_config
 from kvserve.request import RequestRejected, SamplingParams
 
@@ -207,11 +208,15 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- serve / bench / profile
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from kvserve.server.app import run_server
+    from kvserve.server.app import EngineStopped, run_server
 
     eargs = engine_args_from(ns, max_waiting_requests=ns.max_waiting_requests)
-    run_server(eargs, host=ns.host, port=ns.port, api_key=ns.api_key,
-               served_model_name=ns.served_model_name, log_level=ns.log_level)
+    try:
+        run_server(eargs, host=ns.host, port=ns.port, api_key=ns.api_key,
+                   served_model_name=ns.served_model_name, log_level=ns.log_level)
+    except EngineStopped as exc:
+        print(f"kvserve: error: the engine stopped: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -264,6 +269,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, RequestRejected) as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2
+    except ExecutorError as exc:  # a parallel worker died, hung or failed
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -29,7 +29,7 @@ from typing import Optional
 
 from kvserve.executor.base import ExecutorError
 from kvserve.executor.step import StepInput, StepOutput
-from kvserve.executor.worker import SHUTDOWN, WorkerSpec
+from kvserve.executor.worker import SHUTDOWN, STATS, WorkerSpec
 
 logger = logging.getLogger("kvserve")
 
@@ -67,7 +67,8 @@ class MultiprocExecutor:
             self._conns.extend(by_rank)
             for conn in self._conns:
                 conn.send_bytes(pickle.dumps(spec))
-            self.worker_info = [self._receive(rank, load_timeout_s, "ready") for rank in range(world_size)]
+            ready = self._receive_all(list(range(world_size)), load_timeout_s, "ready")
+            self.worker_info = [ready[r] for r in range(world_size)]
         except BaseException:
             self.shutdown()
             raise
@@ -95,14 +96,30 @@ class MultiprocExecutor:
             self._fail(self._death_reason() or "a worker's pipe closed")
         return self._receive(0, self.timeout_s, "ok")
 
+    def worker_stats(self) -> list[dict]:
+        """Per rank: requests it holds state for, steps run, time in steps and collectives."""
+        if self._failed:
+            raise ExecutorError(self._failed)
+        for conn in self._conns:
+            conn.send_bytes(STATS)
+        got = self._receive_all(list(range(self.world_size)), self.timeout_s, "stats")
+        return [got[r] for r in range(self.world_size)]
+
     def _receive(self, rank: int, timeout_s: float, kind: str):
         """Rank ``rank``'s next message of ``kind``, watching every worker meanwhile."""
+        return self._receive_all([rank], timeout_s, kind)[rank]
+
+    def _receive_all(self, ranks: list[int], timeout_s: float, kind: str) -> dict:
+        """One message of ``kind`` from each of ``ranks``; any other message, a dead worker or
+        the deadline ends the executor."""
         deadline = time.monotonic() + timeout_s
         sentinels = {fd: r for r, fd in enumerate(self._pidfds)}
-        while True:
+        got: dict = {}
+        while len(got) < len(ranks):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._fail(f"worker rank {rank} did not answer within {timeout_s:.0f} s "
+                missing = [r for r in ranks if r not in got]
+                self._fail(f"worker rank {missing[0]} did not answer within {timeout_s:.0f} s "
                            f"(hung?); stopping all workers")
             ready = wait([*self._conns, *sentinels], timeout=remaining)
             for conn in (c for c in self._conns if c in ready):
@@ -113,11 +130,12 @@ class MultiprocExecutor:
                     self._fail(self._death_reason() or f"worker rank {r} closed its pipe")
                 if tag == "error":
                     self._fail(f"worker rank {r} failed: {payload}")
-                if r == rank and tag == kind:
-                    return payload
-                self._fail(f"worker rank {r}: unexpected message {tag!r}")
+                if r not in ranks or r in got or tag != kind:
+                    self._fail(f"worker rank {r}: unexpected message {tag!r}")
+                got[r] = payload
             if any(s in ready for s in sentinels):
                 self._fail(self._death_reason() or "a worker exited")
+        return got
 
     def _death_reason(self) -> Optional[str]:
         for rank, proc in enumerate(self._procs):

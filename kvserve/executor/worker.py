@@ -31,6 +31,7 @@ logger = logging.getLogger("kvserve.worker")
 
 # Control messages (bytes) besides pickled steps.
 SHUTDOWN = b"shutdown"
+STATS = b"stats"  # every rank answers ("stats", {...}): tests and benchmarks read them
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ def worker_main(conn: Connection, rank: int, world_size: int, init_method: str) 
                                                    f"{traceback.format_exc(limit=8)}")))
         except OSError:
             pass
-        sys.exit(1)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec: WorkerSpec) -> None:
@@ -91,13 +93,22 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
     conn.send_bytes(pickle.dumps(("ready", {"rank": rank, "pid": os.getpid(),
                                             "load_time_s": time.perf_counter() - t0,
                                             "kv_heads": local_cfg.num_key_value_heads})))
+    num_steps, step_time_s = 0, 0.0
     try:
         while True:
             data = conn.recv_bytes()
             if data == SHUTDOWN:
                 break
+            if data == STATS:
+                conn.send_bytes(pickle.dumps(("stats", {
+                    "rank": rank, "num_requests": len(runner.requests), "steps": num_steps,
+                    "step_time_s": step_time_s, "comm_time_s": tp.comm_time_s})))
+                continue
+            t_step = time.perf_counter()
             step = pickle.loads(data)
             out = runner.execute(step)
+            num_steps += 1
+            step_time_s += time.perf_counter() - t_step
             if rank == 0:
                 conn.send_bytes(pickle.dumps(("ok", out), protocol=pickle.HIGHEST_PROTOCOL))
     finally:
@@ -123,7 +134,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     authkey = bytes.fromhex(os.environ.get("KVSERVE_WORKER_AUTHKEY", ""))
     conn = Client((host, int(port)), authkey=authkey)
     worker_main(conn, ns.rank, ns.world_size, ns.init_method)
-    return 0
+    # Skip the interpreter's teardown (seconds, in torch's and gloo's destructors): the
+    # worker has nothing left to save.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
