@@ -210,6 +210,12 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from kvserve.server.app import EngineStopped, run_server
 
+    from kvserve.executor.launch import run_torchrun_worker, torchrun_rank, under_torchrun
+
+    if under_torchrun() and torchrun_rank() != 0:
+        # Multi-node: torchrun starts this command on every rank; rank 0 serves, the others
+        # are its tensor-parallel workers (kvserve/executor/launch.py).
+        return run_torchrun_worker()
     eargs = engine_args_from(ns, max_waiting_requests=ns.max_waiting_requests)
     try:
         run_server(eargs, host=ns.host, port=ns.port, api_key=ns.api_key,

@@ -106,3 +106,47 @@ def test_a_worker_killed_mid_stream_ends_the_server_cleanly(tmp_path):
             server.wait(timeout=10)
         log.close()
 
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(os.environ.get("KVSERVE_TP_FULL") != "1", reason="KVSERVE_TP_FULL=1")
+def test_torchrun_two_local_nodes_serve_like_one_process(tmp_path, offline):
+    """Two torchrun agents on this machine stand for two nodes (one rank each): rank 0 serves,
+    rank 1 is its worker; the answer matches one process; stopping node 0 stops node 1."""
+    port, master_port = _free_port(), _free_port()
+    env = {**os.environ, "KVSERVE_WORKER_AUTHKEY": os.urandom(16).hex()}
+    agents, logs = [], []
+    for node in (0, 1):
+        logs.append(open(tmp_path / f"node{node}.log", "w+"))
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+             "-m", "kvserve.cli", "serve", "--model", MODEL, "--dtype", "float32",
+             "--max-model-len", str(MAX_LEN), "--tensor-parallel-size", "2", "--port", str(port),
+             "--log-level", "warning"], env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, "no server"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        prompt = "The capital of France is"
+        want = offline.generate(prompt, __import__("kvserve").SamplingParams(temperature=0.0, max_tokens=12))
+        resp = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+        assert resp.json()["choices"][0]["text"] == want[0].outputs[0].text
+        agents[0].send_signal(signal.SIGTERM)
+        for agent in agents:
+            agent.wait(timeout=60)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(timeout=10)
+        for log in logs:
+            log.close()

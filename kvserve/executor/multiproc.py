@@ -17,7 +17,6 @@ import logging
 import os
 import pickle
 import queue
-import secrets
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from multiprocessing.connection import Connection, Listener, wait
 from typing import Optional
 
 from kvserve.executor.base import ExecutorError
+from kvserve.executor.launch import plan_launch
 from kvserve.executor.step import StepInput, StepOutput
 from kvserve.executor.worker import SHUTDOWN, STATS, WorkerSpec
 
@@ -45,11 +45,10 @@ class MultiprocExecutor:
         self.world_size = world_size
         self.timeout_s = spec.timeout_s
         self._failed: Optional[str] = None
-        authkey = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        host, port = listener.address
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        env = {**os.environ, "KVSERVE_WORKER_AUTHKEY": authkey.hex()}
+        launch = plan_launch(world_size)
+        listener = Listener((launch.listen_host, launch.listen_port), authkey=launch.authkey)
+        address = f"{launch.connect_host}:{listener.address[1]}"
+        env = {**os.environ, "KVSERVE_WORKER_AUTHKEY": launch.authkey.hex()}
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._pidfds: list[int] = []
@@ -57,11 +56,11 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, _stop_workers, self._conns, self._procs, self._pidfds)
         atexit.register(self._finalizer)
         try:
-            for rank in range(world_size):
+            for rank in launch.local_ranks:
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvserve.executor.worker", "--engine", f"{host}:{port}",
+                    [sys.executable, "-m", "kvserve.executor.worker", "--engine", address,
                      "--rank", str(rank), "--world-size", str(world_size),
-                     "--init-method", init_method, "--die-with-parent"], env=env))
+                     "--init-method", launch.init_method, "--die-with-parent"], env=env))
                 self._pidfds.append(os.pidfd_open(self._procs[-1].pid))
             by_rank = _accept_all(listener, world_size, self._procs, load_timeout_s)
             self._conns.extend(by_rank)
