@@ -42,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N worker processes (gloo on CPU, NCCL on CUDA)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="split the layer stack into N stages (not implemented yet)")
+                   help="split the layer stack into N stages, one worker process (group) each")
     g.add_argument("--distributed-timeout", type=float, default=EngineArgs.distributed_timeout_s,
                    metavar="SECONDS", help="a parallel worker silent this long is taken as hung "
                                            "and the engine stops")

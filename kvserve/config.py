@@ -151,8 +151,6 @@ class EngineArgs:
             raise ConfigError("max_waiting_requests must be >= 0")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-        if self.pipeline_parallel_size > 1:
-            raise ConfigError("pipeline parallelism is not implemented yet (pipeline_parallel_size 1)")
         if self.distributed_timeout_s <= 0:
             raise ConfigError("distributed_timeout_s must be positive")
         self.cache_config()

@@ -71,11 +71,65 @@ def _now() -> float:
     return time.perf_counter()
 
 
+@dataclass
+class PipelineStage:
+    """This rank's stage of the layer stack: it receives the hidden states from the same
+    tensor-parallel rank of the previous stage and sends its own to the next one."""
+
+    stage: int
+    num_stages: int
+    prev_rank: Optional[int]
+    next_rank: Optional[int]
+    layer_range: tuple[int, int] = (0, 0)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def send(self, hidden: torch.Tensor) -> None:
+        dist.send(hidden.contiguous(), self.next_rank)
+
+    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+             device: torch.device | str) -> torch.Tensor:
+        hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+        dist.recv(hidden, self.prev_rank)
+        return hidden
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
+    """Layers [start, end) of ``stage``: an even split, the first stages one more when the
+    layers do not divide."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return start, start + base + (1 if stage < extra else 0)
+
+
 def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device | str,
-                       timeout_s: float) -> ParallelGroup:
-    """Join the default group. ``timeout_s`` bounds every collective: a peer that hangs makes
-    the others fail after it instead of blocking for ever."""
+                       timeout_s: float, tp_size: Optional[int] = None,
+                       pp_size: int = 1) -> tuple[ParallelGroup, Optional[PipelineStage]]:
+    """Join the default group, then this rank's tensor-parallel group (ranks
+    ``stage * tp_size + t``) and pipeline stage. ``timeout_s`` bounds every collective: a peer
+    that hangs makes the others fail after it instead of blocking for ever."""
+    tp_size = tp_size or world_size
+    if tp_size * pp_size != world_size:
+        raise ValueError(f"{world_size} ranks are not {tp_size} x {pp_size}")
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
-    return ParallelGroup(rank=rank, world_size=world_size, group=None,
-                         time_comm=os.environ.get("KVSERVE_TIME_COMM") == "1")
+    stage, tp_rank = divmod(rank, tp_size)
+    group = None
+    if pp_size > 1:
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        groups = [dist.new_group([s * tp_size + t for t in range(tp_size)]) for s in range(pp_size)]
+        group = groups[stage]
+    tp = ParallelGroup(rank=tp_rank, world_size=tp_size, group=group,
+                       time_comm=os.environ.get("KVSERVE_TIME_COMM") == "1")
+    pp = None
+    if pp_size > 1:
+        pp = PipelineStage(stage=stage, num_stages=pp_size,
+                           prev_rank=rank - tp_size if stage > 0 else None,
+                           next_rank=rank + tp_size if stage < pp_size - 1 else None)
+    return tp, pp

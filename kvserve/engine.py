@@ -125,12 +125,15 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
-        self.parallel = args.tensor_parallel_size > 1
+        self.parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
         if self.parallel:
             # The weights live in the worker processes; the engine needs only the shape.
             self.model = None
             self.model_config = load_config(self.source)
             check_tp_shape(self.model_config, args.tensor_parallel_size)
+            if args.pipeline_parallel_size > self.model_config.num_hidden_layers:
+                raise ConfigError(f"pipeline_parallel_size {args.pipeline_parallel_size} exceeds the "
+                                  f"{self.model_config.num_hidden_layers} layers")
         else:
             self.model, self.model_config = load_model(self.source, dtype=self.dtype, device=self.device,
                                                        quantization=self.weight_format)
@@ -144,8 +147,11 @@ class LLMEngine:
         cache = args.cache_config()
         # Per rank: a tensor-parallel rank holds only its KV heads (all blocks), so the budget
         # buys the same number of blocks on every rank.
-        self.kv_spec = KVCacheSpec.for_model(local_config(cfg, args.tensor_parallel_size),
-                                             cache.block_size, kv_dtype)
+        # A pipeline stage holds its layers' KV only: size blocks for the largest stage.
+        local = local_config(cfg, args.tensor_parallel_size)
+        stage_num_layers = -(-cfg.num_hidden_layers // args.pipeline_parallel_size)
+        self.kv_spec = KVCacheSpec(stage_num_layers, local.num_key_value_heads, local.head_dim,
+                                   cache.block_size, kv_dtype)
         bytes_per_block = self.kv_spec.bytes_per_block
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
@@ -168,8 +174,10 @@ class LLMEngine:
             spec = WorkerSpec(model=args.model, dtype=self.dtype, weight_format=self.weight_format,
                               kv_dtype=kv_dtype, block_size=cache.block_size, num_blocks=num_blocks,
                               device=args.device, num_threads=args.num_threads or 1,
-                              timeout_s=args.distributed_timeout_s)
-            self.executor = MultiprocExecutor(spec, args.tensor_parallel_size)
+                              timeout_s=args.distributed_timeout_s,
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size)
+            self.executor = MultiprocExecutor(spec, args.tensor_parallel_size * args.pipeline_parallel_size)
         else:
             self.executor = UniProcExecutor(self.model, cfg, self.kv_spec, num_blocks, self.device)
         self.step_builder = StepBuilder(cfg.vocab_size)

@@ -215,7 +215,7 @@ class ModelRunner:
             )
         out = StepOutput(num_prefill_tokens=inputs.num_prefill_tokens,
                          num_decode_tokens=inputs.num_decode_tokens)
-        if not self.samples:
+        if not self.samples or logits is None:  # None: a pipeline stage before the last
             return out
         num_sampled = len(inputs.sampled_requests)
         if inputs.prompt_targets:

@@ -53,12 +53,12 @@ def _children(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
-def _run_pair(model: str, tp: int, **kwargs) -> None:
+def _run_pair(model: str, tp: int, pp: int = 1, **kwargs) -> None:
     params = _params()
     base = LLM(model=model, dtype="float32", num_blocks=64, **kwargs)
     want = base.generate(PROMPTS, params)
     par = LLM(model=model, dtype="float32", num_blocks=64, tensor_parallel_size=tp,
-              distributed_timeout_s=60, **kwargs)
+              pipeline_parallel_size=pp, distributed_timeout_s=60, **kwargs)
     try:
         got = par.generate(PROMPTS, params)
         for w, g in zip(want, got):
@@ -83,6 +83,15 @@ def _run_pair(model: str, tp: int, **kwargs) -> None:
 ])
 def test_tensor_parallel_matches_one_process(model, tp):
     _run_pair(model, tp)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model,tp,pp", [
+    ("tiny-gemma3", 1, 2),  # 4 layers, 2 per stage (sliding and global ones on each side)
+    ("tiny-llama", 2, 2),   # TP x PP = 2 x 2: four workers
+])
+def test_pipeline_parallel_matches_one_process(model, tp, pp):
+    _run_pair(model, tp, pp)
 
 
 @pytest.mark.timeout(300)

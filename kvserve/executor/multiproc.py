@@ -44,6 +44,7 @@ class MultiprocExecutor:
     def __init__(self, spec: WorkerSpec, world_size: int, load_timeout_s: float = 600.0) -> None:
         self.world_size = world_size
         self.timeout_s = spec.timeout_s
+        self.driver_rank = spec.driver_rank
         self._failed: Optional[str] = None
         launch = plan_launch(world_size)
         listener = Listener((launch.listen_host, launch.listen_port), authkey=launch.authkey)
@@ -73,7 +74,7 @@ class MultiprocExecutor:
             raise
         finally:
             listener.close()
-        logger.info("%d tensor-parallel workers ready (load %.1f s)", world_size,
+        logger.info("%d parallel workers ready (load %.1f s)", world_size,
                     max(i["load_time_s"] for i in self.worker_info))
 
     @property
@@ -93,7 +94,7 @@ class MultiprocExecutor:
                 conn.send_bytes(data)
         except OSError:
             self._fail(self._death_reason() or "a worker's pipe closed")
-        return self._receive(0, self.timeout_s, "ok")
+        return self._receive(self.driver_rank, self.timeout_s, "ok")
 
     def worker_stats(self) -> list[dict]:
         """Per rank: requests it holds state for, steps run, time in steps and collectives."""

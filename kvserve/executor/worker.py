@@ -47,6 +47,13 @@ class WorkerSpec:
     device: str
     num_threads: int
     timeout_s: float
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank that samples and answers the engine: the last stage's first rank."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 def _die_with_parent() -> None:
@@ -76,20 +83,28 @@ def worker_main(conn: Connection, rank: int, world_size: int, init_method: str) 
 
 
 def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec: WorkerSpec) -> None:
-    from kvserve.distributed import init_process_group
+    from kvserve.distributed import init_process_group, stage_layers
     from kvserve.kv_cache import KVCacheSpec
     from kvserve.loader import load_model, resolve_model
     from kvserve.runner import ModelRunner
 
     torch.set_num_threads(spec.num_threads)
     t0 = time.perf_counter()
-    tp = init_process_group(rank, world_size, init_method, spec.device, spec.timeout_s)
+    tp, pp = init_process_group(rank, world_size, init_method, spec.device, spec.timeout_s,
+                                spec.tensor_parallel_size, spec.pipeline_parallel_size)
     device = torch.device(spec.device)
-    model, _ = load_model(resolve_model(spec.model), dtype=spec.dtype, device=device,
-                          quantization=spec.weight_format, tp=tp)
+    source = resolve_model(spec.model)
+    if pp is not None:
+        from kvserve.loader import load_config
+        pp.layer_range = stage_layers(load_config(source).num_hidden_layers, pp.num_stages, pp.stage)
+    model, _ = load_model(source, dtype=spec.dtype, device=device,
+                          quantization=spec.weight_format, tp=tp, pp=pp)
     local_cfg = model.config  # per-rank head counts and widths
-    kv_spec = KVCacheSpec.for_model(local_cfg, spec.block_size, spec.kv_dtype)
-    runner = ModelRunner(model, local_cfg, kv_spec, spec.num_blocks, device, samples=rank == 0)
+    # This rank's KV: its heads, its stage's layers, every block.
+    kv_spec = KVCacheSpec(len(model.model.layers), local_cfg.num_key_value_heads, local_cfg.head_dim,
+                          spec.block_size, spec.kv_dtype)
+    driver = rank == spec.driver_rank
+    runner = ModelRunner(model, local_cfg, kv_spec, spec.num_blocks, device, samples=driver)
     conn.send_bytes(pickle.dumps(("ready", {"rank": rank, "pid": os.getpid(),
                                             "load_time_s": time.perf_counter() - t0,
                                             "kv_heads": local_cfg.num_key_value_heads})))
@@ -109,7 +124,7 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
             out = runner.execute(step)
             num_steps += 1
             step_time_s += time.perf_counter() - t_step
-            if rank == 0:
+            if driver:
                 conn.send_bytes(pickle.dumps(("ok", out), protocol=pickle.HIGHEST_PROTOCOL))
     finally:
         import torch.distributed as dist

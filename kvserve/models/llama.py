@@ -15,7 +15,7 @@ from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
 from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ConfigError, ModelConfig
-from kvserve.distributed import ParallelGroup
+from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import RMSNorm, RopeFrequencies, rope_cos_sin
 
@@ -89,6 +89,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Pipeline parallelism: ``layers`` are this stage's; the hidden states come from the
+    # previous stage instead of the embedding, and go to the next one.
+    pp: Optional[PipelineStage] = None
+
     def __init__(self, config: ModelConfig, attn_backend: str) -> None:
         super().__init__()
         self.config = config
@@ -102,13 +106,19 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        if self.pp is None or self.pp.is_first:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden = self.pp.recv(input_ids.shape[0], self.config.hidden_size, self.norm.weight.dtype,
+                                  input_ids.device)
         # Rope tables for this step's positions only (a few hundred floats), shared by all layers.
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq(positions.device), hidden.dtype)
         if self.fused_layers is not None and self.fused_layers.applies_to(hidden, kv_caches):
             return self.fused_layers(hidden, (cos, sin), (cos, sin), attn_metadata, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, attn_metadata, kv_cache)
+        if self.pp is not None and not self.pp.is_last:
+            self.pp.send(hidden)
         return hidden  # pre-norm: the caller norms only the rows it needs logits for
 
 
