@@ -11,6 +11,7 @@ heavy, run them under the heavy-run lock).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -22,24 +23,31 @@ from kvserve.batch import SchedulerOutput
 from kvserve.executor.base import ExecutorError
 from kvserve.executor.step import StepInput
 from kvserve.llm import LLM
+from kvserve.structured.params import StructuredOutputsParams
 
-PROMPTS = [[1, 5, 9, 200, 3000, 17, 4242, 99], [1] + list(range(300, 340))]
+PROMPTS = [[1, 5, 9, 200, 3000, 17, 4242, 99], [1] + list(range(300, 340)), [1, 77, 78, 79]]
 LOGPROB_TOLERANCE = 1e-4
 FULL = pytest.mark.skipif(os.environ.get("KVSERVE_TP_FULL") != "1", reason="KVSERVE_TP_FULL=1")
 
 
 def _params() -> list[SamplingParams]:
+    """Greedy with logprobs and prompt logprobs; seeded sampling (n=2: per-child streams) with
+    penalties and min_tokens (the output history the workers keep); a regex-constrained
+    request (the grammar's mask computed engine-side, sent with the step)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5,
                             prompt_logprobs=5)
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=8, ignore_eos=True,
-                            logprobs=5)
-    return [greedy, seeded]
+    seeded = SamplingParams(n=2, temperature=0.9, top_p=0.95, seed=7, max_tokens=8, logprobs=5,
+                            repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=4)
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-c ]{3,8}"))
+    return [greedy, seeded, constrained]
 
 
 def _max_logprob_gap(a, b) -> float:
     """Largest |difference| over every logprob both outputs report (sampled, top-k, prompt)."""
     worst = 0.0
-    pairs = list(zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []))
+    pairs = [(x, y) for ca, cb in zip(a.outputs, b.outputs)
+             for x, y in zip(ca.logprobs or [], cb.logprobs or [])]
     pairs += [(x, y) for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or []) if x]
     assert pairs
     for x, y in pairs:
@@ -62,8 +70,9 @@ def _run_pair(model: str, tp: int, pp: int = 1, **kwargs) -> None:
     try:
         got = par.generate(PROMPTS, params)
         for w, g in zip(want, got):
-            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
             assert _max_logprob_gap(w, g) < LOGPROB_TOLERANCE
+        assert re.fullmatch("[a-c ]{3,8}", got[2].outputs[0].text), got[2].outputs[0].text
         # Finished requests are forgotten on every rank (told with the next step), not only
         # in the engine.
         par.engine.executor.execute(par.engine.step_builder.build(SchedulerOutput()))
