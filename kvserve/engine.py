@@ -14,16 +14,16 @@ from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
 from kvserve.kv_cache import KVCacheSpec
 from kvserve.kv_manager import KVCacheManager
 from kvserve.executor.base import Executor
+from kvserve.executor.builder import StepBuilder
 from kvserve.executor.multiproc import MultiprocExecutor
+from kvserve.executor.uniproc import UniProcExecutor
 from kvserve.executor.worker import WorkerSpec
 from kvserve.loader import load_config, load_model
-from kvserve.models.tensor_parallel import check_tp_shape, local_config
 from kvserve.loader.resolve import ModelSource, resolve_model
+from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
 from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected, RequestStatus,
                              SamplingParams)
-from kvserve.executor.builder import StepBuilder
-from kvserve.executor.uniproc import UniProcExecutor
 from kvserve.scheduler import Scheduler
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.spec import Speculator, build_speculator, parse_speculative_config
@@ -145,13 +145,11 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids))
 
         cache = args.cache_config()
-        # Per rank: a tensor-parallel rank holds only its KV heads (all blocks), so the budget
-        # buys the same number of blocks on every rank.
-        # A pipeline stage holds its layers' KV only: size blocks for the largest stage.
-        local = local_config(cfg, args.tensor_parallel_size)
-        stage_num_layers = -(-cfg.num_hidden_layers // args.pipeline_parallel_size)
-        self.kv_spec = KVCacheSpec(stage_num_layers, local.num_key_value_heads, local.head_dim,
-                                   cache.block_size, kv_dtype)
+        if self.parallel:  # one rank's share: the budget is per rank
+            self.kv_spec = rank_kv_spec(cfg, args.tensor_parallel_size, args.pipeline_parallel_size,
+                                        cache.block_size, kv_dtype)
+        else:
+            self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype)
         bytes_per_block = self.kv_spec.bytes_per_block
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks

@@ -16,7 +16,7 @@ weight as the loader streams it, so no rank ever holds more than one full tensor
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup
+from kvserve.kv_cache import KVCacheSpec
 
 
 def check_tp_shape(config: ModelConfig, tp_size: int) -> None:
@@ -52,6 +53,14 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
         config, num_attention_heads=config.num_attention_heads // tp_size,
         num_key_value_heads=local_kv_heads(config, tp_size),
         intermediate_size=config.intermediate_size // tp_size)
+
+
+def rank_kv_spec(config: ModelConfig, tp_size: int, pp_size: int, block_size: int,
+                 kv_dtype: Union[str, torch.dtype]) -> KVCacheSpec:
+    """The KV one rank holds: its KV heads, the layers of the largest pipeline stage, every
+    block (the engine sizes the block count on it, so every rank has the same blocks)."""
+    stage_layers = -(-config.num_hidden_layers // pp_size)
+    return KVCacheSpec(stage_layers, local_kv_heads(config, tp_size), config.head_dim, block_size, kv_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
