@@ -2,8 +2,10 @@
 
 1. gloo all-reduce between local ranks over TCP (loopback), per call, for the shapes a decode
    step reduces (rows x hidden of SmolLM2: 576 fp32).
+   Beside it, kvserve's shared-memory all-reduce (kvserve/shm_collectives.py).
 2. In a TP engine: time in collectives per decode step against the step time, read from the
-   workers (``KVSERVE_TIME_COMM=1``), for a single stream (W3 shape) and a batch (W2 shape).
+   workers (``KVSERVE_TIME_COMM=1``), for a single stream (W3 shape) and a batch (W2 shape);
+   with ``KVSERVE_SHM_COLLECTIVES=0`` the engine's collectives are gloo's.
 
 Run under the heavy-run lock, one thread per rank:
     flock /tmp/kvserve-heavy.lock python benchmarks/tensor_parallel.py [--tp 2] [--output-len 64]
@@ -19,24 +21,30 @@ def _allreduce_rank(rank: int, world: int, port: int, shapes: list, iters: int, 
     import torch
     import torch.distributed as dist
 
+    from kvserve.distributed import init_process_group
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # The group kvserve's workers use: shared-memory collectives, gloo beside them.
+    tp, _ = init_process_group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", 60.0,
+                               shm_path=f"/dev/shm/kvserve-bench-{port}")
     results = {}
-    for shape in shapes:
-        x = torch.randn(*shape)
-        for _ in range(20):
-            dist.all_reduce(x)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        results[str(shape)] = (time.perf_counter() - t0) / iters
+    for kind in ("gloo", "shm"):
+        for shape in shapes:
+            x = torch.randn(*shape)
+            op = dist.all_reduce if kind == "gloo" else tp.shm.all_reduce_
+            for _ in range(20):
+                op(x)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                op(x)
+            results[f"{kind} {shape}"] = (time.perf_counter() - t0) / iters
     if rank == 0:
         out.put(results)
     dist.destroy_process_group()
 
 
-def gloo_allreduce(world: int, shapes: list, iters: int = 2000) -> dict:
+def allreduce_costs(world: int, shapes: list, iters: int = 2000) -> dict:
     import multiprocessing as mp
 
     from kvserve.executor.multiproc import free_port
@@ -88,11 +96,12 @@ def main() -> None:
                 if line.startswith("model name")), platform.processor())
     print(f"cpu: {cpu}, {os.cpu_count()} cores")
     shapes = [(1, 576), (32, 576), (256, 576)]
-    for shape, t in gloo_allreduce(ns.tp, shapes).items():
-        print(f"gloo all_reduce {ns.tp} local ranks, fp32 {shape}: {t * 1e6:.0f} us per call")
+    for shape, t in allreduce_costs(ns.tp, shapes).items():
+        print(f"all_reduce over {ns.tp} local ranks, {shape} fp32: {t * 1e6:.0f} us per call")
     for name, (n, p) in {"W3-shape (1 x 256 prompt)": (1, 256), "W2-shape (32 x 64 prompt)": (32, 64)}.items():
         r = engine_comm(ns.tp, ns.model, n, p, ns.output_len)
-        print(f"TP={ns.tp} {ns.model} {name}, {ns.output_len} out: {r['steps']} steps, "
+        backend = "gloo" if os.environ.get("KVSERVE_SHM_COLLECTIVES") == "0" else "shm"
+        print(f"TP={ns.tp} ({backend}) {ns.model} {name}, {ns.output_len} out: {r['steps']} steps, "
               f"step {', '.join(f'{s:.1f}' for s in r['step_ms'])} ms per rank, "
               f"collectives {', '.join(f'{c:.2f}' for c in r['comm_ms'])} ms "
               f"({', '.join(f'{f:.0%}' for f in r['comm_fraction'])})")

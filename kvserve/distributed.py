@@ -16,6 +16,10 @@ import torch
 import torch.distributed as dist
 
 
+# Largest tensor (bytes per rank) the shared-memory collectives take; larger ones use gloo.
+SHM_SLOT_BYTES = 8 << 20
+
+
 def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
@@ -31,6 +35,8 @@ class ParallelGroup:
     # Accumulated seconds spent in collectives (the all-reduce measurement reads it).
     comm_time_s: float = 0.0
     time_comm: bool = False
+    # Ranks on one machine: small collectives through shared memory instead of gloo.
+    shm: Optional[Any] = None
 
     @property
     def is_first(self) -> bool:
@@ -42,7 +48,9 @@ class ParallelGroup:
         if self.world_size == 1:
             return x
         t0 = _now() if self.time_comm else 0.0
-        if x.dtype in (torch.float32, torch.float64) or x.is_cuda:
+        if self.shm is not None and self.shm.fits(x):
+            out = self.shm.all_reduce_(x)
+        elif x.dtype in (torch.float32, torch.float64) or x.is_cuda:
             dist.all_reduce(x, group=self.group)
             out = x
         else:  # gloo reduces no bf16/fp16: sum in fp32
@@ -59,11 +67,15 @@ class ParallelGroup:
             return x
         t0 = _now() if self.time_comm else 0.0
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
+        if self.shm is not None and self.shm.fits(x):
+            out = self.shm.all_gather_last_dim(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x, group=self.group)
+            out = torch.cat(parts, dim=-1)
         if self.time_comm:
             self.comm_time_s += _now() - t0
-        return torch.cat(parts, dim=-1)
+        return out
 
 
 def _now() -> float:
@@ -109,11 +121,12 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int
 
 
 def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device | str,
-                       timeout_s: float, tp_size: Optional[int] = None,
-                       pp_size: int = 1) -> tuple[ParallelGroup, Optional[PipelineStage]]:
+                       timeout_s: float, tp_size: Optional[int] = None, pp_size: int = 1,
+                       shm_path: Optional[str] = None) -> tuple[ParallelGroup, Optional[PipelineStage]]:
     """Join the default group, then this rank's tensor-parallel group (ranks
     ``stage * tp_size + t``) and pipeline stage. ``timeout_s`` bounds every collective: a peer
-    that hangs makes the others fail after it instead of blocking for ever."""
+    that hangs makes the others fail after it instead of blocking for ever. ``shm_path``
+    (ranks on one machine): a /dev/shm path prefix for shared-memory collectives."""
     tp_size = tp_size or world_size
     if tp_size * pp_size != world_size:
         raise ValueError(f"{world_size} ranks are not {tp_size} x {pp_size}")
@@ -127,6 +140,18 @@ def init_process_group(rank: int, world_size: int, init_method: str, device: tor
         group = groups[stage]
     tp = ParallelGroup(rank=tp_rank, world_size=tp_size, group=group,
                        time_comm=os.environ.get("KVSERVE_TIME_COMM") == "1")
+    if shm_path and tp_size > 1 and torch.device(device).type == "cpu" \
+            and os.environ.get("KVSERVE_SHM_COLLECTIVES", "1") != "0":
+        from kvserve.shm_collectives import ShmCollectives
+        path = f"{shm_path}-stage{stage}"
+        if tp_rank == 0:
+            tp.shm = ShmCollectives(path, tp_rank, tp_size, SHM_SLOT_BYTES, timeout_s, create=True)
+        dist.barrier()
+        if tp_rank != 0:
+            tp.shm = ShmCollectives(path, tp_rank, tp_size, SHM_SLOT_BYTES, timeout_s, create=False)
+        dist.barrier()
+        if tp_rank == 0:
+            os.unlink(path)  # the mappings stay; nothing is left in /dev/shm whatever happens next
     pp = None
     if pp_size > 1:
         pp = PipelineStage(stage=stage, num_stages=pp_size,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -15,6 +17,7 @@ from kvserve.kv_cache import KVCacheSpec
 from kvserve.kv_manager import KVCacheManager
 from kvserve.executor.base import Executor
 from kvserve.executor.builder import StepBuilder
+from kvserve.executor.launch import under_torchrun
 from kvserve.executor.multiproc import MultiprocExecutor
 from kvserve.executor.uniproc import UniProcExecutor
 from kvserve.executor.worker import WorkerSpec
@@ -174,7 +177,9 @@ class LLMEngine:
                               device=args.device, num_threads=args.num_threads or 1,
                               timeout_s=args.distributed_timeout_s,
                               tensor_parallel_size=args.tensor_parallel_size,
-                              pipeline_parallel_size=args.pipeline_parallel_size)
+                              pipeline_parallel_size=args.pipeline_parallel_size,
+                              shm_path=None if under_torchrun() else
+                              f"/dev/shm/kvserve-{os.getpid()}-{secrets.token_hex(4)}")
             self.executor = MultiprocExecutor(spec, args.tensor_parallel_size * args.pipeline_parallel_size)
         else:
             self.executor = UniProcExecutor(self.model, cfg, self.kv_spec, num_blocks, self.device)

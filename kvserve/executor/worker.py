@@ -49,6 +49,8 @@ class WorkerSpec:
     timeout_s: float
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Every rank on this machine: the path prefix of the shared-memory collectives' buffers.
+    shm_path: Optional[str] = None
 
     @property
     def driver_rank(self) -> int:
@@ -91,7 +93,7 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
     torch.set_num_threads(spec.num_threads)
     t0 = time.perf_counter()
     tp, pp = init_process_group(rank, world_size, init_method, spec.device, spec.timeout_s,
-                                spec.tensor_parallel_size, spec.pipeline_parallel_size)
+                                spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.shm_path)
     device = torch.device(spec.device)
     source = resolve_model(spec.model)
     if pp is not None:
