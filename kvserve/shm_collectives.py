@@ -69,8 +69,9 @@ class ShmCollectives:
                 if deadline is None:
                     deadline = now + self.timeout_s
                 elif now > deadline:
-                    raise RuntimeError(f"shared-memory collective: a peer did not arrive within "
-                                       f"{self.timeout_s:.0f} s (counters {self._counters.tolist()})")
+                    late = [r for r, c in enumerate(self._counters.tolist()) if c < self._op]
+                    raise RuntimeError(f"shared-memory collective: tensor-parallel rank(s) {late} did "
+                                       f"not arrive within {self.timeout_s:.0f} s (hung or dead?)")
                 os.sched_yield()  # oversubscribed cores: let the peer run
         return [torch.from_numpy(slots[r][:nbytes]).view(x.dtype).view(x.shape) for r in range(self.world_size)]
 
