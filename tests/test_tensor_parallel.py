@@ -110,6 +110,35 @@ def test_tensor_parallel_real_models(model, tp):
     _run_pair(model, tp, max_model_len=256)
 
 
+@pytest.mark.timeout(300)
+@FULL
+def test_int4_real_model_reuses_q4_1_blocks_per_shard():
+    """SmolLM2's Q4_1 blocks are cut on block boundaries for each rank (TP=3: o_proj and
+    down_proj inputs of 192 and 512 columns, whole 32-weight blocks) and decode like one
+    process does."""
+    from kvserve.loader import load_config, resolve_model
+    from kvserve.loader.gguf import open_gguf, quantized_weights
+    from kvserve.models.tensor_parallel import TPShardPlan
+
+    source = resolve_model("smollm2-135m-instruct")
+    config = load_config(source)
+    raw = quantized_weights(open_gguf(source.path), config)
+    plan = TPShardPlan(config, 1, 3)
+    down = plan.shard_raw("model.layers.0.mlp.down_proj.weight", raw["model.layers.0.mlp.down_proj.weight"])
+    assert down is not None and down.shape == (576, 512)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 12092, 28, 957, 1462, 314]]
+    want = LLM(model="smollm2-135m-instruct", quantization="int4", num_blocks=32).generate(prompts, params)
+    par = LLM(model="smollm2-135m-instruct", quantization="int4", num_blocks=32, tensor_parallel_size=3,
+              distributed_timeout_s=120)
+    try:
+        got = par.generate(prompts, params)
+    finally:
+        par.engine.shutdown()
+    agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w.outputs[0].token_ids, g.outputs[0].token_ids))
+    assert agree >= 0.75 * 48
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fmt", [pytest.param("bf16", marks=FULL), pytest.param("int8", marks=FULL), "int4"])
 def test_weight_formats_shard(fmt):
@@ -194,3 +223,28 @@ def test_shared_memory_collectives(tmp_path):
     lonely = ShmCollectives(str(tmp_path / "lonely"), 0, 2, 1 << 10, 0.2, create=True)
     with pytest.raises(RuntimeError, match="did not arrive"):
         lonely.all_reduce_(torch.ones(4))
+
+
+def test_q4_1_blocks_shard_like_the_float_weights():
+    """Each rank's cut of SmolLM2's Q4_1 blocks (rows for q/k/v, whole 32-weight blocks of
+    columns for o/down) dequantizes to exactly its cut of the dequantized weight."""
+    import torch
+
+    from kvserve.loader import load_config, resolve_model
+    from kvserve.loader.gguf import open_gguf, quantized_weights
+    from kvserve.models.tensor_parallel import TPShardPlan
+    from kvserve.quant import unpack_q4_1
+
+    def dequant(qt):
+        q, d, m = unpack_q4_1(qt.data, qt.shape)
+        return (q.float().view(q.shape[0], -1, 32) * d[..., None] + m[..., None]).view(q.shape)
+
+    source = resolve_model("smollm2-135m-instruct")
+    config = load_config(source)
+    raw = quantized_weights(open_gguf(source.path), config)
+    for part in ("mlp.down_proj", "mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.k_proj"):
+        name = f"model.layers.3.{part}.weight"
+        full = dequant(raw[name])
+        for rank in range(3):
+            plan = TPShardPlan(config, rank, 3)
+            assert torch.equal(dequant(plan.shard_raw(name, raw[name])), plan.shard_weight(name, full)), (name, rank)
