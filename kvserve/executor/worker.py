@@ -92,9 +92,15 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
 
     torch.set_num_threads(spec.num_threads)
     t0 = time.perf_counter()
-    tp, pp = init_process_group(rank, world_size, init_method, spec.device, spec.timeout_s,
-                                spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.shm_path)
     device = torch.device(spec.device)
+    if device.type == "cuda" and device.index is None:
+        # One GPU per rank on its machine (NCCL refuses two ranks on one device). Untested
+        # here: no GPU on the development machines.
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    tp, pp = init_process_group(rank, world_size, init_method, device, spec.timeout_s,
+                                spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.shm_path)
     source = resolve_model(spec.model)
     if pp is not None:
         from kvserve.loader import load_config
