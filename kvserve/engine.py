@@ -204,7 +204,9 @@ class LLMEngine:
         return (f"KV cache: {self.num_blocks} blocks x {self.kv_spec.block_size} tokens = "
                 f"{self.kv_cache_tokens} tokens, {self.kv_cache_bytes / 2**20:.1f} MiB "
                 f"({self.kv_spec.describe_token()}); activations {str(self.dtype).removeprefix('torch.')}, linear weights "
-                f"{self.weight_format or str(self.dtype).removeprefix('torch.')}")
+                f"{self.weight_format or str(self.dtype).removeprefix('torch.')}"
+                + (f"; per rank of {self.args.tensor_parallel_size} (TP) x "
+                   f"{self.args.pipeline_parallel_size} (PP) worker processes" if self.parallel else ""))
 
     def new_request_id(self) -> str:
         return f"req-{next(self._request_counter)}"
