@@ -158,7 +158,8 @@ def test_weight_formats_shard(fmt):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("fault", ["killed", "hung"])
+# A killed worker is also what test_server_tp's mid-stream test does, through the server.
+@pytest.mark.parametrize("fault", [pytest.param("killed", marks=FULL), "hung"])
 def test_a_dead_or_hung_worker_stops_the_engine_in_bounded_time(fault):
     llm = LLM(model="tiny-llama-h6kv2", dtype="float32", num_blocks=32, tensor_parallel_size=2,
               distributed_timeout_s=3)
