@@ -95,7 +95,7 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
     print(f"cpu: {cpu}, {os.cpu_count()} cores")
-    shapes = [(1, 576), (32, 576), (256, 576)]
+    shapes = [(1, 576), (32, 576), (256, 576)]  # SmolLM2 hidden size; TP=2 engines need even heads (Gemma 3: 4 / 1)
     for shape, t in allreduce_costs(ns.tp, shapes).items():
         print(f"all_reduce over {ns.tp} local ranks, {shape} fp32: {t * 1e6:.0f} us per call")
     for name, (n, p) in {"W3-shape (1 x 256 prompt)": (1, 256), "W2-shape (32 x 64 prompt)": (32, 64)}.items():
