@@ -88,7 +88,7 @@ def engine_comm(tp: int, model: str, num_requests: int, prompt_len: int, output_
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default="gemma-3-270m", help="TP=2 needs even head counts (SmolLM2: 9 / 3)")
     parser.add_argument("--output-len", type=int, default=64)
     ns = parser.parse_args()
     import platform
