@@ -94,7 +94,9 @@ class MultiprocExecutor:
                 conn.send_bytes(data)
         except OSError:
             self._fail(self._death_reason() or "a worker's pipe closed")
-        return self._receive(self.driver_rank, self.timeout_s, "ok")
+        # A little longer than the workers' own collective timeout: when one rank hangs, the
+        # rank waiting for it reports which one first.
+        return self._receive(self.driver_rank, self.timeout_s * 1.5 + 1.0, "ok")
 
     def worker_stats(self) -> list[dict]:
         """Per rank: requests it holds state for, steps run, time in steps and collectives."""
@@ -119,8 +121,8 @@ class MultiprocExecutor:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = [r for r in ranks if r not in got]
-                self._fail(f"worker rank {missing[0]} did not answer within {timeout_s:.0f} s "
-                           f"(hung?); stopping all workers")
+                self._fail(f"no answer from worker rank(s) {missing} within {timeout_s:.0f} s (a rank "
+                           f"hung?); stopping all workers")
             ready = wait([*self._conns, *sentinels], timeout=remaining)
             for conn in (c for c in self._conns if c in ready):
                 r = self._conns.index(conn)
