@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Union
 
 from kvserve.engine import LLMEngine
+from kvserve.executor.base import ExecutorError
 from kvserve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger("kvserve")
@@ -22,8 +23,13 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine,
+                 on_dead: Optional[Callable[[str], None]] = None) -> None:
         self.engine = engine
+        # Set when the model can no longer run (a parallel worker died or hung): requests
+        # in flight fail, new ones are refused, and ``on_dead(reason)`` lets the server exit.
+        self.dead_reason: Optional[str] = None
+        self._on_dead = on_dead
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -61,6 +67,13 @@ class AsyncLLMEngine:
             try:
                 with self._lock:
                     outputs = self.engine.step()
+            except ExecutorError as exc:  # the model is gone: no later step can succeed
+                logger.error("engine stopped: %s", exc)
+                self.dead_reason = str(exc)
+                self._fail_all(exc)
+                if self._on_dead is not None:
+                    self._on_dead(self.dead_reason)
+                return
             except Exception as exc:  # one failing step must not kill the server
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(exc)
@@ -86,11 +99,18 @@ class AsyncLLMEngine:
         for rid in ids:
             self._deliver(rid, EngineDeadError(f"engine step failed: {exc}"))
 
+    def shutdown_engine(self) -> None:
+        """Stop the loop and the engine's worker processes."""
+        self.shutdown()
+        self.engine.shutdown()
+
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: Union[str, list[int]], params: SamplingParams,
                        request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Raises RequestRejected before the first output if
         the request can't be served. Leaving the iterator early aborts the request."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine stopped: {self.dead_reason}")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -11,6 +11,7 @@ import time
 from typing import Optional
 
 from kvserve.config import DEFAULT_MODEL, KV_CACHE_DTYPES, ConfigError, EngineArgs
+from kvserve.executor.base import ExecutorError
 from kvserve.spec.config import parse_speculative_config
 from kvserve.request import RequestRejected, SamplingParams
 
@@ -41,6 +42,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "int4 reuses GGUF Q4_1 blocks; default with --dtype auto on a CPU with "
                         "AVX512-BF16: bf16")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N worker processes (gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layer stack into N stages, one worker process (group) each")
+    g.add_argument("--distributed-timeout", type=float, default=EngineArgs.distributed_timeout_s,
+                   metavar="SECONDS", help="a parallel worker silent this long is taken as hung "
+                                           "and the engine stops")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
@@ -65,6 +73,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         disable_sliding_window_reclaim=ns.no_sliding_window_reclaim,
         seed=ns.seed, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
         speculative_config=parse_speculative_config(ns.speculative_config),
+        tensor_parallel_size=ns.tensor_parallel_size, pipeline_parallel_size=ns.pipeline_parallel_size,
+        distributed_timeout_s=ns.distributed_timeout,
     )
     return dataclasses.replace(args, **overrides)
 
@@ -202,11 +212,21 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- serve / bench / profile
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from kvserve.server.app import run_server
+    from kvserve.server.app import EngineStopped, run_server
 
+    from kvserve.executor.launch import run_torchrun_worker, torchrun_rank, under_torchrun
+
+    if under_torchrun() and torchrun_rank() != 0:
+        # Multi-node: torchrun starts this command on every rank; rank 0 serves, the others
+        # are its tensor-parallel workers (kvserve/executor/launch.py).
+        return run_torchrun_worker()
     eargs = engine_args_from(ns, max_waiting_requests=ns.max_waiting_requests)
-    run_server(eargs, host=ns.host, port=ns.port, api_key=ns.api_key,
-               served_model_name=ns.served_model_name, log_level=ns.log_level)
+    try:
+        run_server(eargs, host=ns.host, port=ns.port, api_key=ns.api_key,
+                   served_model_name=ns.served_model_name, log_level=ns.log_level)
+    except EngineStopped as exc:
+        print(f"kvserve: error: the engine stopped: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -259,6 +279,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, RequestRejected) as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2
+    except ExecutorError as exc:  # a parallel worker died, hung or failed
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

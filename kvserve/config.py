@@ -124,6 +124,13 @@ class EngineArgs:
     # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4}
     # (a dict or its JSON string); None: off. See kvserve/spec/config.py for every key.
     speculative_config: Optional[Any] = None
+    # Parallelism: one worker process per rank (kvserve.executor.multiproc); 1 x 1 runs the
+    # model in the engine's process.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Bound on one step (and on every collective) of a parallel group: past it a worker is
+    # taken as hung and the engine stops (seconds).
+    distributed_timeout_s: float = 120.0
 
     def cache_config(self) -> CacheConfig:
         cfg = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -145,6 +152,10 @@ class EngineArgs:
             raise ConfigError("num_threads must be >= 1")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ConfigError("max_waiting_requests must be >= 0")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.distributed_timeout_s <= 0:
+            raise ConfigError("distributed_timeout_s must be positive")
         self.cache_config()
         from kvserve.spec.config import parse_speculative_config  # spec imports this module
         parse_speculative_config(self.speculative_config)

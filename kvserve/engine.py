@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -13,13 +15,18 @@ import torch
 from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
 from kvserve.kv_cache import KVCacheSpec
 from kvserve.kv_manager import KVCacheManager, max_blocks_per_request
-from kvserve.loader import load_model
+from kvserve.executor.base import Executor
+from kvserve.executor.builder import StepBuilder
+from kvserve.executor.launch import under_torchrun
+from kvserve.executor.multiproc import MultiprocExecutor
+from kvserve.executor.uniproc import UniProcExecutor
+from kvserve.executor.worker import WorkerSpec
+from kvserve.loader import load_config, load_model
 from kvserve.loader.resolve import ModelSource, resolve_model
+from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
 from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected, RequestStatus,
                              SamplingParams)
-from kvserve.runner import ModelRunner
-from kvserve.sampler import make_generator
 from kvserve.scheduler import Scheduler
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.spec import Speculator, build_speculator, parse_speculative_config
@@ -122,8 +129,18 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
-        self.model, self.model_config = load_model(self.source, dtype=self.dtype, device=self.device,
-                                                   quantization=self.weight_format)
+        self.parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+        if self.parallel:
+            # The weights live in the worker processes; the engine needs only the shape.
+            self.model = None
+            self.model_config = load_config(self.source)
+            check_tp_shape(self.model_config, args.tensor_parallel_size)
+            if args.pipeline_parallel_size > self.model_config.num_hidden_layers:
+                raise ConfigError(f"pipeline_parallel_size {args.pipeline_parallel_size} exceeds the "
+                                  f"{self.model_config.num_hidden_layers} layers")
+        else:
+            self.model, self.model_config = load_model(self.source, dtype=self.dtype, device=self.device,
+                                                       quantization=self.weight_format)
         self.tokenizer = load_tokenizer(self.source)
         self.load_time_s = time.perf_counter() - t0
         cfg: ModelConfig = self.model_config
@@ -132,9 +149,18 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids))
 
         cache = args.cache_config()
-        self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype,
-                                             reclaim_sliding_window=not args.disable_sliding_window_reclaim)
         self.spec_config = parse_speculative_config(args.speculative_config)
+        if self.parallel:
+            # One rank's share: the budget is per rank. Sliding-window reclaim and draft models
+            # are single-process for now: the workers hold one full group of their layers.
+            if self.spec_config is not None and self.spec_config.method == "draft_model":
+                raise ConfigError("speculative decoding with a draft model runs in one process; "
+                                  "use the ngram method with --tensor/--pipeline-parallel-size")
+            self.kv_spec = rank_kv_spec(cfg, args.tensor_parallel_size, args.pipeline_parallel_size,
+                                        cache.block_size, kv_dtype)
+        else:
+            self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype,
+                                                 reclaim_sliding_window=not args.disable_sliding_window_reclaim)
         # A draft model keeps its KV in the same blocks (a second cache, same block ids: the
         # full-attention group's table).
         self.draft_model: Optional[DraftModel] = None
@@ -167,7 +193,20 @@ class LLMEngine:
                                          self.kv_spec.group_windows)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_batched_tokens, args.max_num_seqs,
                                    self.max_model_len, args.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, cfg, self.kv_spec, num_blocks, self.device)
+        self.executor: Executor
+        if self.parallel:
+            spec = WorkerSpec(model=args.model, dtype=self.dtype, weight_format=self.weight_format,
+                              kv_dtype=kv_dtype, block_size=cache.block_size, num_blocks=num_blocks,
+                              device=args.device, num_threads=args.num_threads or 1,
+                              timeout_s=args.distributed_timeout_s,
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size,
+                              shm_path=None if under_torchrun() else
+                              f"/dev/shm/kvserve-{os.getpid()}-{secrets.token_hex(4)}")
+            self.executor = MultiprocExecutor(spec, args.tensor_parallel_size * args.pipeline_parallel_size)
+        else:
+            self.executor = UniProcExecutor(self.model, cfg, self.kv_spec, num_blocks, self.device)
+        self.step_builder = StepBuilder(cfg.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs; llguidance's view of the vocabulary is built on first use.
         self.grammar_compiler = GrammarCompiler(self.tokenizer.hf, cfg.vocab_size, self.eos_token_ids)
@@ -207,7 +246,9 @@ class LLMEngine:
         return (text + f"activations {str(self.dtype).removeprefix('torch.')}, linear weights "
                 f"{self.weight_format or str(self.dtype).removeprefix('torch.')}"
                 + (f"; with the draft model's KV ({self.draft_model.kv_spec.describe_token()}) in the "
-                   "full-attention group's blocks" if self.draft_model else ""))
+                   "full-attention group's blocks" if self.draft_model else "")
+                + (f"; per rank of {self.args.tensor_parallel_size} (TP) x "
+                   f"{self.args.pipeline_parallel_size} (PP) worker processes" if self.parallel else ""))
 
     def new_request_id(self) -> str:
         return f"req-{next(self._request_counter)}"
@@ -251,9 +292,8 @@ class LLMEngine:
                                 sampling_params=params, eos_token_ids=self.eos_token_ids,
                                 arrival_time=arrival,
                                 prefix_leader=children[0] if children else None)
-                if params.seed is not None:
-                    # Siblings get distinct streams derived from the one seed.
-                    child.generator = make_generator(params.seed + i, self.device)
+                # A seeded request's RNG lives with the model runner; siblings get distinct
+                # streams derived from the one seed (seed + i, see executor.builder).
                 if grammar is not None:
                     child.grammar = grammar.new_state()
                 if params.prompt_logprobs is not None and i == 0:
@@ -283,6 +323,11 @@ class LLMEngine:
                 self.output_processor.mark_finished(seq.request)
             self.counters.aborted_requests += 1
             self._pending_finished.update(child_ids)
+            self.step_builder.forget(child_ids)
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes, if any (idempotent)."""
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished > 0 or self.scheduler.has_unfinished_requests()
@@ -302,7 +347,9 @@ class LLMEngine:
         self._pending_finished.clear()
         stats = StepStats()
         if not sched.is_empty:
-            runner_out = self.runner.execute(sched)
+            with label("executor.build_step"):
+                step_input = self.step_builder.build(sched)
+            runner_out = self.executor.execute(step_input)
             stats.num_prefill_tokens = runner_out.num_prefill_tokens
             stats.num_decode_tokens = runner_out.num_decode_tokens
             stats.num_seqs = len(sched.chunks)
@@ -323,6 +370,7 @@ class LLMEngine:
             for rid, entries in runner_out.prompt_logprobs.items():
                 self.output_processor.add_prompt_logprobs(rid, entries)
             touched.update(req.request_id for req in updated)
+            self.step_builder.forget(req.request_id for req in updated if req.is_finished)
             if self.speculator is not None:
                 for chunk in sched.chunks:
                     tokens = runner_out.sampled.get(chunk.request.request_id)

@@ -1,4 +1,5 @@
-"""Model runner: turns a SchedulerOutput into tensors, runs the model and the sampler.
+"""Model runner: turns a StepInput (the executor seam's plain step snapshot) into tensors,
+runs the model and the sampler, and keeps the per-request state sampling needs.
 
 Device-agnostic: everything is built on the host with numpy and moved to ``device`` in one
 copy per tensor, so the same code serves CPU and CUDA.
@@ -6,30 +7,62 @@ copy per tensor, so the same code serves CPU and CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+
 import numpy as np
 import torch
 
 from kvserve.attention import AttentionMetadata
-from kvserve.batch import SchedulerOutput
 from kvserve.config import ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
-from kvserve.request import Logprob, Request
-from kvserve.sampler import Sampler, build_sampling_metadata
+from kvserve.executor.step import NewRequestData, StepInput, StepOutput
+from kvserve.sampler import Sampler, build_sampling_metadata, make_generator
 from kvserve.spec.rejection import rejection_sample
 from kvserve.spec.verify import accept_run
 from kvserve.tracing import label
 
 
-@dataclass
-class RunnerOutput:
-    # Per sampled request, its new tokens: one, or a speculating request's accepted drafts
-    # followed by the target's next token. Logprobs likewise, one entry per new token.
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
-    # Request id -> logprobs of the prompt tokens this step's chunk predicted, in order.
-    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+# The runner's result is the executor seam's StepOutput (kept under its old name too).
+RunnerOutput = StepOutput
+
+
+class _BitmaskRow:
+    """This step's allowed tokens of a constrained request, in the shape the sampler reads a
+    grammar (``fill_bitmask``): the grammar itself lives with the engine."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: np.ndarray) -> None:
+        self.row = row
+
+    def fill_bitmask(self, bitmask: np.ndarray, index: int) -> None:
+        bitmask[index] = self.row
+
+
+class RequestState:
+    """What the runner remembers of a request between steps: its sampling parameters, its
+    own RNG (seeded once, so the stream continues across steps and preemptions) and the
+    tokens it has produced (penalties, min_tokens). The sampler reads these like a Request."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
+                 "generator", "output_token_ids", "grammar")
+
+    def __init__(self, data: NewRequestData, device: torch.device) -> None:
+        self.request_id = data.request_id
+        self.prompt_token_ids = data.prompt_token_ids
+        self.sampling_params = data.sampling_params
+        self.eos_token_ids = data.eos_token_ids
+        self.generator = None if data.seed is None else make_generator(data.seed, device)
+        self.output_token_ids: list[int] = []
+        self.grammar: Optional[_BitmaskRow] = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 @dataclass
@@ -39,7 +72,7 @@ class ModelInputs:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     # One row per logits row: a speculating request appears once per verified position.
-    sampled_requests: list[Request]
+    sampled_requests: list[RequestState]
     # Per sampled request, in row order: its drafts ([] for a plain decode or prefill).
     drafts: list[list[int]]
     num_prefill_tokens: int
@@ -47,24 +80,20 @@ class ModelInputs:
     # Prompt logprobs: logits rows after the sampled ones, the prompt token each row predicts,
     # and (request, number of rows) in row order.
     prompt_targets: list[int] = field(default_factory=list)
-    prompt_owners: list[tuple[Request, int]] = field(default_factory=list)
+    prompt_owners: list[tuple[RequestState, int]] = field(default_factory=list)
     # Per sampled request, in row order: a model drafter's distributions q (rejection
     # sampling), or None.
     draft_probs: list = field(default_factory=list)
 
 
-def token_slice(request: Request, start: int, end: int) -> list[int]:
-    """``request.all_token_ids[start:end]`` without concatenating the whole history."""
-    prompt = request.prompt_token_ids
-    n_prompt = len(prompt)
-    if end <= n_prompt:
-        return prompt[start:end]
-    if start >= n_prompt:
-        return request.output_token_ids[start - n_prompt:end - n_prompt]
-    return prompt[start:] + request.output_token_ids[:end - n_prompt]
-
-
 class ModelRunner:
+    """Runs steps on one model (or one rank's shard of it): ``execute(StepInput) -> StepOutput``.
+
+    ``samples``: whether this runner samples. Every rank of a parallel group computes the same
+    logits; only the one that answers the engine samples (the others' RNGs would otherwise
+    have to be kept in step for nothing).
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -72,6 +101,7 @@ class ModelRunner:
         kv_spec: KVCacheSpec,
         num_blocks: int,
         device: torch.device,
+        samples: bool = True,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -79,49 +109,61 @@ class ModelRunner:
         self.device = device
         self.kv_cache = KVCache.allocate(kv_spec, num_blocks, device)
         self.sampler = Sampler()
+        self.samples = samples
+        self.requests: dict[str, RequestState] = {}
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
+    def update_states(self, step: StepInput) -> None:
+        for rid in step.finished_request_ids:
+            self.requests.pop(rid, None)
+        for data in step.new_requests:
+            self.requests[data.request_id] = RequestState(data, self.device)
+        for chunk in step.chunks:
+            state = self.requests[chunk.request_id]
+            if chunk.new_output_token_ids:
+                state.output_token_ids.extend(chunk.new_output_token_ids)
+            if chunk.needs_sample:
+                row = step.grammar_bitmasks.get(chunk.request_id)
+                state.grammar = None if row is None else _BitmaskRow(row)
+
+    def prepare_inputs(self, step: StepInput) -> ModelInputs:
         block_size = self.block_size
-        n_tokens = sched.total_num_scheduled_tokens
+        n_tokens = step.num_tokens
         input_ids = np.empty(n_tokens, dtype=np.int64)
         positions = np.empty(n_tokens, dtype=np.int64)
         # One table per KV cache group; group g's tokens go to its own blocks (same offsets).
-        num_groups = len(sched.chunks[0].block_tables)
-        max_blocks = max(len(t) for c in sched.chunks for t in c.block_tables)
-        block_tables = np.zeros((num_groups, len(sched.chunks), max_blocks), dtype=np.int32)
+        num_groups = len(step.chunks[0].block_tables)
+        max_blocks = max(len(t) for c in step.chunks for t in c.block_tables)
+        block_tables = np.zeros((num_groups, len(step.chunks), max_blocks), dtype=np.int32)
         slot_mapping = np.empty((num_groups, n_tokens), dtype=np.int64)
         query_start_loc = [0]
         context_lens: list[int] = []
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        sampled_requests: list[Request] = []
+        sampled_requests: list[RequestState] = []
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
-        prompt_owners: list[tuple[Request, int]] = []
+        prompt_owners: list[tuple[RequestState, int]] = []
         drafts: list[list[int]] = []
         draft_probs: list = []
         n_prefill = n_decode = 0
 
         offset = 0
-        for row, chunk in enumerate(sched.chunks):
-            req = chunk.request
-            start = req.num_computed_tokens
-            n = chunk.num_new_tokens
+        for row, chunk in enumerate(step.chunks):
+            start = chunk.start_position
+            n = len(chunk.token_ids)
             end = start + n
-            spec = chunk.spec_token_ids
-            input_ids[offset:offset + n - len(spec)] = token_slice(req, start, end - len(spec))
-            if spec:
-                input_ids[offset + n - len(spec):offset + n] = spec
+            input_ids[offset:offset + n] = chunk.token_ids
             pos = np.arange(start, end, dtype=np.int64)
             positions[offset:offset + n] = pos
             for g, group_table in enumerate(chunk.block_tables):
                 table = np.asarray(group_table, dtype=np.int64)
                 block_tables[g, row, :len(table)] = table
                 slot_mapping[g, offset:offset + n] = table[pos // block_size] * block_size + pos % block_size
-            if req.prompt_logprobs is not None:
+            if chunk.num_prompt_logprobs_done is not None:
+                req = self.requests[chunk.request_id]
                 # Position p's logits predict prompt token p + 1; those already computed (a
                 # chunk recomputed after preemption) are not asked again.
-                first = max(start, len(req.prompt_logprobs))
+                first = max(start, chunk.num_prompt_logprobs_done)
                 last = min(end, req.num_prompt_tokens - 1)
                 if last > first:
                     prompt_rows.extend(range(offset + first - start, offset + last - start))
@@ -133,11 +175,11 @@ class ModelRunner:
             seq_lens.append(end)
             if chunk.needs_sample:
                 # A verify pass needs logits at the last real token and at every draft.
-                num_rows = len(spec) + 1
+                num_rows = chunk.num_drafts + 1
                 logits_indices.extend(range(offset - num_rows, offset))
-                sampled_requests.extend([req] * num_rows)
-                drafts.append(list(spec))
-                draft_probs.append(chunk.draft_probs if spec else None)
+                sampled_requests.extend([self.requests[chunk.request_id]] * num_rows)
+                drafts.append(chunk.token_ids[n - chunk.num_drafts:] if chunk.num_drafts else [])
+                draft_probs.append(chunk.draft_probs if chunk.num_drafts else None)
             if chunk.is_prefill:
                 n_prefill += n
             else:
@@ -173,17 +215,22 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, step: StepInput) -> StepOutput:
+        self.update_states(step)
+        if not step.chunks:
+            return StepOutput()
         with label("runner.prepare_inputs"):
-            inputs = self.prepare_inputs(sched)
+            inputs = self.prepare_inputs(step)
         phase = "model.forward.decode" if inputs.num_prefill_tokens == 0 else "model.forward.prefill"
         with label(phase):
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache,
                 inputs.logits_indices,
             )
-        out = RunnerOutput(num_prefill_tokens=inputs.num_prefill_tokens,
-                           num_decode_tokens=inputs.num_decode_tokens)
+        out = StepOutput(num_prefill_tokens=inputs.num_prefill_tokens,
+                         num_decode_tokens=inputs.num_decode_tokens)
+        if not self.samples or logits is None:  # None: a pipeline stage before the last
+            return out
         num_sampled = len(inputs.sampled_requests)
         if inputs.prompt_targets:
             with label("prompt_logprobs"):
@@ -210,7 +257,7 @@ class ModelRunner:
             row += num_rows
         return out
 
-    def _verify_with_draft_probs(self, logits: torch.Tensor, inputs: ModelInputs, out: RunnerOutput) -> None:
+    def _verify_with_draft_probs(self, logits: torch.Tensor, inputs: ModelInputs, out: StepOutput) -> None:
         """A step where some requests verify a draft model's samples (temperature > 0): those
         go through rejection sampling against the draft's q, the rest through the sampler as
         usual. Logprobs are the raw model's, for the tokens finally emitted."""
@@ -249,7 +296,7 @@ class ModelRunner:
                 entries = Sampler.target_logprobs(raw, targets, wanted)
                 out.logprobs[req.request_id] = entries
 
-    def _prompt_logprobs(self, logits: torch.Tensor, inputs: ModelInputs, out: RunnerOutput) -> None:
+    def _prompt_logprobs(self, logits: torch.Tensor, inputs: ModelInputs, out: StepOutput) -> None:
         targets = torch.tensor(inputs.prompt_targets, dtype=torch.int64, device=logits.device)
         num_top = max(req.sampling_params.prompt_logprobs for req, _ in inputs.prompt_owners)
         entries = Sampler.target_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, num_top)

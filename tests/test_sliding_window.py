@@ -33,7 +33,7 @@ def test_layout_of_a_gemma_shaped_model(llm_factory):
     assert spec.group_windows == [None] + [32] * 5 and spec.slots_per_group == 1
     assert [g.layers for g in spec.groups] == [(5,), (0,), (1,), (2,), (3,), (4,)]
     # One slot tensor serves all six groups: a block id is one layer's block.
-    assert len({id(layer.data) for layer in llm.engine.runner.kv_cache}) == 1
+    assert len({id(layer.data) for layer in llm.engine.executor.runner.kv_cache}) == 1
     assert llm.engine.kv_cache_bytes == llm.engine.num_blocks * spec.bytes_per_block
     line = llm.engine.describe_kv_cache()
     per_token = spec.bytes_per_group_token
@@ -42,7 +42,7 @@ def test_layout_of_a_gemma_shaped_model(llm_factory):
     # LLaMA: one full group, one tensor per layer, no null block: today's layout.
     llama = llm_factory(model="tiny-llama")
     assert llama.engine.kv_spec.num_groups == 1 and llama.engine.kv_manager.block_pool.null_block is None
-    assert len({id(layer.data) for layer in llama.engine.runner.kv_cache}) == 2
+    assert len({id(layer.data) for layer in llama.engine.executor.runner.kv_cache}) == 2
     assert "groups" not in llama.engine.describe_kv_cache()
 
 

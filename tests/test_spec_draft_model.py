@@ -89,7 +89,7 @@ def test_tiny_greedy_identical_and_draft_kv_shares_the_blocks(llm_factory, draft
     per_block = engine.kv_spec.bytes_per_block + engine.draft_model.kv_spec.bytes_per_block
     assert engine.kv_cache_bytes == engine.num_blocks * per_block
     assert engine.num_blocks == (64 << 20) // per_block
-    assert engine.runner.kv_cache.num_bytes + drafter.kv_cache.num_bytes == engine.kv_cache_bytes
+    assert engine.executor.runner.kv_cache.num_bytes + drafter.kv_cache.num_bytes == engine.kv_cache_bytes
     # Preemption while drafting: a pool too small for all three.
     small = llm_factory(model="tiny-llama", dtype="float32", speculative_config=spec, num_blocks=7,
                         enable_prefix_caching=False)
@@ -192,7 +192,7 @@ def test_greedy_and_sampled_requests_in_one_verify_step(llm_factory, monkeypatch
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
     ref = off.generate(prompts[0], greedy)[0].outputs[0]
     before = on.engine.stats()
-    runner, mixed = on.engine.runner, []
+    runner, mixed = on.engine.executor.runner, []
     verify = runner._verify_with_draft_probs
     monkeypatch.setattr(runner, "_verify_with_draft_probs", lambda logits, inputs, out: (
         mixed.append(None in inputs.draft_probs), verify(logits, inputs, out))[1])

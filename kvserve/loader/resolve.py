@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -18,6 +19,9 @@ from kvserve.loader.gguf_reader import GGUF_MAGIC
 from kvserve.loader.safetensors import config_from_hf, read_hf_config, safetensors_files
 
 TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-swa": "gemma3-swa"}
+# Tiny models with other head counts, for tensor-parallel tests: "tiny-llama-h6kv2" is
+# tiny-llama with 6 query and 2 KV heads (models.testing.tiny_config_by_name).
+TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3)-h(\d+)kv(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def _hf_dir_source(path: Path) -> ModelSource:
 
 
 def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Optional[Path] = None) -> ModelSource:
-    if spec in TINY_MODELS:
+    if spec in TINY_MODELS or TINY_HEADS_PATTERN.match(spec):
         return ModelSource(kind="tiny", path=None, name=spec)
     if spec in KNOWN_MODELS:
         path = KNOWN_MODELS[spec](Path(cache_dir) if cache_dir else default_cache_dir())

@@ -14,6 +14,7 @@ from torch import nn
 from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.distributed import ParallelGroup, PipelineStage
 
 
 class PagedCausalLM(nn.Module):
@@ -25,6 +26,11 @@ class PagedCausalLM(nn.Module):
     config: ModelConfig
     model: nn.Module
     lm_head: nn.Linear
+    # Tensor parallelism (models/tensor_parallel.py): the LM head holds one vocabulary shard
+    # and the logits are gathered from every rank; None on a single process.
+    tp: Optional[ParallelGroup] = None
+    # Pipeline parallelism: this stage's layers only; only the last stage computes logits.
+    pp: Optional[PipelineStage] = None
 
     def forward(
         self,
@@ -33,11 +39,15 @@ class PagedCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_caches: KVCache,  # every layer's paged KV (kvserve.kv_cache)
         logits_indices: torch.Tensor,  # [S'] int64 rows of T whose logits are wanted
-    ) -> torch.Tensor:  # [S', vocab] float32
+    ) -> Optional[torch.Tensor]:  # [S', vocab] float32; None on a pipeline stage before the last
         hidden = self.model(input_ids, positions, attn_metadata, kv_caches)
+        if self.pp is not None and not self.pp.is_last:
+            return None  # the hidden states went to the next stage
         # Only the rows that will be sampled reach the final norm and the (vocab-wide) head.
         hidden = self.model.norm(hidden.index_select(0, logits_indices))
         logits = self.lm_head(hidden).float()
+        if self.tp is not None and logits.shape[0]:
+            logits = self.tp.all_gather_last_dim(logits)[:, :self.config.vocab_size]
         cap: Optional[float] = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -17,6 +17,7 @@ from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
 from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ModelConfig
+from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, rope_cos_sin
 from kvserve.models.llama import GatedMLP
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 
 class Gemma3Attention(nn.Module):
+    tp: Optional[ParallelGroup] = None  # this rank's heads; o_proj's partial sums all-reduced
+
     def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -54,7 +57,8 @@ class Gemma3Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window, self.softcap)
-        return self.o_proj(out.reshape(n, -1))
+        y = self.o_proj(out.reshape(n, -1))
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -78,6 +82,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    pp: Optional[PipelineStage] = None  # as LlamaModel's
+
     def __init__(self, config: ModelConfig, attn_backend: str) -> None:
         super().__init__()
         self.config = config
@@ -95,10 +101,14 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
         cfg = self.config
-        hidden = self.embed_tokens(input_ids)
-        # HF rounds the scale to float32 and then to the weights' dtype before multiplying; so
-        # do we (in bf16, sqrt(640) becomes 25.25). A host-side scalar: no device sync.
-        hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5).to(hidden.dtype).item()
+        if self.pp is None or self.pp.is_first:
+            hidden = self.embed_tokens(input_ids)
+            # HF rounds the scale to float32 and then to the weights' dtype before multiplying;
+            # so do we (in bf16, sqrt(640) becomes 25.25). A host-side scalar: no device sync.
+            hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5).to(hidden.dtype).item()
+        else:
+            hidden = self.pp.recv(input_ids.shape[0], cfg.hidden_size, self.norm.weight.dtype,
+                                  input_ids.device)
         device = positions.device
         rope = {
             False: rope_cos_sin(positions, self.rope_inv_freq(device), hidden.dtype),
@@ -108,6 +118,8 @@ class Gemma3Model(nn.Module):
             return self.fused_layers(hidden, rope[False], rope[True], attn_metadata, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, rope, attn_metadata, kv_cache)
+        if self.pp is not None and not self.pp.is_last:
+            self.pp.send(hidden)
         return hidden  # pre-norm: the caller norms only the rows it needs logits for
 
 

@@ -15,6 +15,7 @@ from kvserve import ops
 from kvserve.attention import AttentionMetadata, get_attention_backend
 from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import RMSNorm, RopeFrequencies, rope_cos_sin
 
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
+    # Tensor parallelism: this rank's slice of the intermediate dimension; the down
+    # projection's partial sums are all-reduced (models/tensor_parallel.py).
+    tp: Optional[ParallelGroup] = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
@@ -34,10 +39,13 @@ class GatedMLP(nn.Module):
         self.hidden_act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.act_and_mul(self.gate_up_proj(x), self.hidden_act))
+        y = self.down_proj(ops.act_and_mul(self.gate_up_proj(x), self.hidden_act))
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class LlamaAttention(nn.Module):
+    tp: Optional[ParallelGroup] = None  # this rank's heads; o_proj's partial sums all-reduced
+
     def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -62,7 +70,8 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(n, -1))
+        y = self.o_proj(out.reshape(n, -1))
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -80,6 +89,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Pipeline parallelism: ``layers`` are this stage's; the hidden states come from the
+    # previous stage instead of the embedding, and go to the next one.
+    pp: Optional[PipelineStage] = None
+
     def __init__(self, config: ModelConfig, attn_backend: str) -> None:
         super().__init__()
         self.config = config
@@ -93,13 +106,19 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        if self.pp is None or self.pp.is_first:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden = self.pp.recv(input_ids.shape[0], self.config.hidden_size, self.norm.weight.dtype,
+                                  input_ids.device)
         # Rope tables for this step's positions only (a few hundred floats), shared by all layers.
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq(positions.device), hidden.dtype)
         if self.fused_layers is not None and self.fused_layers.applies_to(hidden, kv_caches):
             return self.fused_layers(hidden, (cos, sin), (cos, sin), attn_metadata, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, attn_metadata, kv_cache)
+        if self.pp is not None and not self.pp.is_last:
+            self.pp.send(hidden)
         return hidden  # pre-norm: the caller norms only the rows it needs logits for
 
 

@@ -48,6 +48,27 @@ def tiny_config(arch: str) -> ModelConfig:
     raise ConfigError(f"no tiny model for architecture '{arch}' (have: {', '.join(TINY_ARCHITECTURES)})")
 
 
+def tiny_config_by_name(name: str) -> ModelConfig:
+    """``tiny-llama`` / ``tiny-gemma3``, or ``tiny-<arch>-h<Q>kv<KV>``: the same model with Q
+    query and KV key/value heads and an intermediate size of 192 (divisible by 2, 3, 4 and 6),
+    shaped for a tensor-parallel case (KV heads split across ranks, or replicated)."""
+    from kvserve.loader.resolve import TINY_HEADS_PATTERN, TINY_MODELS
+
+    if name in TINY_MODELS:
+        return tiny_config(TINY_MODELS[name])
+    m = TINY_HEADS_PATTERN.match(name)
+    if m is None:
+        raise ConfigError(f"unknown tiny model {name!r}")
+    config = tiny_config(TINY_MODELS[m.group(1)])
+    q, kv = int(m.group(2)), int(m.group(3))
+    if q < 1 or kv < 1 or q % kv:
+        raise ConfigError(f"{name}: query heads must be a positive multiple of KV heads")
+    config.num_attention_heads, config.num_key_value_heads = q, kv
+    config.intermediate_size = 192
+    config.name = name
+    return config
+
+
 @torch.no_grad()
 def build_random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                        device: torch.device | str = "cpu") -> PagedCausalLM:

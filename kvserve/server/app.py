@@ -79,6 +79,13 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
     install_error_handlers(app, on_server_rejection=metrics.count_server_rejection,
                            counted_paths=GENERATION_PATHS)
 
+    from kvserve.async_engine import EngineDeadError
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        # The model is gone (a parallel worker died or hung): unavailable, not a bad request.
+        return JSONResponse(error_body(str(exc), type="server_error"), status_code=503)
+
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_running:
@@ -214,7 +221,15 @@ def run_server(eargs, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     engine = LLMEngine(eargs)
     logger.info("loaded %s in %.1f s; %s", eargs.model, engine.load_time_s,
                 engine.describe_kv_cache())
-    async_engine = AsyncLLMEngine(engine)
+    server: Optional[uvicorn.Server] = None
+
+    def on_dead(reason: str) -> None:
+        # In-flight requests have their error; stop serving (uvicorn drains for up to 5 s).
+        logger.error("engine stopped (%s); shutting the server down", reason)
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncLLMEngine(engine, on_dead=on_dead)
     async_engine.start()
     try:
         app = create_app(async_engine, served_model_name or eargs.model, api_key=api_key,
@@ -224,10 +239,17 @@ def run_server(eargs, host: str = "127.0.0.1", port: int = 8000, api_key: Option
                            "can use the model", host)
         logger.info("serving %s on http://%s:%d/v1 (OpenAPI spec at /openapi.json)",
                     served_model_name or eargs.model, host, port)
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(),
-                    timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                               timeout_graceful_shutdown=5))
+        server.run()
     finally:
-        async_engine.shutdown()
+        async_engine.shutdown_engine()
+    if async_engine.dead_reason is not None:
+        raise EngineStopped(async_engine.dead_reason)
 
 
-__all__ = ["create_app", "run_server"]
+class EngineStopped(RuntimeError):
+    """The server stopped because the engine could not run any more (the CLI exits 1)."""
+
+
+__all__ = ["create_app", "run_server", "EngineStopped"]

@@ -32,9 +32,23 @@ from kvserve.attention import build_attention_metadata
 from kvserve.batch import ScheduledChunk
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
-from kvserve.runner import token_slice
-from kvserve.sampler import Sampler, build_sampling_metadata, exponential_race
+from kvserve.executor.builder import child_index, token_slice
+from kvserve.sampler import Sampler, build_sampling_metadata, exponential_race, make_generator
 from kvserve.spec.config import SpeculativeConfig
+
+# Mixed into a seeded request's seed for the draft's own random stream: the target's sampler
+# (in the runner, possibly another process) draws from seed + child index, and the draft's
+# samples must be independent of the uniforms that accept or reject them.
+DRAFT_SEED_SALT = 0x5EED_D2AF
+
+
+def draft_seed(request) -> Optional[int]:
+    """The seed of a seeded request's draft stream (None: unseeded, the shared generator)."""
+    params = request.sampling_params
+    if params.seed is None:
+        return None
+    return (params.seed + child_index(request.request_id, params.n)) ^ DRAFT_SEED_SALT
+
 
 # Stands for a draft the model has not proposed yet (between planning and ``fill``); never
 # reaches the target model.
@@ -143,6 +157,7 @@ class DraftModelDrafter:
         self.relative_cost = draft.relative_cost
         self.kv_cache = KVCache.allocate(draft.kv_spec, num_blocks, device)
         self._progress: dict[str, _Progress] = {}
+        self._generators: dict[str, torch.Generator] = {}
         self.num_forwards = 0  # draft forward passes (profiling, tests)
 
     # ---- the Speculator's side (torch-free) ------------------------------------------------
@@ -154,6 +169,7 @@ class DraftModelDrafter:
     def retain(self, request_ids: Iterable[str]) -> None:
         alive = set(request_ids)
         self._progress = {rid: p for rid, p in self._progress.items() if rid in alive}
+        self._generators = {rid: g for rid, g in self._generators.items() if rid in alive}
 
     # ---- proposing into the allocated slots --------------------------------------------------
 
@@ -218,6 +234,17 @@ class DraftModelDrafter:
             self._progress[req.request_id] = _Progress(req.num_tokens - 1 + num_drafts[i], req.num_preemptions)
         return len(active)
 
+    def _draft_generators(self, requests) -> dict[int, torch.Generator]:
+        """Row -> the draft's own generator of each seeded request (see ``draft_seed``)."""
+        generators = {}
+        for row, req in enumerate(requests):
+            seed = draft_seed(req)
+            if seed is not None:
+                if req.request_id not in self._generators:
+                    self._generators[req.request_id] = make_generator(seed, self.device)
+                generators[row] = self._generators[req.request_id]
+        return generators
+
     def _forward_and_sample(self, chunks: list[ScheduledChunk], tables, context_lens, query_lens,
                             input_ids) -> tuple[list[int], Optional[list[Optional[torch.Tensor]]]]:
         """One draft forward over the sequences given (the first ``len(chunks)`` of them
@@ -242,7 +269,7 @@ class DraftModelDrafter:
         if smd.all_greedy:
             return greedy.tolist(), None
         probs = Sampler.processed_probs(logits, smd)
-        sampled = exponential_race(probs, smd.generators)
+        sampled = exponential_race(probs, self._draft_generators(requests))
         if smd.greedy_mask is not None:
             sampled = torch.where(smd.greedy_mask, greedy, sampled)
         mask = smd.greedy_mask.tolist() if smd.greedy_mask is not None else [False] * len(requests)

@@ -1,0 +1,21 @@
+"""What the engine needs of an executor."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvserve.executor.step import StepInput, StepOutput
+
+
+class ExecutorError(RuntimeError):
+    """The executor can no longer run steps (a worker died, hung or failed). The message
+    says which and why; the engine cannot continue."""
+
+
+class Executor(Protocol):
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step; raises ExecutorError when the model can no longer run."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the model and stop any worker processes (idempotent)."""
+        ...

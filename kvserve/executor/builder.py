@@ -1,0 +1,92 @@
+"""Engine side of the executor seam: ``SchedulerOutput`` (live requests) -> ``StepInput``.
+
+Torch-free. The builder remembers which requests the workers have heard of and how many of
+their output tokens they hold, so each step carries only what changed.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from kvserve.batch import SchedulerOutput
+from kvserve.executor.step import ChunkInput, NewRequestData, StepInput
+from kvserve.request import Request
+
+
+def token_slice(request: Request, start: int, end: int) -> list[int]:
+    """``request.all_token_ids[start:end]`` without concatenating the whole history."""
+    prompt = request.prompt_token_ids
+    n_prompt = len(prompt)
+    if end <= n_prompt:
+        return prompt[start:end]
+    if start >= n_prompt:
+        return request.output_token_ids[start - n_prompt:end - n_prompt]
+    return prompt[start:] + request.output_token_ids[:end - n_prompt]
+
+
+class StepBuilder:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        # Request id -> number of its output tokens the workers hold.
+        self._known: dict[str, int] = {}
+        self._finished: list[str] = []
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """These requests are finished: tell the workers with the next step."""
+        for rid in request_ids:
+            if self._known.pop(rid, None) is not None:
+                self._finished.append(rid)
+
+    @property
+    def num_known(self) -> int:
+        return len(self._known)
+
+    def build(self, sched: SchedulerOutput) -> StepInput:
+        step = StepInput(finished_request_ids=self._finished)
+        self._finished = []
+        constrained: list[tuple[str, Request]] = []
+        for chunk in sched.chunks:
+            req = chunk.request
+            rid = req.request_id
+            sent = self._known.get(rid)
+            if sent is None:
+                params = req.sampling_params
+                seed = None if params.seed is None else params.seed + child_index(rid, params.n)
+                step.new_requests.append(NewRequestData(
+                    request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling_params=params,
+                    eos_token_ids=req.eos_token_ids, seed=seed,
+                    wants_prompt_logprobs=req.prompt_logprobs is not None))
+                sent = 0
+            num_out = req.num_output_tokens
+            self._known[rid] = num_out
+            start = req.num_computed_tokens
+            spec = chunk.spec_token_ids
+            end = start + chunk.num_new_tokens - len(spec)
+            tokens = token_slice(req, start, end)
+            if spec:
+                tokens = tokens + list(spec)
+            needs_sample = chunk.needs_sample
+            step.chunks.append(ChunkInput(
+                request_id=rid, token_ids=tokens, start_position=start, block_tables=chunk.block_tables,
+                num_drafts=len(spec), needs_sample=needs_sample, is_prefill=chunk.is_prefill,
+                new_output_token_ids=req.output_token_ids[sent:num_out] if num_out > sent else [],
+                num_prompt_logprobs_done=(None if req.prompt_logprobs is None
+                                          else len(req.prompt_logprobs)),
+                draft_probs=chunk.draft_probs))
+            if needs_sample and req.grammar is not None:
+                constrained.append((rid, req))
+        if constrained:
+            words = (self.vocab_size + 31) // 32
+            bitmask = np.empty((len(constrained), words), dtype=np.int32)
+            for j, (rid, req) in enumerate(constrained):
+                req.grammar.fill_bitmask(bitmask, j)
+                step.grammar_bitmasks[rid] = bitmask[j]
+        return step
+
+
+def child_index(request_id: str, n: int) -> int:
+    """The sibling index of an ``n > 1`` child ("<id>#<i>"): its RNG is seeded seed + i."""
+    if n == 1:
+        return 0
+    return int(request_id.rsplit("#", 1)[1])

@@ -1,0 +1,168 @@
+"""One rank of a tensor-parallel group, in its own process:
+``python -m kvserve.executor.worker --engine HOST:PORT --rank R --world-size N --init-method URL``
+with the engine's key in ``KVSERVE_WORKER_AUTHKEY`` (hex). A plain command rather than a
+multiprocessing child: no re-import of the caller's ``__main__`` (a script that builds an
+engine at top level works), and a worker on another machine starts the same way.
+
+The worker connects to the engine, receives its ``WorkerSpec``, joins the torch.distributed group, loads its shard of the model and its shard of
+the KV cache (its KV heads, every block), then runs steps as the engine sends them over its
+pipe: pickled ``StepInput`` bytes in, and from rank 0 (the rank that samples) a pickled
+``StepOutput`` back. Any failure is reported on the pipe before the process exits, so the
+engine can name it; a worker whose engine goes away (pipe closed, or the engine process
+killed: the parent-death signal) exits too, leaving no orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Optional, Union
+
+import torch
+
+logger = logging.getLogger("kvserve.worker")
+
+# Control messages (bytes) besides pickled steps.
+SHUTDOWN = b"shutdown"
+STATS = b"stats"  # every rank answers ("stats", {...}): tests and benchmarks read them
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its shard; picklable."""
+
+    model: str
+    dtype: torch.dtype
+    weight_format: Optional[str]
+    kv_dtype: Union[str, torch.dtype]
+    block_size: int
+    num_blocks: int
+    device: str
+    num_threads: int
+    timeout_s: float
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Every rank on this machine: the path prefix of the shared-memory collectives' buffers.
+    shm_path: Optional[str] = None
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank that samples and answers the engine: the last stage's first rank."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the engine process dies, however it dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def worker_main(conn: Connection, rank: int, world_size: int, init_method: str) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(("hello", rank)))
+        spec: WorkerSpec = pickle.loads(conn.recv_bytes())
+        _serve(conn, rank, world_size, init_method, spec)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the engine went away: nothing to report to
+    except BaseException as exc:  # report, then exit non-zero
+        try:
+            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n"
+                                                   f"{traceback.format_exc(limit=8)}")))
+        except OSError:
+            pass
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec: WorkerSpec) -> None:
+    from kvserve.distributed import init_process_group, stage_layers
+    from kvserve.kv_cache import KVCacheSpec
+    from kvserve.loader import load_model, resolve_model
+    from kvserve.runner import ModelRunner
+
+    torch.set_num_threads(spec.num_threads)
+    t0 = time.perf_counter()
+    device = torch.device(spec.device)
+    if device.type == "cuda" and device.index is None:
+        # One GPU per rank on its machine (NCCL refuses two ranks on one device). Untested
+        # here: no GPU on the development machines.
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    tp, pp = init_process_group(rank, world_size, init_method, device, spec.timeout_s,
+                                spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.shm_path)
+    source = resolve_model(spec.model)
+    if pp is not None:
+        from kvserve.loader import load_config
+        pp.layer_range = stage_layers(load_config(source).num_hidden_layers, pp.num_stages, pp.stage)
+    model, _ = load_model(source, dtype=spec.dtype, device=device,
+                          quantization=spec.weight_format, tp=tp, pp=pp)
+    local_cfg = model.config  # per-rank head counts and widths
+    # This rank's KV: its heads, its stage's layers, every block.
+    kv_spec = KVCacheSpec(len(model.model.layers), local_cfg.num_key_value_heads, local_cfg.head_dim,
+                          spec.block_size, spec.kv_dtype)
+    driver = rank == spec.driver_rank
+    runner = ModelRunner(model, local_cfg, kv_spec, spec.num_blocks, device, samples=driver)
+    conn.send_bytes(pickle.dumps(("ready", {"rank": rank, "pid": os.getpid(),
+                                            "load_time_s": time.perf_counter() - t0,
+                                            "kv_heads": local_cfg.num_key_value_heads})))
+    num_steps, step_time_s = 0, 0.0
+    try:
+        while True:
+            data = conn.recv_bytes()
+            if data == SHUTDOWN:
+                break
+            if data == STATS:
+                conn.send_bytes(pickle.dumps(("stats", {
+                    "rank": rank, "num_requests": len(runner.requests), "steps": num_steps,
+                    "step_time_s": step_time_s, "comm_time_s": tp.comm_time_s})))
+                continue
+            t_step = time.perf_counter()
+            step = pickle.loads(data)
+            out = runner.execute(step)
+            num_steps += 1
+            step_time_s += time.perf_counter() - t_step
+            if driver:
+                conn.send_bytes(pickle.dumps(("ok", out), protocol=pickle.HIGHEST_PROTOCOL))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+    from multiprocessing.connection import Client
+
+    parser = argparse.ArgumentParser(prog="python -m kvserve.executor.worker")
+    parser.add_argument("--engine", required=True, help="HOST:PORT of the engine's listener")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True, help="torch.distributed init URL")
+    parser.add_argument("--die-with-parent", action="store_true")
+    ns = parser.parse_args(argv)
+    if ns.die_with_parent:
+        _die_with_parent()
+    host, port = ns.engine.rsplit(":", 1)
+    authkey = bytes.fromhex(os.environ.get("KVSERVE_WORKER_AUTHKEY", ""))
+    conn = Client((host, int(port)), authkey=authkey)
+    worker_main(conn, ns.rank, ns.world_size, ns.init_method)
+    # Skip the interpreter's teardown (seconds, in torch's and gloo's destructors): the
+    # worker has nothing left to save.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Tensor parallelism: worker processes over gloo against one process, on tiny models shaped
+for each case (KV heads split across ranks, or replicated when fewer than ranks); the
+executor's failure handling (a worker killed or hung); nothing left running afterwards.
+
+Every engine here is shut down in the test that built it, and every wait is bounded (the
+executor's own timeout, plus pytest-timeout as a backstop). Each case starts worker
+processes (~10 s on a busy 2-core box), so the default run keeps one case per shape kind;
+``KVSERVE_TP_FULL=1`` adds the others and the real models (SmolLM2 at TP=3, Gemma 3 at TP=2:
+heavy, run them under the heavy-run lock).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.batch import SchedulerOutput
+from kvserve.executor.base import ExecutorError
+from kvserve.executor.step import StepInput
+from kvserve.llm import LLM
+from kvserve.structured.params import StructuredOutputsParams
+
+PROMPTS = [[1, 5, 9, 200, 3000, 17, 4242, 99], [1] + list(range(300, 340)), [1, 77, 78, 79]]
+LOGPROB_TOLERANCE = 1e-4
+FULL = pytest.mark.skipif(os.environ.get("KVSERVE_TP_FULL") != "1", reason="KVSERVE_TP_FULL=1")
+
+
+def _params() -> list[SamplingParams]:
+    """Greedy with logprobs and prompt logprobs; seeded sampling (n=2: per-child streams) with
+    penalties and min_tokens (the output history the workers keep); a regex-constrained
+    request (the grammar's mask computed engine-side, sent with the step)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=5)
+    seeded = SamplingParams(n=2, temperature=0.9, top_p=0.95, seed=7, max_tokens=8, logprobs=5,
+                            repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=4)
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-c ]{3,8}"))
+    return [greedy, seeded, constrained]
+
+
+def _max_logprob_gap(a, b) -> float:
+    """Largest |difference| over every logprob both outputs report (sampled, top-k, prompt)."""
+    worst = 0.0
+    pairs = [(x, y) for ca, cb in zip(a.outputs, b.outputs)
+             for x, y in zip(ca.logprobs or [], cb.logprobs or [])]
+    pairs += [(x, y) for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or []) if x]
+    assert pairs
+    for x, y in pairs:
+        for tok, lp in x.items():
+            if tok in y:
+                worst = max(worst, abs(lp.logprob - y[tok].logprob))
+    return worst
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _run_pair(model: str, tp: int, pp: int = 1, **kwargs) -> None:
+    params = _params()
+    base = LLM(model=model, dtype="float32", num_blocks=64, **kwargs)
+    want = base.generate(PROMPTS, params)
+    par = LLM(model=model, dtype="float32", num_blocks=64, tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, distributed_timeout_s=60, **kwargs)
+    try:
+        got = par.generate(PROMPTS, params)
+        for w, g in zip(want, got):
+            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+            assert _max_logprob_gap(w, g) < LOGPROB_TOLERANCE
+        assert re.fullmatch("[a-c ]{3,8}", got[2].outputs[0].text), got[2].outputs[0].text
+        # Finished requests are forgotten on every rank (told with the next step), not only
+        # in the engine.
+        par.engine.executor.execute(par.engine.step_builder.build(SchedulerOutput()))
+        assert all(s["num_requests"] == 0 for s in par.engine.executor.worker_stats())
+        assert par.engine.kv_manager.num_used_blocks == 0
+    finally:
+        par.engine.shutdown()
+    assert not _children(os.getpid())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model,tp", [
+    ("tiny-llama-h6kv2", 2),   # 3 query heads and 1 KV head per rank
+    pytest.param("tiny-llama-h6kv3", 3, marks=FULL),  # 2 query heads and 1 KV head per rank
+    ("tiny-llama-h6kv1", 3),   # the one KV head replicated on 3 ranks
+    ("tiny-gemma3-h4kv1", 2),  # Gemma 3 270M's shape: 4 / 1 heads, KV head replicated
+])
+def test_tensor_parallel_matches_one_process(model, tp):
+    _run_pair(model, tp)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model,tp,pp", [
+    ("tiny-gemma3", 1, 2),  # 4 layers, 2 per stage (sliding and global ones on each side)
+    ("tiny-llama", 2, 2),   # TP x PP = 2 x 2: four workers
+])
+def test_pipeline_parallel_matches_one_process(model, tp, pp):
+    _run_pair(model, tp, pp)
+
+
+@pytest.mark.timeout(300)
+@FULL
+@pytest.mark.parametrize("model,tp", [("smollm2-135m-instruct", 3), ("gemma-3-270m", 2)])
+def test_tensor_parallel_real_models(model, tp):
+    _run_pair(model, tp, max_model_len=256)
+
+
+@pytest.mark.timeout(300)
+@FULL
+def test_int4_real_model_reuses_q4_1_blocks_per_shard():
+    """SmolLM2's Q4_1 blocks are cut on block boundaries for each rank (TP=3: o_proj and
+    down_proj inputs of 192 and 512 columns, whole 32-weight blocks) and decode like one
+    process does."""
+    from kvserve.loader import load_config, resolve_model
+    from kvserve.loader.gguf import open_gguf, quantized_weights
+    from kvserve.models.tensor_parallel import TPShardPlan
+
+    source = resolve_model("smollm2-135m-instruct")
+    config = load_config(source)
+    raw = quantized_weights(open_gguf(source.path), config)
+    plan = TPShardPlan(config, 1, 3)
+    down = plan.shard_raw("model.layers.0.mlp.down_proj.weight", raw["model.layers.0.mlp.down_proj.weight"])
+    assert down is not None and down.shape == (576, 512)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 12092, 28, 957, 1462, 314]]
+    want = LLM(model="smollm2-135m-instruct", quantization="int4", num_blocks=32).generate(prompts, params)
+    par = LLM(model="smollm2-135m-instruct", quantization="int4", num_blocks=32, tensor_parallel_size=3,
+              distributed_timeout_s=120)
+    try:
+        got = par.generate(prompts, params)
+    finally:
+        par.engine.shutdown()
+    agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w.outputs[0].token_ids, g.outputs[0].token_ids))
+    assert agree >= 0.75 * 48
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", [pytest.param("bf16", marks=FULL), pytest.param("int8", marks=FULL), "int4"])
+def test_weight_formats_shard(fmt):
+    """Each weight format loads shard by shard and decodes like one process does (greedy; the
+    low-precision partial sums may round differently, so most tokens, not all, must agree)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = LLM(model="tiny-llama-h6kv2", quantization=fmt, num_blocks=32).generate(PROMPTS, params)
+    par = LLM(model="tiny-llama-h6kv2", quantization=fmt, num_blocks=32, tensor_parallel_size=2,
+              distributed_timeout_s=60)
+    try:
+        got = par.generate(PROMPTS, params)
+    finally:
+        par.engine.shutdown()
+    agree = sum(a == b for w, g in zip(want, got)
+                for a, b in zip(w.outputs[0].token_ids, g.outputs[0].token_ids))
+    assert agree >= 0.75 * sum(len(w.outputs[0].token_ids) for w in want)
+
+
+@pytest.mark.timeout(90)
+# A killed worker is also what test_server_tp's mid-stream test does, through the server.
+@pytest.mark.parametrize("fault", [pytest.param("killed", marks=FULL), "hung"])
+def test_a_dead_or_hung_worker_stops_the_engine_in_bounded_time(fault):
+    llm = LLM(model="tiny-llama-h6kv2", dtype="float32", num_blocks=32, tensor_parallel_size=2,
+              distributed_timeout_s=3)
+    engine = llm.engine
+    victim = psutil.Process(engine.executor.pids[1])
+    try:
+        engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        engine.step()
+        os.kill(victim.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ExecutorError) as info:
+            for _ in range(50):
+                engine.step()
+        assert time.monotonic() - t0 < 15
+        if fault == "killed":
+            assert "rank 1" in str(info.value)
+        else:  # rank 0, waiting for rank 1 in a collective, reports it (before the engine's wait ends)
+            assert "rank(s) [1] did not arrive" in str(info.value) or "no answer" in str(info.value)
+        # Every worker is gone (the hung one killed), and the engine refuses further steps.
+        assert not _children(os.getpid())
+        with pytest.raises(ExecutorError):
+            engine.executor.execute(StepInput())
+    finally:
+        if victim.is_running():
+            victim.kill()
+        engine.abort_request("r")
+        engine.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_shared_memory_collectives(tmp_path):
+    """Two ranks (threads here) reduce and gather through one buffer: every rank gets the same
+    bits (sum in rank order), repeatedly (the two alternating buffers), and a rank whose peer
+    never arrives fails after the timeout instead of spinning."""
+    import threading
+
+    import torch
+
+    from kvserve.shm_collectives import ShmCollectives
+
+    path = str(tmp_path / "shm")
+    ranks = [ShmCollectives(path, 0, 2, 1 << 16, 5.0, create=True)]
+    ranks.append(ShmCollectives(path, 1, 2, 1 << 16, 5.0, create=False))
+    inputs = [[torch.randn(3, 7, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(20)]
+              for r in range(2)]
+    results: list = [None, None]
+
+    def run(r: int) -> None:
+        out = []
+        for i, x in enumerate(inputs[r]):
+            out.append(ranks[r].all_reduce_(x.clone()) if i % 2 else ranks[r].all_gather_last_dim(x))
+        results[r] = out
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    for i in range(20):
+        want = (inputs[0][i] + inputs[1][i]) if i % 2 else torch.cat([inputs[0][i], inputs[1][i]], dim=-1)
+        assert torch.equal(results[0][i], want) and torch.equal(results[1][i], want)
+    lonely = ShmCollectives(str(tmp_path / "lonely"), 0, 2, 1 << 10, 0.2, create=True)
+    with pytest.raises(RuntimeError, match="did not arrive"):
+        lonely.all_reduce_(torch.ones(4))
+
+
+def test_q4_1_blocks_shard_like_the_float_weights():
+    """Each rank's cut of SmolLM2's Q4_1 blocks (rows for q/k/v, whole 32-weight blocks of
+    columns for o/down) dequantizes to exactly its cut of the dequantized weight."""
+    import torch
+
+    from kvserve.loader import load_config, resolve_model
+    from kvserve.loader.gguf import open_gguf, quantized_weights
+    from kvserve.models.tensor_parallel import TPShardPlan
+    from kvserve.quant import unpack_q4_1
+
+    def dequant(qt):
+        q, d, m = unpack_q4_1(qt.data, qt.shape)
+        return (q.float().view(q.shape[0], -1, 32) * d[..., None] + m[..., None]).view(q.shape)
+
+    source = resolve_model("smollm2-135m-instruct")
+    config = load_config(source)
+    raw = quantized_weights(open_gguf(source.path), config)
+    for part in ("mlp.down_proj", "mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.k_proj"):
+        name = f"model.layers.3.{part}.weight"
+        full = dequant(raw[name])
+        for rank in range(3):
+            plan = TPShardPlan(config, rank, 3)
+            assert torch.equal(dequant(plan.shard_raw(name, raw[name])), plan.shard_weight(name, full)), (name, rank)
