@@ -2,8 +2,10 @@
 zero KV blocks in use, zero running or waiting requests (nothing leaks, nothing hangs)."""
 from __future__ import annotations
 
+import gc
 import os
 import weakref
+from collections import OrderedDict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -11,6 +13,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest
 
 _live_engines: "weakref.WeakSet" = weakref.WeakSet()
+_MAX_CACHED_ENGINES = 6
 
 
 def track_engine(engine) -> None:
@@ -22,19 +25,28 @@ def llm_factory():
     """Build (and cache per argument set) an LLM; engines are shared across tests."""
     from kvserve.llm import LLM
 
-    cache: dict = {}
+    cache: "OrderedDict[tuple, LLM]" = OrderedDict()
 
     def make(**kwargs) -> LLM:
-        # Engines stay alive for the whole session: keep each one's KV cache small (the
-        # default budget is up to 1 GiB, zero-filled, so resident).
+        # Cached engines stay alive: keep each one's KV cache small (the default budget is up
+        # to 1 GiB, zero-filled, so resident).
         if "num_blocks" not in kwargs:
             kwargs.setdefault("kv_cache_memory", 64 << 20)
         key = tuple(sorted(kwargs.items()))
-        if key not in cache:
-            llm = LLM(**kwargs)
-            track_engine(llm.engine)
-            cache[key] = llm
-        return cache[key]
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        # Least recently used engines go: the whole suite builds dozens (an fp32 Gemma holds
+        # ~1 GB) and keeping them all ran a 24 GiB machine out of memory. A test still holding
+        # an evicted one keeps it alive until it ends.
+        if len(cache) >= _MAX_CACHED_ENGINES:
+            while len(cache) >= _MAX_CACHED_ENGINES:
+                cache.popitem(last=False)
+            gc.collect()
+        llm = LLM(**kwargs)
+        track_engine(llm.engine)
+        cache[key] = llm
+        return llm
 
     return make
 
