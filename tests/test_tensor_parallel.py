@@ -58,7 +58,17 @@ def _max_logprob_gap(a, b) -> float:
 
 
 def _children(pid: int) -> list[psutil.Process]:
-    return psutil.Process(pid).children(recursive=True)
+    """Child processes other than multiprocessing's resource tracker (a spawn-context helper
+    that an earlier test, e.g. the bench's isolated peers, may have started for the session)."""
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if "multiprocessing.resource_tracker" not in " ".join(_cmdline(p))]
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:  # gone already
+        return []
 
 
 def _run_pair(model: str, tp: int, pp: int = 1, **kwargs) -> None:
