@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -16,8 +17,10 @@ from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
 from kvserve.kv_cache import KVCacheSpec
 from kvserve.kv_manager import KVCacheManager, max_blocks_per_request
 from kvserve.executor.base import Executor
+from kvserve.batch import SchedulerOutput
 from kvserve.executor.builder import StepBuilder
 from kvserve.executor.launch import under_torchrun
+from kvserve.executor.step import StepInput, StepOutput
 from kvserve.executor.multiproc import MultiprocExecutor
 from kvserve.executor.uniproc import UniProcExecutor
 from kvserve.executor.worker import WorkerSpec
@@ -191,8 +194,12 @@ class LLMEngine:
 
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                          self.kv_spec.group_windows)
+        # Pipeline stages work on different micro-batches at once: one step in flight per stage.
+        self.num_micro_batches = args.pipeline_parallel_size
         self.scheduler = Scheduler(self.kv_manager, args.max_num_batched_tokens, args.max_num_seqs,
-                                   self.max_model_len, args.enable_chunked_prefill)
+                                   self.max_model_len, args.enable_chunked_prefill,
+                                   num_micro_batches=self.num_micro_batches)
+        self._in_flight: deque[tuple[int, SchedulerOutput]] = deque()
         self.executor: Executor
         if self.parallel:
             spec = WorkerSpec(model=args.model, dtype=self.dtype, weight_format=self.weight_format,
@@ -330,59 +337,43 @@ class LLMEngine:
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.num_unfinished > 0 or self.scheduler.has_unfinished_requests()
+        return (self.output_processor.num_unfinished > 0 or self.scheduler.has_unfinished_requests()
+                or bool(self._in_flight))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and apply one step; returns the outputs of the requests it touched.
+
+        With pipeline stages (``num_micro_batches`` > 1) a step is submitted for every idle
+        micro-batch that has work before the oldest step in flight is collected and applied:
+        while the last stage runs one micro-batch, the first stage already runs the next.
+        """
         t0 = time.perf_counter()
-        if self.speculator is not None:
-            with label("spec.propose"):
-                self.speculator.propose(self.scheduler.running)
-        with label("scheduler.schedule"):
-            sched = self.scheduler.schedule()
-        if self.speculator is not None and not sched.is_empty:
-            with label("spec.draft_model"):
-                self.speculator.fill(sched.chunks)  # a draft model proposes into its slots
         touched: set[str] = set(self._pending_finished)
         self._pending_finished.clear()
         stats = StepStats()
-        if not sched.is_empty:
-            with label("executor.build_step"):
-                step_input = self.step_builder.build(sched)
-            runner_out = self.executor.execute(step_input)
-            stats.num_prefill_tokens = runner_out.num_prefill_tokens
-            stats.num_decode_tokens = runner_out.num_decode_tokens
-            stats.num_seqs = len(sched.chunks)
-            logprobs = runner_out.logprobs
-            num_appended = 0
-
-            def on_token(req: Request, j: int) -> bool:
-                # Detokenize each new token in order and advance its grammar; a stop string, or
-                # a grammar that has reached its end, ends the request here.
-                nonlocal num_appended
-                num_appended += 1
-                lps = logprobs.get(req.request_id)
-                stop_string = self.output_processor.process_new_token(req, lps[j] if lps else None)
-                return self._advance_grammar(req) or stop_string
-
-            with label("scheduler.update"):
-                updated = self.scheduler.update_from_output(sched, runner_out.sampled, on_token)
-            for rid, entries in runner_out.prompt_logprobs.items():
-                self.output_processor.add_prompt_logprobs(rid, entries)
-            touched.update(req.request_id for req in updated)
-            self.step_builder.forget(req.request_id for req in updated if req.is_finished)
-            if self.speculator is not None:
-                for chunk in sched.chunks:
-                    tokens = runner_out.sampled.get(chunk.request.request_id)
-                    if chunk.spec_token_ids and tokens is not None:
-                        self.speculator.observe(chunk.request.request_id, len(chunk.spec_token_ids),
-                                                len(tokens) - 1)
-            self.counters.generation_tokens += num_appended
+        if self.num_micro_batches == 1:
+            sched = self._schedule(0)
+            done = None if sched.is_empty else (sched, self.executor.execute(self._build(sched)))
+        else:
+            busy = {mb for mb, _ in self._in_flight}
+            for mb in range(self.num_micro_batches):
+                if mb not in busy:
+                    sched = self._schedule(mb)
+                    if not sched.is_empty:
+                        self.executor.submit(self._build(sched))
+                        self._in_flight.append((mb, sched))
+            done = None
+            if self._in_flight:
+                _, sched = self._in_flight.popleft()
+                done = (sched, self.executor.collect())
+        if done is not None:
+            self._apply(*done, stats, touched)
         with label("detokenizer"):
             outputs = self.output_processor.outputs_for(touched)
         self.counters.finished_requests += sum(1 for o in outputs if o.finished)
         stats.duration_s = time.perf_counter() - t0
-        if not sched.is_empty:
+        if done is not None:
             self.counters.steps += 1
             if stats.num_prefill_tokens:
                 self.counters.prefill_time_s += stats.duration_s
@@ -392,6 +383,53 @@ class LLMEngine:
             if len(self.counters.step_history) > 100_000:
                 del self.counters.step_history[:50_000]
         return outputs
+
+    def _schedule(self, micro_batch: int) -> SchedulerOutput:
+        if self.speculator is not None:
+            with label("spec.propose"):
+                self.speculator.propose(self.scheduler.running_in(micro_batch))
+        with label("scheduler.schedule"):
+            sched = self.scheduler.schedule(micro_batch)
+        if self.speculator is not None and not sched.is_empty:
+            with label("spec.draft_model"):
+                self.speculator.fill(sched.chunks)  # a draft model proposes into its slots
+        return sched
+
+    def _build(self, sched: SchedulerOutput) -> StepInput:
+        with label("executor.build_step"):
+            return self.step_builder.build(sched)
+
+    def _apply(self, sched: SchedulerOutput, runner_out: StepOutput, stats: StepStats,
+               touched: set[str]) -> None:
+        """Apply a finished step's sampled tokens: stops, grammars, detokenizer, speculation."""
+        stats.num_prefill_tokens = runner_out.num_prefill_tokens
+        stats.num_decode_tokens = runner_out.num_decode_tokens
+        stats.num_seqs = len(sched.chunks)
+        logprobs = runner_out.logprobs
+        num_appended = 0
+
+        def on_token(req: Request, j: int) -> bool:
+            # Detokenize each new token in order and advance its grammar; a stop string, or
+            # a grammar that has reached its end, ends the request here.
+            nonlocal num_appended
+            num_appended += 1
+            lps = logprobs.get(req.request_id)
+            stop_string = self.output_processor.process_new_token(req, lps[j] if lps else None)
+            return self._advance_grammar(req) or stop_string
+
+        with label("scheduler.update"):
+            updated = self.scheduler.update_from_output(sched, runner_out.sampled, on_token)
+        for rid, entries in runner_out.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(rid, entries)
+        touched.update(req.request_id for req in updated)
+        self.step_builder.forget(req.request_id for req in updated if req.is_finished)
+        if self.speculator is not None:
+            updated_ids = {req.request_id for req in updated}  # not those aborted in flight
+            for chunk in sched.chunks:
+                rid = chunk.request.request_id
+                if chunk.spec_token_ids and rid in updated_ids:
+                    self.speculator.observe(rid, len(chunk.spec_token_ids), len(runner_out.sampled[rid]) - 1)
+        self.counters.generation_tokens += num_appended
 
     @staticmethod
     def _advance_grammar(req: Request) -> bool:

@@ -142,6 +142,8 @@ class Request:
     # Speculative decoding: draft tokens proposed for the next step. They are not part of the
     # request's tokens (nor hashed into the prefix cache) until the target model accepts them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Pipeline parallelism: the micro-batch this request runs in (Scheduler.schedule(micro_batch)).
+    micro_batch: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -6,6 +6,12 @@ token budget. Running requests go first, in order; waiting ones are admitted aft
 arrival order. ``allocate_slots`` returning None is the single trigger for preemption
 (by recompute: the newest running request gives all its blocks back and starts over,
 mostly from the prefix cache).
+
+Pipeline parallelism keeps several steps in flight, one per micro-batch: with
+``num_micro_batches`` > 1 each request belongs to one micro-batch (the least loaded when it
+arrives) and ``schedule(micro_batch)`` picks work among that micro-batch's requests only, so
+a request is never in two steps at once. The micro-batches share the token rules, the KV pool
+and ``max_num_seqs``; one preempts only its own requests (the others may be in flight).
 """
 from __future__ import annotations
 
@@ -27,9 +33,11 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        num_micro_batches: int = 1,
     ) -> None:
-        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1, max_model_len >= 2")
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or num_micro_batches < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and num_micro_batches must be >= 1, "
+                             "max_model_len >= 2")
         self.kv_manager = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -39,6 +47,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_micro_batches = num_micro_batches
+        self._micro_batch_load = [0] * num_micro_batches  # unfinished requests in each
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -96,24 +106,35 @@ class Scheduler:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         self.check_fits(request)
         request.status = RequestStatus.WAITING
+        load = self._micro_batch_load
+        request.micro_batch = load.index(min(load))
+        load[request.micro_batch] += 1
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
     # ---- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's work. Does not advance ``num_computed_tokens`` past the cache hits."""
+    def schedule(self, micro_batch: int = 0) -> SchedulerOutput:
+        """Pick this step's work (among ``micro_batch``'s requests). Does not advance
+        ``num_computed_tokens`` past the cache hits."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.max_num_batched_tokens, micro_batch)
         # After a preemption the victims head the waiting queue and cannot fit yet, and
         # admission is first come first served: nobody jumps in to thrash the cache.
-        self._schedule_waiting(out, budget)
+        self._schedule_waiting(out, budget, micro_batch)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def running_in(self, micro_batch: int) -> list[Request]:
+        """The running requests of ``micro_batch``, in order (all of them with one)."""
+        if self.num_micro_batches == 1:
+            return self.running
+        return [r for r in self.running if r.micro_batch == micro_batch]
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, micro_batch: int) -> int:
+        mine = self.running_in(micro_batch)
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(mine) and budget > 0:
+            request = mine[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             spec = self._spec_tokens(request, num_new, budget)
@@ -123,11 +144,14 @@ class Scheduler:
                 spec = []
                 block_ids = self.kv_manager.allocate_slots(request, num_new)
             while block_ids is None:
-                victim = self.running.pop()
+                victim = mine.pop()
+                if mine is not self.running:
+                    self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
                 if victim is request:
-                    if i == 0:
+                    # Another micro-batch's requests may hold the blocks: they free them later.
+                    if i == 0 and not self.running:
                         raise AssertionError(
                             f"request {request.request_id} cannot get blocks with the whole cache to "
                             "itself; check_fits should have rejected it")
@@ -148,11 +172,11 @@ class Scheduler:
         k = min(len(drafts), budget - 1, max_new_tokens(request, self.max_model_len) - 1)
         return list(drafts[:k]) if k > 0 else []
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, micro_batch: int) -> None:
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if self._waits_for_leader(request):
+            if request.micro_batch != micro_batch or self._waits_for_leader(request):
                 deferred.append(self.waiting.popleft())
                 continue
             hit_block_ids, num_hit = self.kv_manager.get_computed_blocks(request)
@@ -273,6 +297,7 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._micro_batch_load[request.micro_batch] -= 1
         request.status = status
         request.finished_time = time.monotonic()
         self.kv_manager.free(request)

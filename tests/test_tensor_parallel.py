@@ -77,8 +77,21 @@ def _run_pair(model: str, tp: int, pp: int = 1, **kwargs) -> None:
     want = base.generate(PROMPTS, params)
     par = LLM(model=model, dtype="float32", num_blocks=64, tensor_parallel_size=tp,
               pipeline_parallel_size=pp, distributed_timeout_s=60, **kwargs)
+    engine = par.engine
+    depths = []
+    if pp > 1:
+        submit = engine.executor.submit
+
+        def spy(step):  # how many steps were already in flight when this one went out
+            depths.append(len(engine._in_flight))
+            submit(step)
+
+        engine.executor.submit = spy
     try:
         got = par.generate(PROMPTS, params)
+        if pp > 1:
+            # The stages overlapped: the next micro-batch went out before the previous came back.
+            assert max(depths) == pp - 1, depths
         for w, g in zip(want, got):
             assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
             assert _max_logprob_gap(w, g) < LOGPROB_TOLERANCE

@@ -16,6 +16,15 @@ class Executor(Protocol):
         """Run one step; raises ExecutorError when the model can no longer run."""
         ...
 
+    def submit(self, step: StepInput) -> None:
+        """Start one step without waiting for it (pipeline parallelism keeps one step per
+        stage in flight); ``collect`` returns the results in submission order."""
+        ...
+
+    def collect(self) -> StepOutput:
+        """The oldest submitted step's result, waiting for it."""
+        ...
+
     def shutdown(self) -> None:
         """Release the model and stop any worker processes (idempotent)."""
         ...

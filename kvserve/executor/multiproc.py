@@ -46,6 +46,7 @@ class MultiprocExecutor:
         self.timeout_s = spec.timeout_s
         self.driver_rank = spec.driver_rank
         self._failed: Optional[str] = None
+        self._num_in_flight = 0
         launch = plan_launch(world_size)
         listener = Listener((launch.listen_host, launch.listen_port), authkey=launch.authkey)
         address = f"{launch.connect_host}:{listener.address[1]}"
@@ -86,6 +87,13 @@ class MultiprocExecutor:
         return self._failed is None and all(p.poll() is None for p in self._procs)
 
     def execute(self, step: StepInput) -> StepOutput:
+        self.submit(step)
+        return self.collect()
+
+    def submit(self, step: StepInput) -> None:
+        """Send the step to every rank and return: with pipeline stages, the first stage starts
+        this step while the last one still works on the previous one (each stage runs its
+        steps in the order sent, so a step reads the KV every earlier step wrote)."""
         if self._failed:
             raise ExecutorError(self._failed)
         data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
@@ -94,14 +102,23 @@ class MultiprocExecutor:
                 conn.send_bytes(data)
         except OSError:
             self._fail(self._death_reason() or "a worker's pipe closed")
+        self._num_in_flight += 1
+
+    def collect(self) -> StepOutput:
+        if self._num_in_flight == 0:
+            raise RuntimeError("collect() without a submitted step")
+        self._num_in_flight -= 1
         # A little longer than the workers' own collective timeout: when one rank hangs, the
-        # rank waiting for it reports which one first.
+        # rank waiting for it reports which one first. With a step ahead of it in the
+        # pipeline, it waits for that one's stages too.
         return self._receive(self.driver_rank, self.timeout_s * 1.5 + 1.0, "ok")
 
     def worker_stats(self) -> list[dict]:
         """Per rank: requests it holds state for, steps run, time in steps and collectives."""
         if self._failed:
             raise ExecutorError(self._failed)
+        if self._num_in_flight:
+            raise RuntimeError("worker_stats() with steps in flight: collect them first")
         for conn in self._conns:
             conn.send_bytes(STATS)
         got = self._receive_all(list(range(self.world_size)), self.timeout_s, "stats")

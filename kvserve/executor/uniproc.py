@@ -1,6 +1,8 @@
 """Today's path behind the seam: the model runs in the engine's process, no copies made."""
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from kvserve.config import ModelConfig
@@ -13,9 +15,17 @@ class UniProcExecutor:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_spec: KVCacheSpec,
                  num_blocks: int, device: torch.device) -> None:
         self.runner = ModelRunner(model, model_config, kv_spec, num_blocks, device)
+        self._done: deque[StepOutput] = deque()
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
+
+    def submit(self, step: StepInput) -> None:
+        # One process has nothing to overlap with: run it now.
+        self._done.append(self.runner.execute(step))
+
+    def collect(self) -> StepOutput:
+        return self._done.popleft()
 
     def shutdown(self) -> None:
         pass
