@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
-from kvserve.kv_cache import KVCacheSpec
+from kvserve.kv_cache import KVCacheSpec, kv_cache_groups
 from kvserve.kv_manager import KVCacheManager, max_blocks_per_request
 from kvserve.executor.base import Executor
 from kvserve.batch import SchedulerOutput
@@ -153,14 +153,16 @@ class LLMEngine:
 
         cache = args.cache_config()
         self.spec_config = parse_speculative_config(args.speculative_config)
+        # The KV manager's groups are the model's, however many processes hold the layers.
+        self.kv_groups = kv_cache_groups(cfg, reclaim_sliding_window=not args.disable_sliding_window_reclaim)
         if self.parallel:
-            # One rank's share: the budget is per rank. Sliding-window reclaim and draft models
-            # are single-process for now: the workers hold one full group of their layers.
+            # One rank's share: the budget is per rank. Draft models are single-process for now.
             if self.spec_config is not None and self.spec_config.method == "draft_model":
                 raise ConfigError("speculative decoding with a draft model runs in one process; "
                                   "use the ngram method with --tensor/--pipeline-parallel-size")
+            # The largest rank's KV per block (its heads; its stage's layers of each group).
             self.kv_spec = rank_kv_spec(cfg, args.tensor_parallel_size, args.pipeline_parallel_size,
-                                        cache.block_size, kv_dtype)
+                                        cache.block_size, kv_dtype, self.kv_groups)
         else:
             self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype,
                                                  reclaim_sliding_window=not args.disable_sliding_window_reclaim)
@@ -208,6 +210,7 @@ class LLMEngine:
                               timeout_s=args.distributed_timeout_s,
                               tensor_parallel_size=args.tensor_parallel_size,
                               pipeline_parallel_size=args.pipeline_parallel_size,
+                              kv_groups=self.kv_groups,
                               shm_path=None if under_torchrun() else
                               f"/dev/shm/kvserve-{os.getpid()}-{secrets.token_hex(4)}")
             self.executor = MultiprocExecutor(spec, args.tensor_parallel_size * args.pipeline_parallel_size)
