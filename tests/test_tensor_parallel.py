@@ -72,10 +72,12 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return []
 
 
-def _run_pair(model: str, tp: int, pp: int = 1, check: Optional[Callable] = None, **kwargs) -> None:
+def _run_pair(model: str, tp: int, pp: int = 1, check: Optional[Callable] = None,
+              params: Optional[list[SamplingParams]] = None, **kwargs) -> None:
     """``check(parallel engine, one-process engine, every StepInput sent)``, when given, runs
-    after the comparison, before the workers stop."""
-    params = _params()
+    after the comparison, before the workers stop; ``params``: instead of ``_params()`` (the
+    third must still be the regex-constrained one)."""
+    params = params or _params()
     base = LLM(model=model, dtype="float32", num_blocks=64, **kwargs)
     want = base.generate(PROMPTS, params)
     par = LLM(model=model, dtype="float32", num_blocks=64, tensor_parallel_size=tp,
@@ -176,6 +178,33 @@ def test_sliding_window_reclaim_under_parallelism(tp, pp, reclaim):
     (3, 4), window 8 < the 41-token prompt): the same outputs as one process, blocks released."""
     _run_pair("tiny-gemma3-pairs", tp, pp, check=_check_groups(reclaim),
               disable_sliding_window_reclaim=not reclaim)
+
+
+@pytest.mark.timeout(120)
+def test_draft_model_with_tensor_parallel_target():
+    """The draft model runs in the engine's process, over the full-attention group's blocks;
+    the target verifies on 2 ranks (draft_probs sent with the step for sampled requests): the
+    same outputs as one process, drafts made and accepted, and the ranks' blocks sized on a
+    rank's share (the draft's KV is the engine process's, not theirs)."""
+    import json
+
+    spec = json.dumps({"method": "draft_model", "model": "tiny-gemma3-pairs", "quantization": "int4",
+                       "num_speculative_tokens": 3, "max_backoff_steps": 0})
+
+    def check(engine, base, steps) -> None:
+        drafted = engine.spec_stats()
+        assert drafted["spec_draft_tokens"] > 0 and drafted["spec_accepted_tokens"] > 0
+        assert any(c.draft_probs is not None for step in steps for c in step.chunks)
+        assert engine.speculator.drafter.kv_cache.num_blocks == engine.num_blocks
+        per_rank = [s["kv_cache_bytes"] for s in engine.executor.worker_stats()]
+        assert per_rank == [engine.kv_cache_bytes] * 2 == [engine.num_blocks * engine.kv_spec.bytes_per_block] * 2
+        assert "MiB in the engine's process) in the full-attention group's blocks" in engine.describe_kv_cache()
+
+    greedy, _, constrained = _params()
+    # Seeded sampling without penalties: a request the speculator drafts for (see
+    # spec.speculator), verified by rejection sampling on the rank that samples.
+    seeded = SamplingParams(n=2, temperature=0.9, top_p=0.95, seed=7, max_tokens=8, logprobs=5)
+    _run_pair("tiny-gemma3-pairs", 2, check=check, params=[greedy, seeded, constrained], speculative_config=spec)
 
 
 def test_stage_kv_specs_cut_the_model_groups():
