@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
-from kvserve.kv_cache import KVCacheSpec
+from kvserve.kv_cache import KVCacheSpec, kv_cache_groups
 from kvserve.kv_manager import KVCacheManager, max_blocks_per_request
 from kvserve.executor.base import Executor
 from kvserve.batch import SchedulerOutput
@@ -153,26 +153,31 @@ class LLMEngine:
 
         cache = args.cache_config()
         self.spec_config = parse_speculative_config(args.speculative_config)
+        # The KV manager's groups are the model's, however many processes hold the layers.
+        self.kv_groups = kv_cache_groups(cfg, reclaim_sliding_window=not args.disable_sliding_window_reclaim)
         if self.parallel:
-            # One rank's share: the budget is per rank. Sliding-window reclaim and draft models
-            # are single-process for now: the workers hold one full group of their layers.
-            if self.spec_config is not None and self.spec_config.method == "draft_model":
-                raise ConfigError("speculative decoding with a draft model runs in one process; "
-                                  "use the ngram method with --tensor/--pipeline-parallel-size")
+            # One rank's share: the budget is per rank. The largest rank's KV per block (its
+            # heads; its stage's layers of each group).
             self.kv_spec = rank_kv_spec(cfg, args.tensor_parallel_size, args.pipeline_parallel_size,
-                                        cache.block_size, kv_dtype)
+                                        cache.block_size, kv_dtype, self.kv_groups)
         else:
             self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype,
                                                  reclaim_sliding_window=not args.disable_sliding_window_reclaim)
         # A draft model keeps its KV in the same blocks (a second cache, same block ids: the
-        # full-attention group's table).
+        # full-attention group's table). It runs in this process (it proposes before the step
+        # is built), also when the target runs on worker processes.
         self.draft_model: Optional[DraftModel] = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             self.draft_model = load_draft_model(self.spec_config, cfg, self.tokenizer, self.dtype,
                                                 self.weight_format, kv_dtype, cache.block_size, self.device,
                                                 self.max_model_len)
-        bytes_per_block = self.kv_spec.bytes_per_block + (
-            self.draft_model.kv_spec.bytes_per_block if self.draft_model else 0)
+        draft_bytes_per_block = self.draft_model.kv_spec.bytes_per_block if self.draft_model else 0
+        # The budget bounds each process's KV: one process holds the target's and the draft's;
+        # with workers, each rank holds its share of the target's and this process the draft's.
+        if self.parallel:
+            bytes_per_block = max(self.kv_spec.bytes_per_block, draft_bytes_per_block)
+        else:
+            bytes_per_block = self.kv_spec.bytes_per_block + draft_bytes_per_block
         # A sliding-window group's released entries point at a reserved, always-zero block.
         num_reserved = 1 if self.kv_spec.has_sliding_groups else 0
         # Blocks a request of the maximum length holds at its peak, over all groups.
@@ -190,7 +195,8 @@ class LLMEngine:
             raise ConfigError(f"kv_cache_memory is too small for {1 + num_reserved} blocks "
                               f"({bytes_per_block} bytes each)")
         self.num_blocks = num_blocks
-        self.kv_cache_bytes = num_blocks * bytes_per_block
+        # This process's KV (a rank's, with workers; the draft's is described apart then).
+        self.kv_cache_bytes = num_blocks * (self.kv_spec.bytes_per_block if self.parallel else bytes_per_block)
 
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                          self.kv_spec.group_windows)
@@ -208,6 +214,7 @@ class LLMEngine:
                               timeout_s=args.distributed_timeout_s,
                               tensor_parallel_size=args.tensor_parallel_size,
                               pipeline_parallel_size=args.pipeline_parallel_size,
+                              kv_groups=self.kv_groups,
                               shm_path=None if under_torchrun() else
                               f"/dev/shm/kvserve-{os.getpid()}-{secrets.token_hex(4)}")
             self.executor = MultiprocExecutor(spec, args.tensor_parallel_size * args.pipeline_parallel_size)
@@ -252,8 +259,10 @@ class LLMEngine:
                      f"({self.max_model_len * spec.bytes_per_token / 2**20:.1f} MiB without reclaim); ")
         return (text + f"activations {str(self.dtype).removeprefix('torch.')}, linear weights "
                 f"{self.weight_format or str(self.dtype).removeprefix('torch.')}"
-                + (f"; with the draft model's KV ({self.draft_model.kv_spec.describe_token()}) in the "
-                   "full-attention group's blocks" if self.draft_model else "")
+                + (f"; with the draft model's KV ({self.draft_model.kv_spec.describe_token()}"
+                   + (f", {self.num_blocks * self.draft_model.kv_spec.bytes_per_block / 2**20:.1f} MiB in the "
+                      "engine's process" if self.parallel else "")
+                   + ") in the full-attention group's blocks" if self.draft_model else "")
                 + (f"; per rank of {self.args.tensor_parallel_size} (TP) x "
                    f"{self.args.pipeline_parallel_size} (PP) worker processes" if self.parallel else ""))
 

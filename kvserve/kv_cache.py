@@ -19,6 +19,10 @@ addressed through that group's table. A block id is thus ``slots_per_group`` lay
 one block, the same bytes in every group. A model with one group (LLaMA; or
 ``--no-sliding-window-reclaim``) has one slot per layer: one tensor per layer, as before.
 
+A pipeline stage holds only its own layers (``KVCacheSpec.restrict``): the same groups, by
+index and window (group g still reads the step's table g), each cut down to the stage's layers,
+so a stage may hold fewer slot tensors than the whole model has slots.
+
 INT8 (``kv_cache_dtype="int8"``): symmetric int8 with fp16 scales, for keys and values
 separately, one scale per token, KV head and group of 64 dims, in ``scales [2, num_kv_heads,
 num_blocks, groups, block_size]``. Before quantizing, each head vector is rotated by the
@@ -43,6 +47,7 @@ side by side); ``block_keys``/``block_values`` read either back as ``[.., block_
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -122,9 +127,13 @@ class KVCacheSpec:
     """What one token costs and how the tensors are shaped; torch dtypes derived from ``dtype``.
 
     ``groups`` (default: one full group of every layer) say which layers share a block table.
-    All groups have ``slots_per_group`` layers; the cache holds one tensor per slot, of
-    ``num_blocks`` blocks, and layer L reads and writes slot ``slot_of(L)`` through its group's
-    block table, so one block id is one block in every slot.
+    A whole model's groups all have ``slots_per_group`` layers; the cache holds one tensor per
+    slot, of ``num_blocks`` blocks, and layer L reads and writes slot ``slot_of(L)`` through its
+    group's block table, so one block id is one block in every slot.
+
+    ``first_layer``: the spec covers layers ``[first_layer, first_layer + num_layers)`` of the
+    model, by their global indices (a pipeline stage's, see ``restrict``); there its groups may
+    be of unequal size or empty, and ``slots_per_group`` is the largest.
     """
 
     num_layers: int
@@ -133,6 +142,7 @@ class KVCacheSpec:
     block_size: int
     dtype: str  # a kv_dtype_name (a torch dtype or an alias is normalised to one)
     groups: tuple[KVCacheGroup, ...] = ()
+    first_layer: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", kv_dtype_name(self.dtype))
@@ -140,17 +150,38 @@ class KVCacheSpec:
             raise ConfigError(f"an int8 KV cache pairs tokens and rotates heads: it needs an even block size "
                               f"(got {self.block_size}) and a power-of-two head dim >= 16 (got {self.head_dim})")
         if not self.groups:
-            object.__setattr__(self, "groups", (KVCacheGroup(tuple(range(self.num_layers))),))
+            object.__setattr__(self, "groups", (KVCacheGroup(tuple(self.layer_ids)),))
+        # Groups of unequal size would still be addressed correctly (slots_per_group is the
+        # largest; a smaller group's blocks leave the other slots unused): kv_cache_groups makes
+        # a whole model's equal, and a pipeline stage's cut of them (restrict) may not be.
         layers = sorted(layer for group in self.groups for layer in group.layers)
-        if layers != list(range(self.num_layers)) or len({len(g.layers) for g in self.groups}) != 1:
-            raise ConfigError(f"KV cache groups must cover each of the {self.num_layers} layers once, "
-                              f"in groups of equal size: {self.groups}")
+        if layers != list(self.layer_ids):
+            raise ConfigError(f"KV cache groups must cover each of the layers {self.first_layer}.."
+                              f"{self.first_layer + self.num_layers - 1} once: {self.groups}")
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: Union[str, torch.dtype],
                   reclaim_sliding_window: bool = True) -> "KVCacheSpec":
         return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, dtype,
                    kv_cache_groups(config, reclaim_sliding_window))
+
+    def restrict(self, start: int, end: int) -> "KVCacheSpec":
+        """The part of this whole-model spec that holds layers ``[start, end)`` (a pipeline
+        stage's). Every group stays, with its index and window, so that the step's table g is
+        still group g's; each keeps only its layers in the range, in order, so a layer's slot
+        becomes its position among its group's layers on the stage: the stage allocates as
+        many slot tensors as its fullest group needs, not the model's ``slots_per_group``."""
+        if self.first_layer != 0 or not 0 <= start < end <= self.num_layers:
+            raise ValueError(f"cannot restrict layers {self.first_layer}..{self.first_layer + self.num_layers - 1} "
+                             f"to [{start}, {end})")
+        groups = tuple(KVCacheGroup(tuple(layer for layer in g.layers if start <= layer < end), g.window)
+                       for g in self.groups)
+        return dataclasses.replace(self, num_layers=end - start, groups=groups, first_layer=start)
+
+    @property
+    def layer_ids(self) -> range:
+        """The (global) indices of the layers this spec holds, in the model's order."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -181,7 +212,9 @@ class KVCacheSpec:
 
     @property
     def slots_per_group(self) -> int:
-        return len(self.groups[0].layers)
+        """Slot tensors per block id: the layers of the largest group (all groups of a whole
+        model are equal; a pipeline stage's cut of them need not be)."""
+        return max(len(g.layers) for g in self.groups)
 
     @property
     def group_windows(self) -> list[Optional[int]]:
@@ -368,7 +401,9 @@ def dequantize_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 class KVCache:
     """Every layer's ``LayerKV``, allocated once for the pool's ``num_blocks`` blocks: one
-    tensor (and scales) per group slot, shared by the layers in that slot of every group."""
+    tensor (and scales) per group slot, shared by the layers in that slot of every group.
+    ``layers[i]`` is layer ``spec.first_layer + i`` (a pipeline stage indexes its own layers
+    from 0, as its model does)."""
 
     def __init__(self, spec: KVCacheSpec, layers: list[LayerKV]) -> None:
         self.spec = spec
@@ -388,7 +423,7 @@ class KVCache:
                 scales = torch.zeros((*shape[:3], spec.scale_groups, spec.block_size), dtype=SCALE_DTYPE,
                                      device=device)
             slots.append((data, scales))
-        layers = [LayerKV(*slots[spec.slot_of(layer)], group=spec.group_of(layer)) for layer in range(spec.num_layers)]
+        layers = [LayerKV(*slots[spec.slot_of(layer)], group=spec.group_of(layer)) for layer in spec.layer_ids]
         return cls(spec, layers)
 
     @property

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import time
+from typing import Callable, Optional
 
 import psutil
 import pytest
@@ -71,13 +72,25 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return []
 
 
-def _run_pair(model: str, tp: int, pp: int = 1, **kwargs) -> None:
-    params = _params()
+def _run_pair(model: str, tp: int, pp: int = 1, check: Optional[Callable] = None,
+              params: Optional[list[SamplingParams]] = None, **kwargs) -> None:
+    """``check(parallel engine, one-process engine, every StepInput sent)``, when given, runs
+    after the comparison, before the workers stop; ``params``: instead of ``_params()`` (the
+    third must still be the regex-constrained one)."""
+    params = params or _params()
     base = LLM(model=model, dtype="float32", num_blocks=64, **kwargs)
     want = base.generate(PROMPTS, params)
     par = LLM(model=model, dtype="float32", num_blocks=64, tensor_parallel_size=tp,
               pipeline_parallel_size=pp, distributed_timeout_s=60, **kwargs)
     engine = par.engine
+    steps = []
+    build = engine.step_builder.build
+
+    def record(sched):
+        steps.append(build(sched))
+        return steps[-1]
+
+    engine.step_builder.build = record
     depths = []
     if pp > 1:
         submit = engine.executor.submit
@@ -101,6 +114,8 @@ def _run_pair(model: str, tp: int, pp: int = 1, **kwargs) -> None:
         par.engine.executor.execute(par.engine.step_builder.build(SchedulerOutput()))
         assert all(s["num_requests"] == 0 for s in par.engine.executor.worker_stats())
         assert par.engine.kv_manager.num_used_blocks == 0
+        if check is not None:
+            check(engine, base.engine, steps)
     finally:
         par.engine.shutdown()
     assert not _children(os.getpid())
@@ -124,6 +139,100 @@ def test_tensor_parallel_matches_one_process(model, tp):
 ])
 def test_pipeline_parallel_matches_one_process(model, tp, pp):
     _run_pair(model, tp, pp)
+
+
+def _check_groups(reclaim: bool):
+    """The parallel engine's KV manager has the model's groups (one process's), and each rank
+    holds its share of them: with reclaim, sliding groups gave back blocks (the null block in
+    tables the workers read), and a rank's cache is no bigger than the sizing said."""
+
+    def check(engine, base, steps) -> None:
+        spec = engine.kv_spec
+        assert [g.window for g in engine.kv_groups] == base.kv_spec.group_windows == spec.group_windows
+        assert [g.layers for g in engine.kv_groups] == [g.layers for g in base.kv_spec.groups]
+        assert (spec.num_groups > 1) == reclaim == ("groups:" in engine.describe_kv_cache())
+        if reclaim:
+            null = engine.kv_manager.block_pool.null_block.block_id
+            released = [t for step in steps for c in step.chunks
+                        for g, t in enumerate(c.block_tables) if spec.group_windows[g] and null in t]
+            assert released, "no sliding-window block was released"
+        # Per rank: its KV heads, its stage's layers; the engine sized blocks on the largest.
+        per_rank = [s["kv_cache_bytes"] for s in engine.executor.worker_stats()]
+        assert max(per_rank) == engine.num_blocks * spec.bytes_per_block == engine.kv_cache_bytes
+        # One process's block over the ranks' KV heads, times the slots the largest stage needs.
+        tp = engine.args.tensor_parallel_size
+        assert spec.bytes_per_block == (base.kv_spec.bytes_per_block // tp * spec.slots_per_group
+                                        // base.kv_spec.slots_per_group)
+
+    return check
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,pp,reclaim", [
+    (2, 1, True),   # one KV head per rank, every layer in its group and slot
+    (1, 2, True),   # stage 1 holds global layer 5 alone, in its slot 0 (the model's slot 1)
+    (1, 2, False),  # --no-sliding-window-reclaim: one full group of every layer, as before
+])
+def test_sliding_window_reclaim_under_parallelism(tp, pp, reclaim):
+    """tiny-gemma3-pairs: KV cache groups of two layers (global (2, 5), sliding (0, 1) and
+    (3, 4), window 8 < the 41-token prompt): the same outputs as one process, blocks released."""
+    _run_pair("tiny-gemma3-pairs", tp, pp, check=_check_groups(reclaim),
+              disable_sliding_window_reclaim=not reclaim)
+
+
+@pytest.mark.timeout(120)
+def test_draft_model_with_tensor_parallel_target():
+    """The draft model runs in the engine's process, over the full-attention group's blocks;
+    the target verifies on 2 ranks (draft_probs sent with the step for sampled requests): the
+    same outputs as one process, drafts made and accepted, and the ranks' blocks sized on a
+    rank's share (the draft's KV is the engine process's, not theirs)."""
+    import json
+
+    spec = json.dumps({"method": "draft_model", "model": "tiny-gemma3-pairs", "quantization": "int4",
+                       "num_speculative_tokens": 3, "max_backoff_steps": 0})
+
+    def check(engine, base, steps) -> None:
+        drafted = engine.spec_stats()
+        assert drafted["spec_draft_tokens"] > 0 and drafted["spec_accepted_tokens"] > 0
+        assert any(c.draft_probs is not None for step in steps for c in step.chunks)
+        assert engine.speculator.drafter.kv_cache.num_blocks == engine.num_blocks
+        per_rank = [s["kv_cache_bytes"] for s in engine.executor.worker_stats()]
+        assert per_rank == [engine.kv_cache_bytes] * 2 == [engine.num_blocks * engine.kv_spec.bytes_per_block] * 2
+        assert "MiB in the engine's process) in the full-attention group's blocks" in engine.describe_kv_cache()
+
+    greedy, _, constrained = _params()
+    # Seeded sampling without penalties: a request the speculator drafts for (see
+    # spec.speculator), verified by rejection sampling on the rank that samples.
+    seeded = SamplingParams(n=2, temperature=0.9, top_p=0.95, seed=7, max_tokens=8, logprobs=5)
+    _run_pair("tiny-gemma3-pairs", 2, check=check, params=[greedy, seeded, constrained], speculative_config=spec)
+
+
+def test_stage_kv_specs_cut_the_model_groups():
+    """Each stage keeps every group (its index and window: table g is group g's) with only its
+    layers, slots renumbered within the stage; a KVCache of the stage's spec has one LayerKV per
+    stage layer, in order, on as many slot tensors as its fullest group needs."""
+    from kvserve.distributed import stage_layers
+    from kvserve.kv_cache import KVCache, kv_cache_groups
+    from kvserve.models.tensor_parallel import rank_kv_spec, stage_kv_spec
+    from kvserve.models.testing import tiny_config_by_name
+
+    cfg = tiny_config_by_name("tiny-gemma3-pairs")
+    groups = kv_cache_groups(cfg)
+    assert [g.layers for g in groups] == [(2, 5), (0, 1), (3, 4)]
+    stages = [stage_kv_spec(cfg, 2, stage_layers(6, 2, s), 16, "float32", groups) for s in range(2)]
+    assert [[g.layers for g in spec.groups] for spec in stages] == [[(2,), (0, 1), ()], [(5,), (), (3, 4)]]
+    assert [spec.group_windows for spec in stages] == [[None, 8, 8]] * 2
+    assert [(layer, stages[1].group_of(layer), stages[1].slot_of(layer)) for layer in stages[1].layer_ids] == \
+        [(3, 2, 0), (4, 2, 1), (5, 0, 0)]
+    assert stages[0].num_kv_heads == 1 and stages[0].slots_per_group == 2
+    cache = KVCache.allocate(stages[1], 4, "cpu")
+    assert [layer.group for layer in cache] == [2, 2, 0]
+    assert cache[0].data is cache[2].data and cache[0].data is not cache[1].data
+    assert cache.num_bytes == 4 * stages[1].bytes_per_block
+    assert rank_kv_spec(cfg, 2, 2, 16, "float32", groups) == stages[0]
+    # Three stages of two layers: stage 1 holds one layer of two groups, one slot per block.
+    assert stage_kv_spec(cfg, 1, (2, 4), 16, "float32", groups).slots_per_group == 1
+    assert rank_kv_spec(cfg, 1, 3, 16, "float32", groups).slots_per_group == 2  # stage 0's (0, 1)
 
 
 @pytest.mark.timeout(300)

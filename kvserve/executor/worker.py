@@ -4,9 +4,10 @@ with the engine's key in ``KVSERVE_WORKER_AUTHKEY`` (hex). A plain command rathe
 multiprocessing child: no re-import of the caller's ``__main__`` (a script that builds an
 engine at top level works), and a worker on another machine starts the same way.
 
-The worker connects to the engine, receives its ``WorkerSpec``, joins the torch.distributed group, loads its shard of the model and its shard of
-the KV cache (its KV heads, every block), then runs steps as the engine sends them over its
-pipe: pickled ``StepInput`` bytes in, and from rank 0 (the rank that samples) a pickled
+The worker connects to the engine, receives its ``WorkerSpec``, joins the torch.distributed
+group, loads its shard of the model and its shard of the KV cache (its KV heads, its stage's
+layers in the engine's KV cache groups, every block), then runs steps as the engine sends them
+over its pipe: pickled ``StepInput`` bytes in, and from rank 0 (the rank that samples) a pickled
 ``StepOutput`` back. Any failure is reported on the pipe before the process exits, so the
 engine can name it; a worker whose engine goes away (pipe closed, or the engine process
 killed: the parent-death signal) exits too, leaving no orphans.
@@ -23,9 +24,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from kvserve.kv_cache import KVCacheGroup
 
 logger = logging.getLogger("kvserve.worker")
 
@@ -51,6 +55,9 @@ class WorkerSpec:
     pipeline_parallel_size: int = 1
     # Every rank on this machine: the path prefix of the shared-memory collectives' buffers.
     shm_path: Optional[str] = None
+    # The KV manager's groups (kv_cache_groups; global layer indices): one block table per
+    # group in every step. Empty: one full group of every layer.
+    kv_groups: tuple[KVCacheGroup, ...] = ()
 
     @property
     def driver_rank(self) -> int:
@@ -86,8 +93,8 @@ def worker_main(conn: Connection, rank: int, world_size: int, init_method: str) 
 
 def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec: WorkerSpec) -> None:
     from kvserve.distributed import init_process_group, stage_layers
-    from kvserve.kv_cache import KVCacheSpec
-    from kvserve.loader import load_model, resolve_model
+    from kvserve.loader import load_config, load_model, resolve_model
+    from kvserve.models.tensor_parallel import stage_kv_spec
     from kvserve.runner import ModelRunner
 
     torch.set_num_threads(spec.num_threads)
@@ -102,17 +109,22 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
     tp, pp = init_process_group(rank, world_size, init_method, device, spec.timeout_s,
                                 spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.shm_path)
     source = resolve_model(spec.model)
+    full_cfg = load_config(source)
+    layer_range = (0, full_cfg.num_hidden_layers)
     if pp is not None:
-        from kvserve.loader import load_config
-        pp.layer_range = stage_layers(load_config(source).num_hidden_layers, pp.num_stages, pp.stage)
+        pp.layer_range = layer_range = stage_layers(full_cfg.num_hidden_layers, pp.num_stages, pp.stage)
     model, _ = load_model(source, dtype=spec.dtype, device=device,
                           quantization=spec.weight_format, tp=tp, pp=pp)
     local_cfg = model.config  # per-rank head counts and widths
-    # This rank's KV: its heads, its stage's layers, every block.
-    kv_spec = KVCacheSpec(len(model.model.layers), local_cfg.num_key_value_heads, local_cfg.head_dim,
-                          spec.block_size, spec.kv_dtype)
+    # This rank's KV: its heads, its stage's layers in the engine's groups (each layer in the
+    # group and slot the stage's cut of them gives it: the engine's table g is group g's), and
+    # every block, the null block among them.
+    kv_spec = stage_kv_spec(full_cfg, spec.tensor_parallel_size, layer_range, spec.block_size, spec.kv_dtype,
+                            spec.kv_groups)
     driver = rank == spec.driver_rank
     runner = ModelRunner(model, local_cfg, kv_spec, spec.num_blocks, device, samples=driver)
+    if len(runner.kv_cache) != len(model.model.layers):  # the model zips its layers with the cache's
+        raise RuntimeError(f"KV cache of {len(runner.kv_cache)} layers for {len(model.model.layers)} model layers")
     conn.send_bytes(pickle.dumps(("ready", {"rank": rank, "pid": os.getpid(),
                                             "load_time_s": time.perf_counter() - t0,
                                             "kv_heads": local_cfg.num_key_value_heads})))
@@ -125,7 +137,8 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
             if data == STATS:
                 conn.send_bytes(pickle.dumps(("stats", {
                     "rank": rank, "num_requests": len(runner.requests), "steps": num_steps,
-                    "step_time_s": step_time_s, "comm_time_s": tp.comm_time_s})))
+                    "step_time_s": step_time_s, "comm_time_s": tp.comm_time_s,
+                    "kv_cache_bytes": runner.kv_cache.num_bytes})))
                 continue
             t_step = time.perf_counter()
             step = pickle.loads(data)

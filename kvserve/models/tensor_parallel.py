@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
-from kvserve.distributed import ParallelGroup
-from kvserve.kv_cache import KVCacheSpec
+from kvserve.distributed import ParallelGroup, stage_layers
+from kvserve.kv_cache import KVCacheGroup, KVCacheSpec
 
 
 def check_tp_shape(config: ModelConfig, tp_size: int) -> None:
@@ -56,11 +56,23 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
 
 
 def rank_kv_spec(config: ModelConfig, tp_size: int, pp_size: int, block_size: int,
-                 kv_dtype: Union[str, torch.dtype]) -> KVCacheSpec:
-    """The KV one rank holds: its KV heads, the layers of the largest pipeline stage, every
-    block (the engine sizes the block count on it, so every rank has the same blocks)."""
-    stage_layers = -(-config.num_hidden_layers // pp_size)
-    return KVCacheSpec(stage_layers, local_kv_heads(config, tp_size), config.head_dim, block_size, kv_dtype)
+                 kv_dtype: Union[str, torch.dtype], groups: tuple[KVCacheGroup, ...]) -> KVCacheSpec:
+    """The KV the largest rank holds, per block: its KV heads, in the model's ``groups``
+    (``kv_cache_groups``) cut down to its pipeline stage's layers (``stage_kv_spec``). The
+    engine sizes the block count on it, so every rank has the same blocks, and describes it."""
+    stages = [stage_kv_spec(config, tp_size, stage_layers(config.num_hidden_layers, pp_size, stage),
+                            block_size, kv_dtype, groups) for stage in range(pp_size)]
+    return max(stages, key=lambda spec: spec.bytes_per_block)
+
+
+def stage_kv_spec(config: ModelConfig, tp_size: int, layer_range: tuple[int, int], block_size: int,
+                  kv_dtype: Union[str, torch.dtype], groups: tuple[KVCacheGroup, ...]) -> KVCacheSpec:
+    """The KV one rank of ``config``'s model (the full model's config) holds: its KV heads,
+    layers ``[start, end)`` of its stage, each in its group and slot as the stage's cut of the
+    model's ``groups`` puts it, every block."""
+    whole = KVCacheSpec(config.num_hidden_layers, local_kv_heads(config, tp_size), config.head_dim,
+                        block_size, kv_dtype, groups)
+    return whole.restrict(*layer_range)
 
 
 @dataclasses.dataclass(frozen=True)

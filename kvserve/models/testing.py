@@ -16,7 +16,7 @@ from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RMSNorm
 from kvserve.models.registry import get_model_class
 
-TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa")
+TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs")
 
 
 def tiny_config(arch: str) -> ModelConfig:
@@ -44,6 +44,16 @@ def tiny_config(arch: str) -> ModelConfig:
             rope_local_base_freq=1e4, hidden_act="gelu_pytorch_tanh", sliding_window=32,
             layer_types=["sliding_attention"] * 5 + ["full_attention"],
             query_pre_attn_scalar=16.0, name="tiny-gemma3-swa", **common,
+        )
+    if arch == "gemma3-pairs":
+        # 2 sliding : 1 global, twice, window 8: KV cache groups of two layers each (global
+        # (2, 5), sliding (0, 1) and (3, 4)), so that a pipeline stage holds some groups whole
+        # and the global group in part (layer 5 alone: the stage's slot 0, the model's slot 1).
+        return ModelConfig(
+            architecture="gemma3", num_hidden_layers=6, rms_norm_eps=1e-6, rope_theta=1e6,
+            rope_local_base_freq=1e4, hidden_act="gelu_pytorch_tanh", sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            query_pre_attn_scalar=16.0, name="tiny-gemma3-pairs", **common,
         )
     raise ConfigError(f"no tiny model for architecture '{arch}' (have: {', '.join(TINY_ARCHITECTURES)})")
 
