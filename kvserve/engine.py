@@ -28,6 +28,7 @@ from kvserve.loader import load_config, load_model
 from kvserve.loader.resolve import ModelSource, resolve_model
 from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
+from kvserve.quant import has_prefill_copies, prefill_copy_bytes
 from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected, RequestStatus,
                              SamplingParams)
 from kvserve.scheduler import Scheduler
@@ -144,6 +145,12 @@ class LLMEngine:
         else:
             self.model, self.model_config = load_model(self.source, dtype=self.dtype, device=self.device,
                                                        quantization=self.weight_format)
+        # int4 layers with bf16 prefill copies compute prompt and generated tokens in different
+        # formats. The workers of a parallel engine hold the layers: assume so for int4 (the
+        # prefix cache then only shares fewer blocks, never wrong ones).
+        self.prefill_copies = (self.weight_format == "int4" if self.model is None
+                               else has_prefill_copies(self.model))
+        self.prefill_copy_bytes = 0 if self.model is None else prefill_copy_bytes(self.model)
         self.tokenizer = load_tokenizer(self.source)
         self.load_time_s = time.perf_counter() - t0
         cfg: ModelConfig = self.model_config
@@ -199,7 +206,8 @@ class LLMEngine:
         self.kv_cache_bytes = num_blocks * (self.kv_spec.bytes_per_block if self.parallel else bytes_per_block)
 
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                         self.kv_spec.group_windows)
+                                         self.kv_spec.group_windows,
+                                         hash_prompt_boundary=self.prefill_copies)
         # Pipeline stages work on different micro-batches at once: one step in flight per stage.
         self.num_micro_batches = args.pipeline_parallel_size
         self.scheduler = Scheduler(self.kv_manager, args.max_num_batched_tokens, args.max_num_seqs,
@@ -259,6 +267,8 @@ class LLMEngine:
                      f"({self.max_model_len * spec.bytes_per_token / 2**20:.1f} MiB without reclaim); ")
         return (text + f"activations {str(self.dtype).removeprefix('torch.')}, linear weights "
                 f"{self.weight_format or str(self.dtype).removeprefix('torch.')}"
+                + (f" (Q4_1 for generated tokens, bf16 copies for prompt tokens: "
+                   f"+{self.prefill_copy_bytes / 2**20:.1f} MiB)" if self.prefill_copy_bytes else "")
                 + (f"; with the draft model's KV ({self.draft_model.kv_spec.describe_token()}"
                    + (f", {self.num_blocks * self.draft_model.kv_spec.bytes_per_block / 2**20:.1f} MiB in the "
                       "engine's process" if self.parallel else "")

@@ -31,16 +31,29 @@ from kvserve.block_pool import Block, BlockHash, BlockPool
 from kvserve.request import Request
 
 
-def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHash:
-    """Stable hash of a full block, chained on the hash of the block before it."""
+def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: Sequence[int],
+                      num_prompt_tokens: Optional[int] = None) -> BlockHash:
+    """Stable hash of a full block, chained on the hash of the block before it.
+
+    ``num_prompt_tokens``: how many of the block's tokens are prompt tokens, for a block that
+    holds generated ones too, when the KV depends on the roles (see ``KVCacheManager``); None
+    for a block of prompt tokens only, hashed as ever."""
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(array("q", token_ids).tobytes())
+    if num_prompt_tokens is not None:
+        digest.update(b"prompt-end" + num_prompt_tokens.to_bytes(4, "little"))
     return digest.digest()
 
 
 class KVCacheManager:
+    """``hash_prompt_boundary``: the model computes a token's KV differently as a prompt token
+    and as a generated one (int4 mode: bf16 prefill weights, 4-bit decode weights), so a block
+    holding generated tokens is cached under where the prompt ends in it. Request B whose
+    prompt is request A's prompt and output then shares A's prompt-only blocks, but not the
+    blocks where A generated: their KV is not what B's own prompt computation gives."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 group_windows: Sequence[Optional[int]] = (None,)) -> None:
+                 group_windows: Sequence[Optional[int]] = (None,), hash_prompt_boundary: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.group_windows = list(group_windows)
@@ -48,6 +61,7 @@ class KVCacheManager:
             raise ValueError(f"group 0 must attend to everything (window None), got {self.group_windows}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_prompt_boundary = hash_prompt_boundary
         has_sliding = any(w is not None for w in self.group_windows)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching, reserve_null_block=has_sliding)
         self._null = self.block_pool.null_block
@@ -286,7 +300,16 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes
         for i in range(len(hashes), num_blocks):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, self._block_tokens(request, i)))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, self._block_tokens(request, i),
+                                            self._prompt_tokens_in(request, i)))
+
+    def _prompt_tokens_in(self, request: Request, index: int) -> Optional[int]:
+        """How many prompt tokens full block ``index`` holds when its tokens' roles enter the
+        hash (it holds generated ones and ``hash_prompt_boundary``), else None."""
+        start = index * self.block_size
+        if not self.hash_prompt_boundary or start + self.block_size <= request.num_prompt_tokens:
+            return None
+        return max(0, request.num_prompt_tokens - start)
 
     def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
         """Token ids of full block ``index`` without concatenating prompt and output."""

@@ -15,6 +15,7 @@ The block-quantized weights live in one huge-page buffer in the order a step rea
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
@@ -24,6 +25,9 @@ from torch import nn
 
 from kvserve import ops
 from kvserve.config import ConfigError
+from kvserve.token_roles import current_token_roles
+
+logger = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
 INT4_GROUP_SIZE = 32
@@ -185,6 +189,15 @@ class Int4Linear(nn.Module):
     Buffers: ``qs`` uint8 ``[N, Kp / 2]`` (``Kp`` = K rounded up to 64 with zero groups; per
     group GGUF's 16 bytes: weight j in the low nibble of byte j, j + 16 in its high nibble);
     ``dm`` the fp16 bits (int16) of ``[N, Kp / 64, 4]`` = (d, d', m, m') of a chunk's two groups.
+
+    Prefill weights (``add_prefill_copy``): the 4-bit kernel suits decode, whose few rows per
+    step are bound by the bytes read, not prefill, where hundreds of rows make the step
+    compute-bound and unpacking nibbles costs more than the bytes it saves (issue #17:
+    SmolLM2's 256-token TTFT was 481 ms through this kernel, 204 ms with bf16 weights).
+    ``prefill`` is then a ``Bf16Linear`` holding ``bf16(d * q + m)`` (3.2 times the bytes of
+    the blocks), and the rows of a step's prompt tokens go through it, the others through
+    the blocks (kvserve/token_roles.py: by the token's role, never by the batch, so results
+    stay deterministic).
     """
 
     def __init__(self, qs: torch.Tensor, dm: torch.Tensor, in_features: int, bias: Optional[torch.Tensor]) -> None:
@@ -194,6 +207,21 @@ class Int4Linear(nn.Module):
         self.register_buffer("dm", dm.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._expanded: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.prefill: Optional[Bf16Linear] = None
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights ``d * q + m`` as fp32 ``[N, K]`` (computed afresh: not kept)."""
+        n, kp = self.qs.shape[0], self.qs.shape[1] * 2
+        groups = self.qs.view(n, kp // 32, 16)
+        q = torch.cat([groups & 15, groups >> 4], dim=-1).float()  # weights 0-15, then 16-31
+        dm = self.dm.view(torch.float16).float().view(n, kp // 64, 2, 2)
+        d, m = dm[:, :, 0].reshape(n, kp // 32, 1), dm[:, :, 1].reshape(n, kp // 32, 1)
+        return (q * d + m).view(n, kp)[:, :self.in_features]
+
+    def add_prefill_copy(self) -> int:
+        """Give the layer its bf16 prefill weights (see the class); their bytes."""
+        self.prefill = Bf16Linear(self.dequantized(), self.bias)
+        return self.prefill.weight.numel() * self.prefill.weight.element_size()
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
@@ -232,6 +260,15 @@ class Int4Linear(nn.Module):
         return self._expanded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, features]: the step's prompt rows through the prefill weights when the
+        layer has them and the step's roles are installed, every other row through Q4_1."""
+        roles = None if self.prefill is None else current_token_roles()
+        if roles is None:
+            return self.forward_q4(x)
+        return roles.apply(x, self.prefill, self.forward_q4)
+
+    def forward_q4(self, x: torch.Tensor) -> torch.Tensor:
+        """Every row through the Q4_1 blocks."""
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q4_linear(rows, self.qs, self.dm, self.bias))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -323,8 +360,11 @@ def _q4_1_linear(raw_parts: list, bias: Optional[torch.Tensor]) -> Int4Linear:
 
 
 def convert_linear_layers(model: nn.Module, weight_format: str,
-                          raw_weights: Optional[dict] = None) -> dict[str, int]:
+                          raw_weights: Optional[dict] = None, prefill_copies: bool = True) -> dict[str, int]:
     """Swap the decoder's linear layers and the LM head for ``weight_format`` ones.
+
+    ``prefill_copies``: int4 layers also get their bf16 prefill weights (``Int4Linear``), for
+    the prompt tokens; off for a draft model, which runs every row through the 4-bit weights.
 
     ``raw_weights`` (HF name -> GGUF QuantizedTensor) lets int4 reuse Q4_1 blocks exactly;
     other GGUF matrices stay bf16 in int4 mode. Float checkpoints are quantized from their
@@ -339,6 +379,7 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
     packed = getattr(model, "packed_modules", {})
     raw_weights = raw_weights or {}
     counts: dict[str, int] = {}
+    prefill_bytes = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue
@@ -363,6 +404,8 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
             new, kind = Bf16Linear(module.weight, module.bias), "bf16 (not Q4_1 in the file)"
         else:
             new, kind = Int8Linear(module.weight, module.bias), "int8"
+        if isinstance(new, Int4Linear) and prefill_copies:
+            prefill_bytes += new.add_prefill_copy()
         counts[kind] = counts.get(kind, 0) + 1
         parent_name, attr = name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), attr, new)
@@ -376,8 +419,22 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
         # torch's int8 kernel does (0.9-1.5 ms against 2.0 ms for SmolLM2's 28 M weights).
         model.lm_head, kind = RescoredLMHead(Bf16Linear(exact, None), exact), "lm_head bf16 + fp32 rescoring"
     counts[kind] = 1
+    if prefill_bytes:
+        logger.info("int4: bf16 prefill copies of the Q4_1 layers for prompt tokens, %.1f MiB",
+                    prefill_bytes / 2**20)
     _weights_to_huge_pages(model)
     return counts
+
+
+def prefill_copy_bytes(model: nn.Module) -> int:
+    """The bytes of the int4 layers' bf16 prefill weights (0: none)."""
+    return sum(m.prefill.weight.numel() * m.prefill.weight.element_size()
+               for m in model.modules() if isinstance(m, Int4Linear) and m.prefill is not None)
+
+
+def has_prefill_copies(model: nn.Module) -> bool:
+    """Whether some linear layer computes prompt rows in another format than generated ones."""
+    return any(isinstance(m, Int4Linear) and m.prefill is not None for m in model.modules())
 
 
 # The buffers each format streams per token, in the order a step reads them. (oneDNN's

@@ -16,9 +16,11 @@ from kvserve.attention import AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.executor.step import NewRequestData, StepInput, StepOutput
+from kvserve.quant import has_prefill_copies
 from kvserve.sampler import Sampler, build_sampling_metadata, make_generator
 from kvserve.spec.rejection import rejection_sample
 from kvserve.spec.verify import accept_run
+from kvserve.token_roles import TokenRoles
 from kvserve.tracing import label
 
 
@@ -77,6 +79,8 @@ class ModelInputs:
     drafts: list[list[int]]
     num_prefill_tokens: int
     num_decode_tokens: int
+    # Which rows are prompt positions, for a model whose linears have a prefill format (else None).
+    token_roles: Optional[TokenRoles] = None
     # Prompt logprobs: logits rows after the sampled ones, the prompt token each row predicts,
     # and (request, number of rows) in row order.
     prompt_targets: list[int] = field(default_factory=list)
@@ -111,6 +115,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.samples = samples
         self.requests: dict[str, RequestState] = {}
+        # Int4 layers with bf16 prefill copies: the model is told each row's role.
+        self.wants_token_roles = has_prefill_copies(model)
 
     def update_states(self, step: StepInput) -> None:
         for rid in step.finished_request_ids:
@@ -146,6 +152,9 @@ class ModelRunner:
         drafts: list[list[int]] = []
         draft_probs: list = []
         n_prefill = n_decode = 0
+        # A row is a prompt token when its position is within the request's prompt; the rest
+        # (generated tokens, also when recomputed after preemption, and drafts) are not.
+        is_prompt = np.zeros(n_tokens, dtype=bool) if self.wants_token_roles else None
 
         offset = 0
         for row, chunk in enumerate(step.chunks):
@@ -153,6 +162,9 @@ class ModelRunner:
             n = len(chunk.token_ids)
             end = start + n
             input_ids[offset:offset + n] = chunk.token_ids
+            if is_prompt is not None:
+                num_prompt = self.requests[chunk.request_id].num_prompt_tokens
+                is_prompt[offset:offset + max(0, min(end, num_prompt) - start)] = True
             pos = np.arange(start, end, dtype=np.int64)
             positions[offset:offset + n] = pos
             for g, group_table in enumerate(chunk.block_tables):
@@ -209,6 +221,7 @@ class ModelRunner:
             drafts=drafts,
             num_prefill_tokens=n_prefill,
             num_decode_tokens=n_decode,
+            token_roles=None if is_prompt is None else TokenRoles.from_mask(is_prompt, dev),
             prompt_targets=prompt_targets,
             prompt_owners=prompt_owners,
             draft_probs=draft_probs,
@@ -223,9 +236,11 @@ class ModelRunner:
             inputs = self.prepare_inputs(step)
         phase = "model.forward.decode" if inputs.num_prefill_tokens == 0 else "model.forward.prefill"
         with label(phase):
+            # (Only a model with dual-format linears is given the roles: others take no such argument.)
+            roles = {} if inputs.token_roles is None else {"token_roles": inputs.token_roles}
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache,
-                inputs.logits_indices,
+                inputs.logits_indices, **roles,
             )
         out = StepOutput(num_prefill_tokens=inputs.num_prefill_tokens,
                          num_decode_tokens=inputs.num_decode_tokens)

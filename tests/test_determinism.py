@@ -124,6 +124,24 @@ def test_tiny_prompt_splits_and_streaming(tiny_model, dtype, quantization, kv):
     assert signature(outs[-1]) == alone
 
 
+@pytest.mark.parametrize("dtype,quantization", FORMATS)
+def test_tiny_next_turn_over_a_cached_output(tiny_model, dtype, quantization):
+    """A chat's next turn: a prompt made of an earlier request's prompt and output, whose blocks
+    are cached. In int4 mode the earlier request computed its output tokens with the 4-bit
+    weights where the next turn computes them, as prompt tokens, with the bf16 prefill copies:
+    their blocks must not be served (the prompt-only blocks still are). Same result as cold."""
+    llm = _tiny(tiny_model, dtype, quantization, "bfloat16")
+    first = llm.generate([TARGET], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    # 150 prompt + 40 output tokens: 9 prompt-only blocks of 16, the 10th holds the boundary.
+    follow_up = TARGET + list(first.outputs[0].token_ids) + [7, 8, 9]
+    hits = llm.engine.kv_manager.prefix_cache_hits
+    warm = signature(llm.generate([follow_up], PARAMS)[0])
+    num_hit = llm.engine.kv_manager.prefix_cache_hits - hits
+    assert num_hit == (144 if llm.engine.prefill_copies else 176)
+    llm.engine.kv_manager.reset_prefix_cache()
+    assert signature(llm.generate([follow_up], PARAMS)[0]) == warm
+
+
 # ------------------------------------------------------------------ real models
 
 # The default format and the two others with kernels of their own on SmolLM2 (int8 is held by

@@ -198,3 +198,19 @@ def test_stop_string_and_stream_deltas(llm_factory):
     assert cut.outputs[0].finish_reason == "stop"
     assert cut.outputs[0].stop_reason == stop
     assert cut.outputs[0].text == full[:full.index(stop)]
+
+
+@pytest.mark.parametrize("quantization", ["int4", "bf16"])
+def test_int4_prefill_copies_in_the_start_up_line_and_the_prefix_cache_keys(llm_factory, quantization):
+    """int4's Int4Linear layers hold bf16 copies for prompt tokens: the start-up line says what
+    they cost, and cached blocks are keyed by where the prompt ends (kv_manager). Other formats:
+    neither."""
+    from kvserve.quant import prefill_copy_bytes
+
+    engine = llm_factory(model="tiny-llama", dtype="float32", quantization=quantization, num_blocks=16).engine
+    copies = prefill_copy_bytes(engine.model)
+    assert engine.prefill_copies == engine.kv_manager.hash_prompt_boundary == (quantization == "int4")
+    assert (copies > 0) == (quantization == "int4")
+    assert engine.executor.runner.wants_token_roles == (quantization == "int4")
+    line = engine.describe_kv_cache()
+    assert (f"bf16 copies for prompt tokens: +{copies / 2**20:.1f} MiB" in line) == (quantization == "int4")

@@ -4,6 +4,7 @@ in every weight format."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -12,13 +13,17 @@ from kvserve import ops
 from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.loader import load_model, resolve_model
+from kvserve.token_roles import ALL_PROMPT, MIXED, TokenRoles, use_token_roles
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
 
-def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16, kv_dtype: str = "float32") -> torch.Tensor:
+def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16, kv_dtype: str = "float32",
+                 prompt_lens: Optional[list[int]] = None) -> torch.Tensor:
     """Two sequences: a 150-token prefill (in two chunks, spanning attention's 128-key
-    partitions) beside a short one, then a mixed step, then two decodes; the hidden states."""
+    partitions) beside a short one, then a mixed step, then two decodes; the hidden states.
+    ``prompt_lens``: the sequences' prompt lengths, to run each step with its token roles
+    (kvserve/token_roles.py); None: no roles (every row generated)."""
     caches = allocate_kv_cache(cfg, n_blocks, block_size, kv_dtype, "cpu")
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, cfg.vocab_size, (200,), generator=gen)
@@ -30,7 +35,12 @@ def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16, kv_dtype:
         md = build_attention_metadata(tables, context, new, block_size)
         rows = torch.cat([ids[c:c + n] + 17 * s for s, (c, n) in enumerate(zip(context, new))]) % cfg.vocab_size
         pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context, new)])
-        outs.append(model.model(rows, pos, md, caches))
+        roles = None
+        if prompt_lens is not None:
+            seq = torch.cat([torch.full((n,), s) for s, n in enumerate(new)])
+            roles = TokenRoles.from_mask((pos < torch.tensor(prompt_lens)[seq]).numpy())
+        with use_token_roles(roles):
+            outs.append(model.model(rows, pos, md, caches))
     return torch.cat(outs)
 
 
@@ -53,6 +63,36 @@ def test_fused_layers_match_the_python_model_exactly(name, weight_format):
         # fp32 noise upstream moves some activations across a bf16 rounding boundary (one bf16
         # ulp, 0.4 %) before the int4 products: the bound is that rounding, not fp32 noise.
         assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
+
+
+@pytest.mark.parametrize("prompt_lens", [[40, 10], [100, 5], [150, 10]])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prompt_lens):
+    """int4 with bf16 prefill copies: prompt rows through the copies, the others through the
+    Q4_1 blocks, in the native loop as in the Python model. [40, 10]: the first step's prompt
+    rows are two runs (gathered); [100, 5]: one run per role; [150, 10]: an all-prompt step,
+    then one run per role, then all generated."""
+    model, cfg = load_model(resolve_model(name), quantization="int4")
+    fused = model.model.fused_layers
+    native = _three_steps(model, cfg, prompt_lens=prompt_lens)
+    model.model.fused_layers = None
+    try:
+        layer_by_layer = _three_steps(model, cfg, prompt_lens=prompt_lens)
+    finally:
+        model.model.fused_layers = fused
+    assert torch.equal(native, layer_by_layer)
+    # The roles choose the weights: without them every row is Q4_1.
+    assert not torch.equal(native, _three_steps(model, cfg))
+    with ops.use_kernels(False):  # plain torch everywhere, as in the test above
+        plain = _three_steps(model, cfg, prompt_lens=prompt_lens)
+    assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
+
+
+def test_token_roles_kinds():
+    assert TokenRoles.from_mask(torch.tensor([True, True]).numpy()).kind == ALL_PROMPT
+    roles = TokenRoles.from_mask(torch.tensor([True, False, True]).numpy())
+    assert roles.kind == MIXED and roles.prompt_run is None and roles.generated_run == (1, 1)
+    assert roles.prompt_rows.tolist() == [0, 2]
 
 
 @pytest.mark.parametrize("weight_format", [None, "int4"])

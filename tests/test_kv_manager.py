@@ -70,7 +70,7 @@ def test_last_prompt_token_is_always_computed():
 
 
 def test_hash_collision_never_serves_foreign_tokens(monkeypatch):
-    monkeypatch.setattr(kv_manager_module, "hash_block_tokens", lambda parent, tokens: b"collide")
+    monkeypatch.setattr(kv_manager_module, "hash_block_tokens", lambda parent, tokens, *roles: b"collide")
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     _admit(kv, _req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     ids, hit = _admit(kv, _req("b", [9, 9, 9, 9, 5, 6, 7, 8, 9]))
@@ -81,7 +81,7 @@ def test_hash_collision_never_serves_foreign_tokens(monkeypatch):
 
 def test_hash_that_ignores_the_parent_cannot_splice_prefixes(monkeypatch):
     # A hash of the block's own tokens only: [R, S] collides with [P, Q, S] at S.
-    monkeypatch.setattr(kv_manager_module, "hash_block_tokens", lambda parent, tokens: repr(tokens).encode())
+    monkeypatch.setattr(kv_manager_module, "hash_block_tokens", lambda parent, tokens, *roles: repr(tokens).encode())
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     P, Q, R, S = [1] * 4, [2] * 4, [3] * 4, [4] * 4
     _admit(kv, _req("a", P + Q + S + [0]))
@@ -163,3 +163,39 @@ def test_reset_prefix_cache():
     kv.free(a)
     kv.reset_prefix_cache()
     assert kv.get_computed_blocks(_req("b", range(9)))[1] == 0
+
+
+def _generate(kv, request, tokens):
+    """Decode ``tokens`` one by one after the prompt (each fed back one step later)."""
+    request.num_computed_tokens = request.num_tokens
+    for tok in tokens:
+        request.output_token_ids.append(tok)
+        kv.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+
+
+@pytest.mark.parametrize("boundary", [False, True])
+def test_prompt_boundary_in_the_hash_of_blocks_with_generated_tokens(boundary):
+    """Multi-turn: B's prompt is A's prompt and output. Where the KV depends on a token's role
+    (int4's bf16 prefill weights), B may reuse A's prompt-only blocks but not those holding
+    A's generated tokens: B computes those tokens as prompt tokens."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS, hash_prompt_boundary=boundary)
+    prompt = list(range(100, 110))  # 2 full blocks, then 2 prompt tokens in the third
+    a = _req("a", prompt)
+    _admit(kv, a)
+    _generate(kv, a, [7, 8, 9, 10, 11, 12, 13])  # 17 tokens: blocks 2 (mixed) and 3 (generated) full
+    assert len(a.block_hashes) == 4
+    b = _req("b", a.all_token_ids + [5])
+    _, hit = _admit(kv, b)
+    assert hit == (8 if boundary else 16)
+    # Prompt-only blocks hash as without the flag: the same for every request.
+    plain = KVCacheManager(num_blocks=16, block_size=BS)
+    c = _req("c", prompt + [1])
+    plain.get_computed_blocks(c)
+    assert a.block_hashes[:2] == c.block_hashes[:2] == b.block_hashes[:2]
+    assert (a.block_hashes[2] != b.block_hashes[2]) == boundary
+    # A request repeating A's whole history as its own history (A itself, recomputed after
+    # preemption) finds every block A cached.
+    again = _req("again", prompt)
+    again.output_token_ids = list(a.output_token_ids)
+    assert kv.get_computed_blocks(again)[1] == 16

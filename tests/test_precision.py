@@ -15,6 +15,8 @@ from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.engine import load_tokenizer
 from kvserve.loader import load_model, resolve_model
+from kvserve.quant import has_prefill_copies
+from kvserve.token_roles import ALL_PROMPT, TokenRoles
 
 TEXT = (Path(__file__).parent / "data" / "tolerance_text.txt").read_text()
 # A long real text (the GPL's own, which permits verbatim copies) for a context of > 2,000 tokens.
@@ -25,14 +27,16 @@ MAX_PERPLEXITY_RATIO_DELTA = 0.01
 
 
 def _all_position_logits(model, config, token_ids: list[int],
-                         kv_dtype: torch.dtype | str = torch.float32, first_position: int = 0) -> torch.Tensor:
+                         kv_dtype: torch.dtype | str = torch.float32, first_position: int = 0,
+                         **token_roles) -> torch.Tensor:
     """Logits predicting token i + 1 at every position i >= first_position (one prefill)."""
     n = len(token_ids)
     num_blocks = -(-n // 16)
     kv = allocate_kv_cache(config, num_blocks, 16, kv_dtype, "cpu")
     md = build_attention_metadata([list(range(num_blocks))], [0], [n], 16)
     with torch.inference_mode():
-        return model(torch.tensor(token_ids), torch.arange(n), md, kv, torch.arange(first_position, n - 1)).float()
+        return model(torch.tensor(token_ids), torch.arange(n), md, kv, torch.arange(first_position, n - 1),
+                     **token_roles).float()
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma-3-270m"])
@@ -66,14 +70,18 @@ def test_weight_format_tolerance(reference, weight_format, request):
         request.applymarker(pytest.mark.xfail(strict=INT8_MISSES_BAR[source.name],
                                               reason="per-channel int8 misses the bar"))
     model, config = load_model(source, dtype=torch.float32, quantization=weight_format)
-    # As the engine runs these formats: fp32 activations, bf16 KV cache (EngineArgs auto).
-    logits = _all_position_logits(model, config, ids, kv_dtype=torch.bfloat16)
-    agreement = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    ppl, ref_ppl = _perplexity(logits, ids), _perplexity(ref_logits, ids)
-    print(f"\n{source.name} {weight_format}: top-1 agreement {agreement:.4f}, "
-          f"perplexity {ppl:.3f} vs fp32 {ref_ppl:.3f} ({ppl / ref_ppl - 1:+.4f})")
-    assert agreement >= MIN_TOP1_AGREEMENT
-    assert abs(ppl / ref_ppl - 1) <= MAX_PERPLEXITY_RATIO_DELTA
+    # int4 computes generated tokens with the Q4_1 blocks (no roles: every row generated) and
+    # prompt tokens with their bf16 copies where the layers have them: both meet the bar.
+    roles = [{}] + ([{"token_roles": TokenRoles(ALL_PROMPT)}] if has_prefill_copies(model) else [])
+    for kwargs in roles:
+        # As the engine runs these formats: fp32 activations, bf16 KV cache (EngineArgs auto).
+        logits = _all_position_logits(model, config, ids, kv_dtype=torch.bfloat16, **kwargs)
+        agreement = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+        ppl, ref_ppl = _perplexity(logits, ids), _perplexity(ref_logits, ids)
+        print(f"\n{source.name} {weight_format}{' (prompt rows)' if kwargs else ''}: top-1 agreement "
+              f"{agreement:.4f}, perplexity {ppl:.3f} vs fp32 {ref_ppl:.3f} ({ppl / ref_ppl - 1:+.4f})")
+        assert agreement >= MIN_TOP1_AGREEMENT
+        assert abs(ppl / ref_ppl - 1) <= MAX_PERPLEXITY_RATIO_DELTA
 
 
 # INT8 KV against the bf16 KV cache it replaces (the engine's default cache), fp32 model

@@ -10,7 +10,8 @@ from gguf.quants import dequantize
 import pytest
 
 from kvserve import ops
-from kvserve.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead, unpack_q4_1
+from kvserve.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead, unpack_bf16_weight, unpack_q4_1
+from kvserve.token_roles import ALL_GENERATED, ALL_PROMPT, MIXED, TokenRoles, use_token_roles
 
 
 def _random_q4_1(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -42,6 +43,47 @@ def test_int4_from_q4_1_matches_fp32_linear():
     rel = (layer(x) - x @ w.T).norm() / (x @ w.T).norm()
     assert layer(x).dtype == torch.float32
     assert rel < 5e-3  # bf16 activations; the 4-bit values and fp16 scales are the file's
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_int4_prefill_copy_gives_each_row_the_format_of_its_role(kernels):
+    """A mixed step (one request's prompt rows, another's generated rows, in any order): each
+    prompt row is what the bf16 copy gives that row alone, each generated row what the Q4_1
+    blocks give it alone, bit for bit with kvserve's kernels; without roles (a draft model, a direct call) every row
+    is Q4_1 as before."""
+    n, k = 40, 96  # 96: an odd number of groups, padded to 128 in the blocks, not in the copy
+    raw = _random_q4_1(n, k, seed=3)
+    q, d, m = unpack_q4_1(raw, (n, k))
+    layer = Int4Linear.from_blocks(q, d, m, torch.randn(n))
+    w = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1)).view(n, k).float()
+    assert torch.equal(layer.dequantized(), w)
+    assert layer.add_prefill_copy() == layer.prefill.weight.numel() * 2
+    if layer.prefill.packed:
+        assert torch.equal(unpack_bf16_weight(layer.prefill.weight, n, k), w.to(torch.bfloat16))
+    x = torch.randn(9, k)
+    masks = {
+        "interleaved": [0, 1, 1, 0, 1, 0, 0, 1, 0],  # rows gathered
+        "decodes then a prefill": [0, 0, 0, 1, 1, 1, 1, 1, 1],  # one run per role
+        "all prompt": [1] * 9,
+        "all generated": [0] * 9,
+    }
+    with ops.use_kernels(kernels):
+        for name, mask in masks.items():
+            roles = TokenRoles.from_mask(np.array(mask, dtype=bool))
+            assert roles.kind == {"all prompt": ALL_PROMPT, "all generated": ALL_GENERATED}.get(name, MIXED)
+            with use_token_roles(roles):
+                y = layer(x)
+            for i, prompt in enumerate(mask):
+                alone = (layer.prefill if prompt else layer.forward_q4)(x[i:i + 1])
+                ref = (layer.prefill.forward_reference if prompt else layer.forward_reference)(x[i:i + 1])
+                assert (alone - ref).abs().max() <= 1e-5 * ref.abs().max(), (name, i)
+                if kernels:  # kvserve's kernels reduce a row alike in any call (plain torch's BLAS need not)
+                    assert torch.equal(y[i], alone[0]), (name, i)
+                else:
+                    assert (y[i] - alone[0]).abs().max() <= 1e-5 * ref.abs().max(), (name, i)
+        # The two formats differ (bf16 rounding of d * q + m), so the roles do choose.
+        assert not torch.equal(layer.prefill(x), layer.forward_q4(x))
+        assert torch.equal(layer(x), layer.forward_q4(x))
 
 
 @pytest.mark.parametrize("portable", [False, True])

@@ -16,10 +16,31 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
+
+// Which rows of the step are prompt tokens (kvserve/token_roles.py): a dual-format linear
+// computes them with its prefill (bf16) weights, the generated rows with its Q4_1 weights.
+struct TokenRoles {
+  enum class Kind : int64_t { kAllGenerated = 0, kAllPrompt = 1, kMixed = 2 };  // token_roles.py's order
+  Kind kind = Kind::kAllGenerated;
+  torch::Tensor prompt_rows, generated_rows;  // kMixed: each role's sorted rows
+  // kMixed: a role's rows as one run (start, length) when consecutive (no gather), else length 0.
+  int64_t prompt_start = 0, prompt_len = 0, generated_start = 0, generated_len = 0;
+};
+
+// (start, length) of sorted distinct rows when they are consecutive, else (0, 0).
+std::pair<int64_t, int64_t> row_run(const torch::Tensor& rows) {
+  const int64_t n = rows.numel();
+  if (n == 0) return {0, 0};
+  const int64_t* r = rows.data_ptr<int64_t>();
+  return r[n - 1] - r[0] + 1 == n ? std::make_pair(r[0], n) : std::make_pair(int64_t{0}, int64_t{0});
+}
 
 // One linear layer, as kvserve.quant / torch store it (see kvserve/models/fused.py).
 struct Linear {
@@ -28,6 +49,25 @@ struct Linear {
   torch::Tensor weight, scales;  // Q4: qs, dm; Q8: qs, d; int8: weight, scales; bf16: packed; fp32 / oneDNN / dense: weight
   c10::optional<torch::Tensor> bias;
   int64_t out_features = 0;
+  // Int4Linear's bf16 copy of its weights, for the prompt rows (null: every row uses the above).
+  std::shared_ptr<const Linear> prefill;
+
+  // The rows of x each with the weights of its role, as TokenRoles.apply does in Python.
+  torch::Tensor operator()(const torch::Tensor& x, const TokenRoles& roles) const {
+    if (!prefill || roles.kind == TokenRoles::Kind::kAllGenerated) return (*this)(x);
+    if (roles.kind == TokenRoles::Kind::kAllPrompt) return (*prefill)(x);
+    auto out = torch::empty({x.size(0), out_features}, x.options());
+    const auto part = [&](const Linear& linear, const torch::Tensor& rows, int64_t start, int64_t len) {
+      if (len) {
+        out.narrow(0, start, len).copy_(linear(x.narrow(0, start, len)));
+      } else {
+        out.index_copy_(0, rows, linear(x.index_select(0, rows)));
+      }
+    };
+    part(*prefill, roles.prompt_rows, roles.prompt_start, roles.prompt_len);
+    part(*this, roles.generated_rows, roles.generated_start, roles.generated_len);
+    return out;
+  }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
@@ -83,7 +123,9 @@ Linear make_linear(const pybind11::tuple& spec) {
   linear.weight = spec[1].cast<torch::Tensor>();
   if (!spec[2].is_none()) linear.scales = spec[2].cast<torch::Tensor>();
   if (!spec[3].is_none()) linear.bias = spec[3].cast<torch::Tensor>();
-  linear.out_features = spec.size() > 4 ? spec[4].cast<int64_t>() : linear.weight.size(0);
+  linear.out_features = spec.size() > 4 && !spec[4].is_none() ? spec[4].cast<int64_t>() : linear.weight.size(0);
+  if (spec.size() > 5 && !spec[5].is_none())
+    linear.prefill = std::make_shared<const Linear>(make_linear(spec[5].cast<pybind11::tuple>()));
   if (kind == "q4") linear.kind = Linear::Kind::kQ4;
   else if (kind == "bf16") linear.kind = Linear::Kind::kBf16;
   else if (kind == "fp32") linear.kind = Linear::Kind::kFp32;
@@ -144,7 +186,8 @@ class FusedDecoderLayers {
                         const std::vector<torch::Tensor>& kv_scales, const std::vector<int64_t>& kv_groups,
                         const std::vector<torch::Tensor>& slot_mappings, const std::vector<torch::Tensor>& block_tables,
                         torch::Tensor seq_lens, torch::Tensor seq_ids, torch::Tensor query_starts,
-                        torch::Tensor query_lens) const {
+                        torch::Tensor query_lens, int64_t roles_kind, c10::optional<torch::Tensor> prompt_rows,
+                        c10::optional<torch::Tensor> generated_rows) const {
     // KV cache groups (kvserve/kv_cache.py): layer i writes and reads its cache through the slot
     // mapping and block tables of its group kv_groups[i] (sliding-window groups hold fewer blocks).
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
@@ -154,11 +197,24 @@ class FusedDecoderLayers {
     for (const int64_t g : kv_groups)
       TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(block_tables.size()), "KV cache group out of range");
     const int64_t T = hidden.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
+    TORCH_CHECK(roles_kind >= 0 && roles_kind <= 2, "token roles kind out of range");
+    TokenRoles roles;
+    roles.kind = static_cast<TokenRoles::Kind>(roles_kind);
+    if (roles.kind == TokenRoles::Kind::kMixed) {
+      TORCH_CHECK(prompt_rows && generated_rows && prompt_rows->scalar_type() == torch::kInt64 &&
+                      generated_rows->scalar_type() == torch::kInt64 && prompt_rows->is_contiguous() &&
+                      generated_rows->is_contiguous() && prompt_rows->numel() + generated_rows->numel() == T,
+                  "a mixed step needs the int64 rows of both roles, together the step's rows");
+      roles.prompt_rows = *prompt_rows;
+      roles.generated_rows = *generated_rows;
+      std::tie(roles.prompt_start, roles.prompt_len) = row_run(roles.prompt_rows);
+      std::tie(roles.generated_start, roles.generated_len) = row_run(roles.generated_rows);
+    }
     hidden = hidden.contiguous();  // the residual stream, updated in place (the caller's fresh embeddings)
     pybind11::gil_scoped_release no_gil;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      auto qkv = layer.qkv(rms_norm(hidden, layer.input_norm, eps_, norm_offset_));
+      auto qkv = layer.qkv(rms_norm(hidden, layer.input_norm, eps_, norm_offset_), roles);
       rope_qk_(qkv, layer.local_rope ? local_cos : cos, layer.local_rope ? local_sin : sin, H, KVH, D,
                layer.q_norm, layer.k_norm, eps_, norm_offset_);
       auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
@@ -174,11 +230,12 @@ class FusedDecoderLayers {
         paged_attention(attn, q, kv_caches[i], scales, block_tables[group], seq_lens, seq_ids, query_starts,
                         query_lens, layer.scale, layer.window, layer.softcap);
       }
-      auto out = layer.o(attn.view({T, H * D}));
+      auto out = layer.o(attn.view({T, H * D}), roles);
       if (layer.post_attn_norm) out = rms_norm(out, *layer.post_attn_norm, eps_, norm_offset_);
       hidden.add_(out);
-      auto mlp = layer.down(act_and_mul(layer.gate_up(rms_norm(hidden, layer.pre_ffn_norm, eps_, norm_offset_)),
-                                        activation_));
+      auto mlp = layer.down(act_and_mul(layer.gate_up(rms_norm(hidden, layer.pre_ffn_norm, eps_, norm_offset_), roles),
+                                        activation_),
+                            roles);
       if (layer.post_ffn_norm) mlp = rms_norm(mlp, *layer.post_ffn_norm, eps_, norm_offset_);
       hidden.add_(mlp);
     }

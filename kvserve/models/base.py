@@ -15,6 +15,7 @@ from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
+from kvserve.token_roles import TokenRoles, use_token_roles
 
 
 class PagedCausalLM(nn.Module):
@@ -39,8 +40,12 @@ class PagedCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_caches: KVCache,  # every layer's paged KV (kvserve.kv_cache)
         logits_indices: torch.Tensor,  # [S'] int64 rows of T whose logits are wanted
+        token_roles: Optional[TokenRoles] = None,  # which rows are prompt tokens (dual-format linears)
     ) -> Optional[torch.Tensor]:  # [S', vocab] float32; None on a pipeline stage before the last
-        hidden = self.model(input_ids, positions, attn_metadata, kv_caches)
+        # The roles choose the decoder layers' weight format per row; the LM head, after the
+        # block, computes every row alike.
+        with use_token_roles(token_roles):
+            hidden = self.model(input_ids, positions, attn_metadata, kv_caches)
         if self.pp is not None and not self.pp.is_last:
             return None  # the hidden states went to the next stage
         # Only the rows that will be sampled reach the final norm and the (vocab-wide) head.

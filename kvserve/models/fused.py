@@ -26,15 +26,20 @@ from kvserve import ops
 from kvserve.attention import AttentionMetadata, kernel_rows
 from kvserve.kv_cache import KVCache
 from kvserve.quant import Bf16Linear, Fp32Linear, Int4Linear, Int8Linear, Q8Linear
+from kvserve.token_roles import ALL_GENERATED, current_token_roles
 
 logger = logging.getLogger(__name__)
 
 
 def _linear_spec(layer: nn.Module) -> Optional[tuple]:
-    """(kind, weight, scales, bias[, out_features]) as decoder.cpp's ``Linear`` takes them,
-    or None (out_features where the weight's shape does not say it: packed bf16)."""
+    """(kind, weight, scales, bias[, out_features[, prefill]]) as decoder.cpp's ``Linear``
+    takes them, or None (out_features where the weight's shape does not say it: packed bf16;
+    prefill: an Int4Linear's bf16 copy for the prompt rows, itself such a spec)."""
     if isinstance(layer, Int4Linear):
-        return "q4", layer.qs, layer.dm, layer.bias
+        if layer.prefill is None:
+            return "q4", layer.qs, layer.dm, layer.bias
+        prefill = _linear_spec(layer.prefill)
+        return None if prefill is None else ("q4", layer.qs, layer.dm, layer.bias, None, prefill)
     if isinstance(layer, Q8Linear):
         return "q8", layer.qs, layer.d, None
     if isinstance(layer, Int8Linear):
@@ -86,9 +91,13 @@ class FusedDecoderLayers:
                  kv_caches: KVCache) -> torch.Tensor:
         md = attn_metadata
         data, scales, groups = kv_caches.native_views()
+        roles = current_token_roles()  # None: every row generated (the 4-bit weights)
+        kind = ALL_GENERATED if roles is None else roles.kind
         return self.native.forward(hidden, rope[0].contiguous(), rope[1].contiguous(), local_rope[0].contiguous(),
                                    local_rope[1].contiguous(), data, scales, groups, md.all_slot_mappings(),
-                                   md.all_block_tables(), md.seq_lens_tensor, *kernel_rows(md))
+                                   md.all_block_tables(), md.seq_lens_tensor, *kernel_rows(md), kind,
+                                   None if roles is None else roles.prompt_rows,
+                                   None if roles is None else roles.generated_rows)
 
     def applies_to(self, hidden: torch.Tensor, kv_caches: KVCache) -> bool:
         return ops.enabled_for(hidden) and all(layer.data.is_contiguous() for layer in kv_caches)

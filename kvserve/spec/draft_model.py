@@ -128,7 +128,9 @@ def load_draft_model(spec: SpeculativeConfig, target_config: ModelConfig, target
                           f"fewer than the target's max_model_len {max_model_len}; lower max_model_len")
     weight_format = target_weight_format if spec.quantization is None else spec.quantization
     weight_format = None if weight_format == "none" else weight_format
-    model, config = load_model(source, dtype=dtype, device=device, quantization=weight_format)
+    # The draft's forwards carry no token roles (every row is a draft's): no prefill copies.
+    model, config = load_model(source, dtype=dtype, device=device, quantization=weight_format,
+                               prefill_copies=False)
     # One group holding every position: the draft reads the target's full-attention table
     # (group 0), so its own sliding layers, if any, keep their whole context.
     kv_spec = KVCacheSpec.for_model(config, block_size, kv_dtype, reclaim_sliding_window=False)
