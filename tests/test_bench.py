@@ -146,6 +146,18 @@ def test_blas_peer_is_the_opt_out_of_batch_invariance(monkeypatch):
     assert "KVSERVE_BATCH_INVARIANT" not in os.environ and peer.name == "kvserve-blas"
 
 
+def test_weight_format_peers_change_only_the_format():
+    from kvserve.bench.peers import PeerContext, open_peer
+    from kvserve.config import EngineArgs
+    from kvserve.quant import Int4Linear
+
+    eargs = EngineArgs(model="tiny-llama", dtype="float32", num_blocks=64)
+    peer = open_peer("kvserve-int4", PeerContext("test", "", 1, eargs))
+    assert peer.name == "kvserve-int4" and peer.engine.weight_format == "int4"
+    assert any(isinstance(m, Int4Linear) for m in peer.engine.model.modules())
+    assert peer.engine.args.num_blocks == 64
+
+
 class _CrashingPeer:
     """Dies the way llama.cpp's native AMX path does on some machines: SIGILL mid-run."""
 

@@ -9,6 +9,8 @@
     kvserve-nospec, kvserve-ngram                  (kvserve with speculation off / n-gram on)
     kvserve-draft                                  (kvserve drafting with the model's own int4 weights)
     kvserve-kv-int8, kvserve-kv-bfloat16, ...      (kvserve with that KV cache dtype)
+    kvserve-int4, kvserve-int8, kvserve-bf16,      (kvserve with that linear weight format,
+    kvserve-fp32                                    --quantization; fp32: none)
     kvserve-blas                                   (kvserve's opt-out of determinism:
                                                     KVSERVE_BATCH_INVARIANT=0, oneDNN/MKL linears)
     kvserve-noreclaim                              (sliding-window layers keep the whole context)
@@ -43,7 +45,11 @@ PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
               "llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch",
               "kvserve-noprefix",
               "kvserve-nospec", "kvserve-ngram", "kvserve-draft", "kvserve-kv-int8", "kvserve-kv-bfloat16",
-              "kvserve-kv-float32", "kvserve-blas", "kvserve-noreclaim"]
+              "kvserve-kv-float32", "kvserve-blas", "kvserve-noreclaim",
+              "kvserve-int4", "kvserve-int8", "kvserve-bf16", "kvserve-fp32"]
+# The weight-format peers: --quantization of each.
+_WEIGHT_FORMAT_PEERS = {"kvserve-int4": "int4", "kvserve-int8": "int8", "kvserve-bf16": "bf16",
+                        "kvserve-fp32": "none"}
 # Speculation of the kvserve-ngram peer: vLLM's defaults shape, k = 4.
 NGRAM_PEER_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 # The kvserve-draft peer: the target model drafting for itself with int4 weights (SmolLM2's
@@ -143,6 +149,12 @@ def open_peer(name: str, ctx: PeerContext):
         spec = {"kvserve-nospec": None, "kvserve-ngram": NGRAM_PEER_CONFIG,
                 "kvserve-draft": {**DRAFT_PEER_CONFIG, "model": ctx.eargs.model}}[name]
         driver = KvserveDriver(dataclasses.replace(ctx.eargs, speculative_config=spec))
+        driver.name = name
+        return driver
+    if name in _WEIGHT_FORMAT_PEERS:
+        from kvserve.bench.kvserve_driver import KvserveDriver
+
+        driver = KvserveDriver(dataclasses.replace(ctx.eargs, quantization=_WEIGHT_FORMAT_PEERS[name]))
         driver.name = name
         return driver
     if name.startswith("kvserve-kv-"):
