@@ -63,6 +63,12 @@ def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 INT8_MISSES_BAR = {"smollm2-135m-instruct": True, "gemma-3-270m": False}  # name -> strict
 
 
+def _agreement_and_perplexities(logits, ref_logits, ids) -> tuple[float, float, float]:
+    """Top-1 agreement of ``logits`` with ``ref_logits``, and the perplexity of each on ``ids``."""
+    agreement = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    return agreement, _perplexity(logits, ids), _perplexity(ref_logits, ids)
+
+
 @pytest.mark.parametrize("weight_format", ["bf16", "int4", "int8"])
 def test_weight_format_tolerance(reference, weight_format, request):
     source, ids, ref_logits, _, _ = reference
@@ -76,8 +82,7 @@ def test_weight_format_tolerance(reference, weight_format, request):
     for kwargs in roles:
         # As the engine runs these formats: fp32 activations, bf16 KV cache (EngineArgs auto).
         logits = _all_position_logits(model, config, ids, kv_dtype=torch.bfloat16, **kwargs)
-        agreement = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-        ppl, ref_ppl = _perplexity(logits, ids), _perplexity(ref_logits, ids)
+        agreement, ppl, ref_ppl = _agreement_and_perplexities(logits, ref_logits, ids)
         print(f"\n{source.name} {weight_format}{' (prompt rows)' if kwargs else ''}: top-1 agreement "
               f"{agreement:.4f}, perplexity {ppl:.3f} vs fp32 {ref_ppl:.3f} ({ppl / ref_ppl - 1:+.4f})")
         assert agreement >= MIN_TOP1_AGREEMENT
@@ -114,8 +119,7 @@ def test_int8_kv_cache_tolerance(reference, text, request):
         request.applymarker(pytest.mark.xfail(strict=False, reason="int8 KV misses the 99 % top-1 bar"))
     bf16 = _all_position_logits(model, config, ids, kv_dtype=torch.bfloat16, first_position=first_position)
     int8 = _all_position_logits(model, config, ids, kv_dtype="int8", first_position=first_position)
-    agreement = (int8.argmax(-1) == bf16.argmax(-1)).float().mean().item()
-    ppl, bf16_ppl = _perplexity(int8, ids), _perplexity(bf16, ids)
+    agreement, ppl, bf16_ppl = _agreement_and_perplexities(int8, bf16, ids)
     print(f"\n{source.name} int8 KV, {len(ids)} tokens: top-1 agreement with bf16 KV {agreement:.4f}, "
           f"perplexity {ppl:.4f} vs {bf16_ppl:.4f} ({ppl / bf16_ppl - 1:+.5f})")
     assert agreement >= INT8_KV_MIN_TOP1_AGREEMENT
