@@ -235,6 +235,41 @@ def test_stage_kv_specs_cut_the_model_groups():
     assert rank_kv_spec(cfg, 1, 3, 16, "float32", groups).slots_per_group == 2  # stage 0's (0, 1)
 
 
+@pytest.mark.timeout(120)
+def test_pipeline_abort_while_its_step_is_in_flight():
+    """A request aborted while its micro-batch's step is in the pipeline: its blocks are freed
+    at once (a later step may reuse them: every stage runs its steps in order), the late
+    result is dropped, every rank forgets it, and the others finish as in one process."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = PROMPTS + [[1, 2, 3, 4, 5, 6]]
+    want = LLM(model="tiny-llama", dtype="float32", num_blocks=64).generate(prompts, params)
+    par = LLM(model="tiny-llama", dtype="float32", num_blocks=64, pipeline_parallel_size=2,
+              distributed_timeout_s=60)
+    engine = par.engine
+    try:
+        ids = [engine.add_request(None, p, params) for p in prompts]
+        # Between two calls of step() one micro-batch's step stays in the pipeline.
+        while not engine._in_flight:
+            engine.step()
+        victim = engine._in_flight[0][1].chunks[0].request.request_id
+        engine.abort_request(victim)
+        assert all(r.request_id != victim for r in engine.scheduler.running)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert finished[victim].outputs[0].finish_reason == "abort"
+        for rid, w in zip(ids, want):
+            if rid != victim:
+                assert finished[rid].outputs[0].token_ids == w.outputs[0].token_ids
+        engine.executor.execute(engine.step_builder.build(SchedulerOutput()))
+        assert all(s["num_requests"] == 0 for s in engine.executor.worker_stats())
+        assert engine.kv_manager.num_used_blocks == 0
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.timeout(300)
 @FULL
 @pytest.mark.parametrize("model,tp", [("smollm2-135m-instruct", 3), ("gemma-3-270m", 2)])
