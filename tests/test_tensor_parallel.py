@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 from typing import Callable, Optional
 
@@ -381,10 +382,19 @@ def test_shared_memory_collectives(tmp_path):
         results[r] = out
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
+    # Ranks are processes in use; as threads here, a spinning rank holds the GIL for a whole
+    # switch interval each time the other one needs it back (every torch call): at the default
+    # 5 ms this test took 2-26 s. A short interval lets the threads alternate as processes do.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads)
     for i in range(20):
         want = (inputs[0][i] + inputs[1][i]) if i % 2 else torch.cat([inputs[0][i], inputs[1][i]], dim=-1)
         assert torch.equal(results[0][i], want) and torch.equal(results[1][i], want)
