@@ -28,6 +28,19 @@ from test_server import (MAX_LEN, MODEL, ServerThread, _free_port, openai_client
 TP_ARGS = dict(model=MODEL, max_model_len=MAX_LEN, dtype="float32")
 
 
+def _wait_until_healthy(url: str, processes: list, timeout_s: float, message: str) -> None:
+    """Poll ``/health`` until it answers 200; fail if a process exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert all(p.poll() is None for p in processes) and time.monotonic() < deadline, message
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     engine = LLMEngine(EngineArgs(**TP_ARGS, tensor_parallel_size=2, distributed_timeout_s=60))
@@ -61,15 +74,7 @@ def test_a_worker_killed_mid_stream_ends_the_server_cleanly(tmp_path):
          "--max-model-len", str(MAX_LEN), "--log-level", "warning"],
         stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        _wait_until_healthy(url, [server], 90, "server did not start")
         workers = [p for p in psutil.Process(server.pid).children(recursive=True)
                    if "kvserve.executor.worker" in " ".join(p.cmdline())]
         assert len(workers) == 2
@@ -126,15 +131,7 @@ def test_torchrun_two_local_nodes_serve_like_one_process(tmp_path, offline):
              "--log-level", "warning"], env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, "no server"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        _wait_until_healthy(url, agents, 120, "no server")
         prompt = "The capital of France is"
         want = offline.generate(prompt, __import__("kvserve").SamplingParams(temperature=0.0, max_tokens=12))
         resp = httpx.post(url + "/v1/completions", timeout=60, json={
