@@ -371,21 +371,18 @@ class LLMEngine:
         touched: set[str] = set(self._pending_finished)
         self._pending_finished.clear()
         stats = StepStats()
-        if self.num_micro_batches == 1:
-            sched = self._schedule(0)
-            done = None if sched.is_empty else (sched, self.executor.execute(self._build(sched)))
-        else:
-            busy = {mb for mb, _ in self._in_flight}
-            for mb in range(self.num_micro_batches):
-                if mb not in busy:
-                    sched = self._schedule(mb)
-                    if not sched.is_empty:
-                        self.executor.submit(self._build(sched))
-                        self._in_flight.append((mb, sched))
-            done = None
-            if self._in_flight:
-                _, sched = self._in_flight.popleft()
-                done = (sched, self.executor.collect())
+        # One micro-batch (no pipeline): submit, then collect the same step at once.
+        busy = {mb for mb, _ in self._in_flight}
+        for mb in range(self.num_micro_batches):
+            if mb not in busy:
+                sched = self._schedule(mb)
+                if not sched.is_empty:
+                    self.executor.submit(self._build(sched))
+                    self._in_flight.append((mb, sched))
+        done = None
+        if self._in_flight:
+            _, sched = self._in_flight.popleft()
+            done = (sched, self.executor.collect())
         if done is not None:
             self._apply(*done, stats, touched)
         with label("detokenizer"):
