@@ -343,11 +343,13 @@ class LLMEngine:
             child_ids = self.output_processor.child_ids(rid)
             if not child_ids:
                 continue
+            # Counted first: a metrics scrape from another thread must not see the request gone
+            # from the running set but not yet counted as aborted.
+            self.counters.aborted_requests += 1
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for cid in child_ids:
                 _, seq = self.output_processor.seq_by_request_id[cid]
                 self.output_processor.mark_finished(seq.request)
-            self.counters.aborted_requests += 1
             self._pending_finished.update(child_ids)
             self.step_builder.forget(child_ids)
 

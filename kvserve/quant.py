@@ -8,9 +8,10 @@ rounding the residual stream to bf16 at every layer is what costs a bf16 model i
 (top-1 agreement with fp32 drops from 99 % to 95 % on SmolLM2), not the bf16 weights.
 
 int8 uses torch's ``_weight_int8pack_mm`` (per-output-channel scales, bf16 activations).
-int4 is GGUF's Q4_1 (groups of 32, ``w = d * q + m``), read as stored by kvserve's own kernel
-(kvserve/csrc/quant_linear.cpp): SmolLM2's file is Q4_1, so its 4-bit values and fp16 scales
-are used exactly as llama.cpp uses them. In int4 mode the LM head is Q8_0 (as in that file).
+int4 mode ("the file's own blocks") reads a GGUF's block-quantized matrices as stored, with
+kvserve's kernels (kvserve/csrc/quant_linear.cpp, kvserve/block_formats.py): SmolLM2's file is
+Q4_1, Gemma 3's a mix of Q5_0, Q8_0, Q4_K and Q6_K; every value is used exactly as llama.cpp
+uses it. Float checkpoints are quantized to Q4_1-style groups. The LM head is Q8_0.
 The block-quantized weights live in one huge-page buffer in the order a step reads them.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvserve import ops
+from kvserve import block_formats, ops
 from kvserve.config import ConfigError
 from kvserve.token_roles import current_token_roles
 
@@ -176,28 +177,76 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-class Int4Linear(nn.Module):
-    """GGUF Q4_1 weights: per group of 32 input weights ``w = d * q + m``, ``q`` in 0..15, ``d``
-    and ``m`` fp16 (20 bytes per 32 weights), kept in the file's byte layout.
+class DecodeFormatLinear(nn.Module):
+    """A linear layer on block-quantized weights (GGUF's formats, read by kvserve's kernels in
+    kvserve/csrc/quant_linear.cpp) that may also hold bf16 weights for prompt tokens.
 
-    ``y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g)``: the fused kernel (kvserve/csrc/quant_linear.cpp)
-    streams the blocks once for all rows of the call, with bf16 products of the 4-bit values
-    (exact in bf16) and the activations rounded to bf16, as every bf16 matmul does, and fp32
-    group sums. Without the extension the same sums run in plain torch on weights expanded
-    once (slow; for machines without a compiler).
+    The block kernels suit decode, whose few rows per step are bound by the bytes read, not
+    prefill, where hundreds of rows make the step compute-bound and unpacking small integers
+    costs more than the bytes it saves (issue #17: SmolLM2's 256-token TTFT was 481 ms through
+    the 4-bit kernel, 204 ms with bf16 weights). ``add_prefill_copy`` gives the layer a
+    ``Bf16Linear`` holding ``bf16(w)``, and the rows of a step's prompt tokens go through it,
+    the others through the blocks (kvserve/token_roles.py: by the token's role, never by the
+    batch, so results stay deterministic).
+
+    Subclasses define ``dequantized()`` (the fp32 weights) and ``forward_blocks(x)``.
+    """
+
+    bias: Optional[torch.Tensor]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefill: Optional[Bf16Linear] = None
+
+    def dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_prefill_copy(self) -> int:
+        """Give the layer its bf16 prefill weights (see the class); their bytes."""
+        self.prefill = Bf16Linear(self.dequantized(), self.bias)
+        return self.prefill.weight.numel() * self.prefill.weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, features]: the step's prompt rows through the prefill weights when the
+        layer has them and the step's roles are installed, every other row through the blocks."""
+        roles = None if self.prefill is None else current_token_roles()
+        if roles is None:
+            return self.forward_blocks(x)
+        return roles.apply(x, self.prefill, self.forward_blocks)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's sums in plain torch: bf16-rounded activations times the weights, in
+        fp32 (another summation order: equal to rounding, not bit for bit). Slow: for machines
+        without the extension."""
+        y = x.float().to(torch.bfloat16).float() @ self._reference_weight().T
+        return y if self.bias is None else y + self.bias
+
+    def _reference_weight(self) -> torch.Tensor:
+        if getattr(self, "_reference", None) is None:
+            self._reference = self.dequantized()
+        return self._reference
+
+
+def _fp32_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if bias is None else bias.detach().float().contiguous()
+
+
+class Int4Linear(DecodeFormatLinear):
+    """4-bit weights: per group of 32 input weights ``w = d * q + m``, ``q`` in 0..15, in GGUF
+    Q4_1's byte layout: Q4_1 as stored (``d``, ``m`` fp16: 20 bytes per 32 weights), Q4_K with
+    its group scales ``d * sc`` and offsets ``-dmin * mn`` in fp32 (exact; 24 bytes per 32
+    against the file's 18), or a float checkpoint quantized min/max per group (as Q4_1).
+
+    ``y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g)``: the kernel streams the blocks once for all
+    rows of the call, with bf16 products of the 4-bit values (exact in bf16) and the
+    activations rounded to bf16, as every bf16 matmul does, and fp32 group sums.
 
     Buffers: ``qs`` uint8 ``[N, Kp / 2]`` (``Kp`` = K rounded up to 64 with zero groups; per
-    group GGUF's 16 bytes: weight j in the low nibble of byte j, j + 16 in its high nibble);
-    ``dm`` the fp16 bits (int16) of ``[N, Kp / 64, 4]`` = (d, d', m, m') of a chunk's two groups.
-
-    Prefill weights (``add_prefill_copy``): the 4-bit kernel suits decode, whose few rows per
-    step are bound by the bytes read, not prefill, where hundreds of rows make the step
-    compute-bound and unpacking nibbles costs more than the bytes it saves (issue #17:
-    SmolLM2's 256-token TTFT was 481 ms through this kernel, 204 ms with bf16 weights).
-    ``prefill`` is then a ``Bf16Linear`` holding ``bf16(d * q + m)`` (3.2 times the bytes of
-    the blocks), and the rows of a step's prompt tokens go through it, the others through
-    the blocks (kvserve/token_roles.py: by the token's role, never by the batch, so results
-    stay deterministic).
+    group 16 bytes: weight j in the low nibble of byte j, j + 16 in its high nibble); ``dm``
+    ``[N, Kp / 64, 4]`` = (d, d', m, m') of a chunk's two groups, as fp16 bits (int16) or fp32.
     """
 
     def __init__(self, qs: torch.Tensor, dm: torch.Tensor, in_features: int, bias: Optional[torch.Tensor]) -> None:
@@ -205,27 +254,31 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = qs.shape[0], in_features
         self.register_buffer("qs", qs.contiguous())
         self.register_buffer("dm", dm.contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.register_buffer("bias", _fp32_bias(bias))
         self._expanded: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self.prefill: Optional[Bf16Linear] = None
+
+    def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d, m) as fp32 ``[N, Kp / 32]``."""
+        n, kp = self.qs.shape[0], self.qs.shape[1] * 2
+        dm = (self.dm.view(torch.float16) if self.dm.dtype == torch.int16 else self.dm).float()
+        dm = dm.view(n, kp // 64, 2, 2)
+        return dm[:, :, 0].reshape(n, kp // 32), dm[:, :, 1].reshape(n, kp // 32)
+
+    def _values(self) -> torch.Tensor:
+        n, kp = self.qs.shape[0], self.qs.shape[1] * 2
+        groups = self.qs.view(n, kp // 32, 16)
+        return torch.cat([groups & 15, groups >> 4], dim=-1).float()  # weights 0-15, then 16-31
 
     def dequantized(self) -> torch.Tensor:
         """The weights ``d * q + m`` as fp32 ``[N, K]`` (computed afresh: not kept)."""
         n, kp = self.qs.shape[0], self.qs.shape[1] * 2
-        groups = self.qs.view(n, kp // 32, 16)
-        q = torch.cat([groups & 15, groups >> 4], dim=-1).float()  # weights 0-15, then 16-31
-        dm = self.dm.view(torch.float16).float().view(n, kp // 64, 2, 2)
-        d, m = dm[:, :, 0].reshape(n, kp // 32, 1), dm[:, :, 1].reshape(n, kp // 32, 1)
-        return (q * d + m).view(n, kp)[:, :self.in_features]
-
-    def add_prefill_copy(self) -> int:
-        """Give the layer its bf16 prefill weights (see the class); their bytes."""
-        self.prefill = Bf16Linear(self.dequantized(), self.bias)
-        return self.prefill.weight.numel() * self.prefill.weight.element_size()
+        d, m = self._scales()
+        return (self._values() * d[..., None] + m[..., None]).view(n, kp)[:, :self.in_features]
 
     @classmethod
-    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
-        """``q``: [N, K] in 0..15; ``d``, ``m``: [N, K / 32] (rounded to fp16)."""
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: Optional[torch.Tensor],
+                    fp32_scales: bool = False) -> "Int4Linear":
+        """``q``: [N, K] in 0..15; ``d``, ``m``: [N, K / 32] (rounded to fp16 unless ``fp32_scales``)."""
         n, k = q.shape
         kp = -(-k // 64) * 64
         padded = torch.zeros(n, kp, dtype=torch.int32)
@@ -235,7 +288,12 @@ class Int4Linear(nn.Module):
         scales = torch.zeros(2, n, kp // 32)
         scales[0, :, :k // 32], scales[1, :, :k // 32] = d, m
         dm = scales.view(2, n, kp // 64, 2).permute(1, 2, 0, 3).reshape(n, kp // 64, 4)
-        return cls(qs, dm.to(torch.float16).view(torch.int16), k, bias)
+        return cls(qs, dm.float() if fp32_scales else dm.to(torch.float16).view(torch.int16), k, bias)
+
+    @classmethod
+    def from_nibble_blocks(cls, blocks: block_formats.NibbleBlocks, bias: Optional[torch.Tensor]) -> "Int4Linear":
+        return cls.from_blocks(torch.from_numpy(blocks.q.astype(np.int32)), torch.from_numpy(blocks.d),
+                               torch.from_numpy(blocks.m), bias, fp32_scales=blocks.fp32_scales)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
@@ -252,23 +310,12 @@ class Int4Linear(nn.Module):
         """(``d * q`` fp32 [N, Kp], ``m`` fp32 [N, Kp / 32]): the weights for plain torch."""
         if self._expanded is None:
             n, kp = self.qs.shape[0], self.qs.shape[1] * 2
-            groups = self.qs.view(n, kp // 32, 16)
-            q = torch.cat([groups & 15, groups >> 4], dim=-1)  # weights 0-15, then 16-31
-            dm = self.dm.view(torch.float16).float().view(n, kp // 64, 2, 2)
-            d, m = dm[:, :, 0].reshape(n, kp // 32), dm[:, :, 1].reshape(n, kp // 32)
-            self._expanded = ((q.float() * d[..., None]).view(n, kp), m)
+            d, m = self._scales()
+            self._expanded = ((self._values() * d[..., None]).view(n, kp), m)
         return self._expanded
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [rows, features]: the step's prompt rows through the prefill weights when the
-        layer has them and the step's roles are installed, every other row through Q4_1."""
-        roles = None if self.prefill is None else current_token_roles()
-        if roles is None:
-            return self.forward_q4(x)
-        return roles.apply(x, self.prefill, self.forward_q4)
-
-    def forward_q4(self, x: torch.Tensor) -> torch.Tensor:
-        """Every row through the Q4_1 blocks."""
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Every row through the 4-bit blocks."""
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q4_linear(rows, self.qs, self.dm, self.bias))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -281,13 +328,45 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Q8Linear(nn.Module):
-    """GGUF Q8_0 weights: per group of 32 input weights ``w = d * q``, ``q`` in -127..127, ``d``
-    fp16, with fp32 activations; the fused kernel streams the 8-bit blocks (int4 mode's LM
-    head, as llama.cpp stores SmolLM2's). ``qs`` int8 [N, K]; ``d`` fp16 bits (int16) [N, K / 32]."""
+class Q5Linear(DecodeFormatLinear):
+    """GGUF Q5_0 weights as stored (22 bytes per 32): ``w = d * (q - 16)``, ``q`` in 0..31, its
+    low 4 bits in Q4_1's nibble layout, the fifth in a 32-bit word per group; ``d`` fp16. The
+    kernel is the 4-bit one's with the fifth bit added before the bf16 lookup (bf16 products,
+    fp32 sums, no offset term). Buffers as ``block_formats.Q5Blocks``."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, blocks: block_formats.Q5Blocks, in_features: int, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
+        self.out_features, self.in_features = blocks.qs.shape[0], in_features
+        self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(blocks.qs)))
+        self.register_buffer("qh", torch.from_numpy(np.ascontiguousarray(blocks.qh)))
+        self.register_buffer("d", torch.from_numpy(np.ascontiguousarray(blocks.d)))
+        self.register_buffer("bias", _fp32_bias(bias))
+
+    def dequantized(self) -> torch.Tensor:
+        blocks = block_formats.Q5Blocks(self.qs.numpy(), self.qh.numpy(), self.d.numpy())
+        return torch.from_numpy(block_formats.q5_values(blocks, self.in_features))
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return _block_quantized_forward(
+            self, x, lambda ext, rows: ext.q5_linear(rows, self.qs, self.qh, self.d, self.bias))
+
+
+class Q8Linear(DecodeFormatLinear):
+    """8-bit weights ``w = d * q`` with fp32 activations (fp32 products): GGUF Q8_0 (groups of
+    32, ``q`` in -127..127, ``d`` fp16; the int4 mode's LM head, as llama.cpp stores SmolLM2's)
+    or Q6_K (groups of 16, ``q - 32`` in -32..31, ``d * sc`` in fp32: exact). ``qs`` int8
+    [N, K]; ``d`` fp16 bits (int16) [N, K / 32] or fp32 [N, K / 16]."""
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.register_buffer("qs", qs.contiguous())
+        self.register_buffer("d", d.contiguous())
+        self.register_buffer("bias", _fp32_bias(bias))
+        self.out_features, self.in_features = qs.shape
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> "Q8Linear":
+        """Q8_0 quantization (symmetric per group of 32)."""
         n, k = weight.shape
         if k % INT4_GROUP_SIZE:
             raise ConfigError(f"Q8_0 needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
@@ -295,18 +374,47 @@ class Q8Linear(nn.Module):
         d = (w.abs().amax(dim=-1) / 127.0).half()
         # Requantizing a dequantized Q8_0 tensor this way gives back its blocks exactly.
         q = torch.round(w / d.float().clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("qs", q.view(n, k).contiguous())
-        self.register_buffer("d", d.view(torch.int16).contiguous())
-        self.out_features, self.in_features = n, k
+        return cls(q.view(n, k), d.view(torch.int16))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _block_quantized_forward(self, x, lambda ext, rows: ext.q8_linear(rows, self.qs, self.d, None))
+    @classmethod
+    def from_byte_blocks(cls, blocks: block_formats.ByteBlocks, bias: Optional[torch.Tensor]) -> "Q8Linear":
+        return cls(torch.from_numpy(np.ascontiguousarray(blocks.q)), torch.from_numpy(np.ascontiguousarray(blocks.d)),
+                   bias)
+
+    def dequantized(self) -> torch.Tensor:
+        group = 16 if self.d.dtype == torch.float32 else INT4_GROUP_SIZE
+        scales = (self.d if self.d.dtype == torch.float32 else self.d.view(torch.float16)).float()
+        groups = self.qs.float().view(self.out_features, -1, group) * scales[..., None]
+        return groups.view(self.out_features, self.in_features)
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return _block_quantized_forward(self, x, lambda ext, rows: ext.q8_linear(rows, self.qs, self.d, self.bias))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ (d * q)^T`` in plain torch (the weights expanded on every call)."""
-        groups = self.qs.float().view(self.out_features, -1, INT4_GROUP_SIZE)
-        w = groups * self.d.view(torch.float16).float()[..., None]
-        return x.float() @ w.view(self.out_features, self.in_features).T
+        """``x @ (d * q)^T`` in plain torch (fp32 activations, as the kernel)."""
+        y = x.float() @ self._reference_weight().T
+        return y if self.bias is None else y + self.bias
+
+
+class SegmentedLinear(DecodeFormatLinear):
+    """Consecutive runs of output rows in different formats: a fused projection whose parts the
+    file stores in different types (Gemma 3's q/k in Q5_0 and v in Q8_0 in half its layers).
+    Each segment computes its rows; the prefill copy, when added, covers them all."""
+
+    def __init__(self, segments: list[DecodeFormatLinear]) -> None:
+        super().__init__()
+        self.segments = nn.ModuleList(segments)
+        self.in_features = segments[0].in_features
+        self.out_features = sum(s.out_features for s in segments)
+        biases = [s.bias for s in segments]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(s.out_features) for b, s in zip(biases, segments)])
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([s.dequantized() for s in self.segments])
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([s.forward_blocks(x) for s in self.segments], dim=-1)
 
 
 def _block_quantized_forward(layer: nn.Module, x: torch.Tensor, kernel) -> torch.Tensor:
@@ -316,20 +424,6 @@ def _block_quantized_forward(layer: nn.Module, x: torch.Tensor, kernel) -> torch
     ext = ops.cpu_extension()
     y = kernel(ext, rows) if ext is not None and rows.device.type == "cpu" else layer.forward_reference(rows)
     return y.view(*x.shape[:-1], layer.out_features).to(x.dtype)
-
-
-def unpack_q4_1(data: np.ndarray, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF Q4_1 rows -> (q int32 [N, K] in 0..15, d [N, K/32], m [N, K/32]) as float32.
-
-    A block is ``half d, half m, uint8 qs[16]``: weight j is ``qs[j] & 15``, weight j + 16
-    is ``qs[j] >> 4``."""
-    n, k = shape[0], shape[-1]
-    blocks = np.ascontiguousarray(data).reshape(n, k // 32, 20)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., 4:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-    return torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m)
 
 
 class RescoredLMHead(nn.Module):
@@ -354,28 +448,63 @@ class RescoredLMHead(nn.Module):
         return logits.scatter_(1, idx, ops.gathered_rows_dot(x.float(), self.exact_weight, idx))
 
 
-def _q4_1_linear(raw_parts: list, bias: Optional[torch.Tensor]) -> Int4Linear:
-    qs, ds, ms = zip(*(unpack_q4_1(p.data, p.shape) for p in raw_parts))
-    return Int4Linear.from_blocks(torch.cat(qs), torch.cat(ds), torch.cat(ms), bias)
+def _gguf_block_linear(quant_type: str, data: np.ndarray, shape: tuple[int, ...],
+                       bias: Optional[torch.Tensor]) -> Optional[DecodeFormatLinear]:
+    """A GGUF matrix read by the kernel for its own type (None: no kernel reads that type)."""
+    blocks = block_formats.unpack(quant_type, data, shape)
+    if isinstance(blocks, block_formats.NibbleBlocks):
+        return Int4Linear.from_nibble_blocks(blocks, bias)
+    if isinstance(blocks, block_formats.Q5Blocks):
+        return Q5Linear(blocks, shape[-1], bias)
+    if isinstance(blocks, block_formats.ByteBlocks):
+        return Q8Linear.from_byte_blocks(blocks, bias)
+    return None
+
+
+def gguf_linear(raw_parts: list, bias: Optional[torch.Tensor]) -> Optional[DecodeFormatLinear]:
+    """The fused projection of ``raw_parts`` (GGUF QuantizedTensors stacked by rows) on the
+    file's own blocks: one layer when the parts share a type, a SegmentedLinear of one layer
+    per run of parts that share one otherwise; None if some part's type has no kernel."""
+    runs: list[list] = []
+    for part in raw_parts:
+        if runs and runs[-1][0].quant_type == part.quant_type:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    layers, row = [], 0
+    for run in runs:
+        rows = sum(p.shape[0] for p in run)
+        data = run[0].data if len(run) == 1 else np.concatenate([p.data for p in run])
+        layer = _gguf_block_linear(run[0].quant_type.name, data, (rows, run[0].shape[-1]),
+                                   None if bias is None else bias[row:row + rows])
+        if layer is None:
+            return None
+        layers.append(layer)
+        row += rows
+    return layers[0] if len(layers) == 1 else SegmentedLinear(layers)
+
+
+def _format_name(raw_parts: list) -> str:
+    types = "+".join(dict.fromkeys(p.quant_type.name for p in raw_parts))
+    return f"{types} (as stored)"
 
 
 def convert_linear_layers(model: nn.Module, weight_format: str,
                           raw_weights: Optional[dict] = None, prefill_copies: bool = True) -> dict[str, int]:
     """Swap the decoder's linear layers and the LM head for ``weight_format`` ones.
 
-    ``prefill_copies``: int4 layers also get their bf16 prefill weights (``Int4Linear``), for
-    the prompt tokens; off for a draft model, which runs every row through the 4-bit weights.
+    ``prefill_copies``: int4 layers also get their bf16 prefill weights (``DecodeFormatLinear``),
+    for the prompt tokens; off for a draft model, which runs every row through the blocks.
 
-    ``raw_weights`` (HF name -> GGUF QuantizedTensor) lets int4 reuse Q4_1 blocks exactly;
-    other GGUF matrices stay bf16 in int4 mode. Float checkpoints are quantized from their
-    values (int4: asymmetric min/max per group of 32). int8 is symmetric per output channel.
+    ``raw_weights`` (HF name -> GGUF QuantizedTensor): int4 mode reads a GGUF's own blocks
+    where a kernel reads their type (Q4_1, Q4_K, Q5_0, Q8_0, Q6_K: every value as stored), and
+    keeps other GGUF matrices at bf16. Float checkpoints are quantized from their values
+    (int4: asymmetric min/max per group of 32). int8 is symmetric per output channel.
     The LM head is Q8_0 in int4 mode and bf16 otherwise, with fp32 rescoring of its top
     candidates. Returns how many layers got each format.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ConfigError(f"unknown weight format {weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
-    from gguf import GGMLQuantizationType
-
     packed = getattr(model, "packed_modules", {})
     raw_weights = raw_weights or {}
     counts: dict[str, int] = {}
@@ -390,21 +519,21 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
                for part in packed.get(leaf, (leaf,))]
         if weight_format == "bf16":
             new, kind = Bf16Linear(module.weight, module.bias), "bf16"
-        elif weight_format == "int4" and all(r is not None and r.quant_type == GGMLQuantizationType.Q4_1
-                                             for r in raw):
-            new, kind = _q4_1_linear(raw, module.bias), "int4 (Q4_1 blocks reused)"
+        elif (weight_format == "int4" and all(r is not None for r in raw)
+              and (blocks := gguf_linear(raw, module.bias)) is not None):
+            new, kind = blocks, _format_name(raw)
         elif (weight_format == "int4" and module.in_features % INT4_GROUP_SIZE == 0
               and all(r is None for r in raw)):
             # Float checkpoints (safetensors, test models): quantize afresh.
             new, kind = Int4Linear.from_float(module.weight, module.bias), "int4"
         elif weight_format == "int4":
-            # A GGUF matrix in another type (Gemma's Q5_0/Q6_K/Q8_0, and Q4_K whose 6-bit
-            # sub-scales would be rounded again): requantizing it to 4 bits measured 91 % top-1
-            # agreement on Gemma 3, so it stays at bf16.
-            new, kind = Bf16Linear(module.weight, module.bias), "bf16 (not Q4_1 in the file)"
+            # A GGUF matrix in a type no kernel reads (Q5_1, the other K-quants, IQ*):
+            # requantizing it to 4 bits loses accuracy (Gemma 3's Q5_0/Q6_K/Q8_0 mix measured
+            # 91 % top-1 agreement that way), so it stays at bf16.
+            new, kind = Bf16Linear(module.weight, module.bias), "bf16 (no kernel for its type)"
         else:
             new, kind = Int8Linear(module.weight, module.bias), "int8"
-        if isinstance(new, Int4Linear) and prefill_copies:
+        if isinstance(new, DecodeFormatLinear) and prefill_copies:
             prefill_bytes += new.add_prefill_copy()
         counts[kind] = counts.get(kind, 0) + 1
         parent_name, attr = name.rsplit(".", 1)
@@ -413,14 +542,14 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
     if weight_format == "int4" and exact.device.type == "cpu" and exact.shape[1] % INT4_GROUP_SIZE == 0:
         # Q8_0, llama.cpp's format for SmolLM2's head: half the bytes of bf16 (1.0 against
         # 2.2 ms per token for its 28 M weights).
-        model.lm_head, kind = RescoredLMHead(Q8Linear(exact), exact), "lm_head Q8_0 + fp32 rescoring"
+        model.lm_head, kind = RescoredLMHead(Q8Linear.from_float(exact), exact), "lm_head Q8_0 + fp32 rescoring"
     else:
         # bf16 otherwise: the packed bf16 matmul reads the head faster at one row than
         # torch's int8 kernel does (0.9-1.5 ms against 2.0 ms for SmolLM2's 28 M weights).
         model.lm_head, kind = RescoredLMHead(Bf16Linear(exact, None), exact), "lm_head bf16 + fp32 rescoring"
     counts[kind] = 1
     if prefill_bytes:
-        logger.info("int4: bf16 prefill copies of the Q4_1 layers for prompt tokens, %.1f MiB",
+        logger.info("int4: bf16 prefill copies of the block-quantized layers for prompt tokens, %.1f MiB",
                     prefill_bytes / 2**20)
     _weights_to_huge_pages(model)
     return counts
@@ -429,17 +558,17 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
 def prefill_copy_bytes(model: nn.Module) -> int:
     """The bytes of the int4 layers' bf16 prefill weights (0: none)."""
     return sum(m.prefill.weight.numel() * m.prefill.weight.element_size()
-               for m in model.modules() if isinstance(m, Int4Linear) and m.prefill is not None)
+               for m in model.modules() if isinstance(m, DecodeFormatLinear) and m.prefill is not None)
 
 
 def has_prefill_copies(model: nn.Module) -> bool:
     """Whether some linear layer computes prompt rows in another format than generated ones."""
-    return any(isinstance(m, Int4Linear) and m.prefill is not None for m in model.modules())
+    return any(isinstance(m, DecodeFormatLinear) and m.prefill is not None for m in model.modules())
 
 
 # The buffers each format streams per token, in the order a step reads them. (oneDNN's
 # pre-packed bf16 weights are opaque tensors that cannot be placed.)
-_STREAMED_BUFFERS = {Int4Linear: ("qs", "dm"), Q8Linear: ("qs", "d")}
+_STREAMED_BUFFERS = {Int4Linear: ("qs", "dm"), Q5Linear: ("qs", "qh", "d"), Q8Linear: ("qs", "d")}
 
 
 def _weights_to_huge_pages(model: nn.Module) -> None:

@@ -56,9 +56,9 @@ def _layers(n: int, k: int) -> dict[str, torch.nn.Module]:
     torch.manual_seed(k)
     w, b = torch.randn(n, k) * 0.05, torch.randn(n) * 0.1
     return {"bf16": Bf16Linear(w, b), "fp32": Fp32Linear(w, b), "int8": Int8Linear(w, b),
-            "int4": Int4Linear.from_float(w, b), "q8": Q8Linear(w),
+            "int4": Int4Linear.from_float(w, b), "q8": Q8Linear.from_float(w),
             "bf16 head + rescoring": RescoredLMHead(Bf16Linear(w, None), w, top_k=16),
-            "q8 head + rescoring": RescoredLMHead(Q8Linear(w), w, top_k=16)}
+            "q8 head + rescoring": RescoredLMHead(Q8Linear.from_float(w), w, top_k=16)}
 
 
 # SmolLM2's down projection (K = 1536) and a Gemma-3-like one (K = 2048): the shapes where

@@ -88,6 +88,30 @@ def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prom
     assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
 
 
+def test_fused_layers_match_the_python_model_with_gemma_files_own_blocks():
+    """Gemma 3's int4 mode reads its file's Q5_0, Q8_0 (fused with Q5_0 in q/k/v: segments),
+    Q4_K and Q6_K blocks: the native loop equals the Python model bit for bit, with and
+    without token roles, and both stay near plain torch."""
+    from kvserve.quant import Int4Linear, Q5Linear, Q8Linear, SegmentedLinear
+
+    model, cfg = load_model(resolve_model("gemma-3-270m"), quantization="int4")
+    kinds = {type(m) for m in model.model.layers.modules()}
+    assert {Int4Linear, Q5Linear, Q8Linear, SegmentedLinear} <= kinds
+    fused = model.model.fused_layers
+    assert fused is not None
+    for prompt_lens in (None, [100, 5]):
+        native = _three_steps(model, cfg, n_blocks=24, prompt_lens=prompt_lens)
+        model.model.fused_layers = None
+        try:
+            layer_by_layer = _three_steps(model, cfg, n_blocks=24, prompt_lens=prompt_lens)
+        finally:
+            model.model.fused_layers = fused
+        assert torch.equal(native, layer_by_layer), prompt_lens
+    with ops.use_kernels(False):
+        plain = _three_steps(model, cfg, prompt_lens=[100, 5])
+    assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
+
+
 def test_token_roles_kinds():
     assert TokenRoles.from_mask(torch.tensor([True, True]).numpy()).kind == ALL_PROMPT
     roles = TokenRoles.from_mask(torch.tensor([True, False, True]).numpy())

@@ -10,7 +10,8 @@ from gguf.quants import dequantize
 import pytest
 
 from kvserve import ops
-from kvserve.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead, unpack_bf16_weight, unpack_q4_1
+from kvserve.block_formats import unpack_q4_1
+from kvserve.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead, unpack_bf16_weight
 from kvserve.token_roles import ALL_GENERATED, ALL_PROMPT, MIXED, TokenRoles, use_token_roles
 
 
@@ -27,17 +28,16 @@ def _random_q4_1(n: int, k: int, seed: int = 0) -> np.ndarray:
 
 def test_unpack_q4_1_matches_gguf_dequantize():
     raw = _random_q4_1(8, 64)
-    q, d, m = unpack_q4_1(raw, (8, 64))
-    ours = (q.view(8, 2, 32).float() * d[..., None] + m[..., None]).view(8, 64)
-    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1)).view(8, 64)
-    assert torch.equal(ours, ref.float())
+    b = unpack_q4_1(raw, (8, 64))
+    ours = (b.q.reshape(8, 2, 32) * b.d[..., None] + b.m[..., None]).reshape(8, 64)
+    ref = dequantize(raw, GGMLQuantizationType.Q4_1).reshape(8, 64)
+    assert np.array_equal(ours.astype(np.float32), ref.astype(np.float32))
 
 
 def test_int4_from_q4_1_matches_fp32_linear():
     n, k = 96, 128
     raw = _random_q4_1(n, k, seed=1)
-    q, d, m = unpack_q4_1(raw, (n, k))
-    layer = Int4Linear.from_blocks(q, d, m, None)
+    layer = Int4Linear.from_nibble_blocks(unpack_q4_1(raw, (n, k)), None)
     w = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1)).view(n, k).float()
     x = torch.randn(5, k)
     rel = (layer(x) - x @ w.T).norm() / (x @ w.T).norm()
@@ -53,8 +53,7 @@ def test_int4_prefill_copy_gives_each_row_the_format_of_its_role(kernels):
     is Q4_1 as before."""
     n, k = 40, 96  # 96: an odd number of groups, padded to 128 in the blocks, not in the copy
     raw = _random_q4_1(n, k, seed=3)
-    q, d, m = unpack_q4_1(raw, (n, k))
-    layer = Int4Linear.from_blocks(q, d, m, torch.randn(n))
+    layer = Int4Linear.from_nibble_blocks(unpack_q4_1(raw, (n, k)), torch.randn(n))
     w = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1)).view(n, k).float()
     assert torch.equal(layer.dequantized(), w)
     assert layer.add_prefill_copy() == layer.prefill.weight.numel() * 2
@@ -74,7 +73,7 @@ def test_int4_prefill_copy_gives_each_row_the_format_of_its_role(kernels):
             with use_token_roles(roles):
                 y = layer(x)
             for i, prompt in enumerate(mask):
-                alone = (layer.prefill if prompt else layer.forward_q4)(x[i:i + 1])
+                alone = (layer.prefill if prompt else layer.forward_blocks)(x[i:i + 1])
                 ref = (layer.prefill.forward_reference if prompt else layer.forward_reference)(x[i:i + 1])
                 assert (alone - ref).abs().max() <= 1e-5 * ref.abs().max(), (name, i)
                 if kernels:  # kvserve's kernels reduce a row alike in any call (plain torch's BLAS need not)
@@ -82,8 +81,8 @@ def test_int4_prefill_copy_gives_each_row_the_format_of_its_role(kernels):
                 else:
                     assert (y[i] - alone[0]).abs().max() <= 1e-5 * ref.abs().max(), (name, i)
         # The two formats differ (bf16 rounding of d * q + m), so the roles do choose.
-        assert not torch.equal(layer.prefill(x), layer.forward_q4(x))
-        assert torch.equal(layer(x), layer.forward_q4(x))
+        assert not torch.equal(layer.prefill(x), layer.forward_blocks(x))
+        assert torch.equal(layer(x), layer.forward_blocks(x))
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -94,8 +93,7 @@ def test_q4_1_kernel_matches_plain_torch(portable, k):
     ext = ops.load_extension()
     n = 40
     raw = _random_q4_1(n, k, seed=k)
-    q, d, m = unpack_q4_1(raw, (n, k))
-    layer = Int4Linear.from_blocks(q, d, m, torch.randn(n))
+    layer = Int4Linear.from_nibble_blocks(unpack_q4_1(raw, (n, k)), torch.randn(n))
     ext.set_portable_quant_kernels(portable)
     try:
         for rows in (1, 2, 3, 4, 5, 17):
@@ -118,7 +116,7 @@ def test_q8_0_requantizes_gguf_blocks_exactly_and_kernel_matches(portable):
     q[..., 0] = 127  # Q8_0 blocks reach +-127: d = max |w| / 127
     blocks[..., 2:] = q.view(np.uint8)
     w = torch.from_numpy(dequantize(blocks.reshape(n, -1), GGMLQuantizationType.Q8_0)).view(n, k).float()
-    head = Q8Linear(w)
+    head = Q8Linear.from_float(w)
     assert torch.equal(head.qs, torch.from_numpy(q.reshape(n, k)))
     ext = ops.load_extension()
     ext.set_portable_quant_kernels(portable)

@@ -411,11 +411,11 @@ def test_q4_1_blocks_shard_like_the_float_weights():
     from kvserve.loader import load_config, resolve_model
     from kvserve.loader.gguf import open_gguf, quantized_weights
     from kvserve.models.tensor_parallel import TPShardPlan
-    from kvserve.quant import unpack_q4_1
+    from kvserve.block_formats import unpack_q4_1
 
     def dequant(qt):
-        q, d, m = unpack_q4_1(qt.data, qt.shape)
-        return (q.float().view(q.shape[0], -1, 32) * d[..., None] + m[..., None]).view(q.shape)
+        b = unpack_q4_1(qt.data, qt.shape)
+        return torch.from_numpy((b.q.reshape(b.q.shape[0], -1, 32) * b.d[..., None] + b.m[..., None]).reshape(b.q.shape))
 
     source = resolve_model("smollm2-135m-instruct")
     config = load_config(source)

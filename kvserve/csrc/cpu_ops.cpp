@@ -1138,6 +1138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top_k_rows", &top_k_rows);
   m.def("apply_token_bitmask", &apply_token_bitmask);
   m.def("q4_linear", &q4_linear);
+  m.def("q5_linear", &q5_linear);
   m.def("q8_linear", &q8_linear);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
   m.def("bf16_linear", &bf16_linear);

@@ -44,9 +44,13 @@ std::pair<int64_t, int64_t> row_run(const torch::Tensor& rows) {
 
 // One linear layer, as kvserve.quant / torch store it (see kvserve/models/fused.py).
 struct Linear {
-  enum class Kind { kQ4, kQ8, kBf16, kFp32, kOneDnnBf16, kInt8, kDense };
+  enum class Kind { kQ4, kQ5, kQ8, kBf16, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
   Kind kind = Kind::kDense;
-  torch::Tensor weight, scales;  // Q4: qs, dm; Q8: qs, d; int8: weight, scales; bf16: packed; fp32 / oneDNN / dense: weight
+  // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); Q8: qs, d; int8: weight, scales; bf16: packed;
+  // fp32 / oneDNN / dense: weight
+  torch::Tensor weight, scales, extra;
+  // kSegments (kvserve.quant.SegmentedLinear): consecutive output rows in their own formats.
+  std::vector<Linear> segments;
   c10::optional<torch::Tensor> bias;
   int64_t out_features = 0;
   // Int4Linear's bf16 copy of its weights, for the prompt rows (null: every row uses the above).
@@ -76,6 +80,18 @@ struct Linear {
         auto out = torch::empty({x.size(0), out_features}, x.options());
         q4_linear_out(out, x, weight, scales, bias);
         return out;
+      }
+      case Kind::kQ5: {
+        RECORD_FUNCTION("kvserve::q5_linear", std::vector<c10::IValue>());
+        auto out = torch::empty({x.size(0), out_features}, x.options());
+        q5_linear_out(out, x, weight, extra, scales, bias);
+        return out;
+      }
+      case Kind::kSegments: {
+        std::vector<torch::Tensor> parts;
+        parts.reserve(segments.size());
+        for (const Linear& segment : segments) parts.push_back(segment(x));
+        return torch::cat(parts, 1);
       }
       case Kind::kQ8: {
         RECORD_FUNCTION("kvserve::q8_linear", std::vector<c10::IValue>());
@@ -120,13 +136,18 @@ struct Linear {
 Linear make_linear(const pybind11::tuple& spec) {
   Linear linear;
   const auto kind = spec[0].cast<std::string>();
-  linear.weight = spec[1].cast<torch::Tensor>();
+  if (!spec[1].is_none()) linear.weight = spec[1].cast<torch::Tensor>();
   if (!spec[2].is_none()) linear.scales = spec[2].cast<torch::Tensor>();
   if (!spec[3].is_none()) linear.bias = spec[3].cast<torch::Tensor>();
   linear.out_features = spec.size() > 4 && !spec[4].is_none() ? spec[4].cast<int64_t>() : linear.weight.size(0);
   if (spec.size() > 5 && !spec[5].is_none())
     linear.prefill = std::make_shared<const Linear>(make_linear(spec[5].cast<pybind11::tuple>()));
+  if (spec.size() > 6 && !spec[6].is_none()) linear.extra = spec[6].cast<torch::Tensor>();
+  if (spec.size() > 7 && !spec[7].is_none())
+    for (const auto& part : spec[7].cast<pybind11::list>()) linear.segments.push_back(make_linear(part.cast<pybind11::tuple>()));
   if (kind == "q4") linear.kind = Linear::Kind::kQ4;
+  else if (kind == "q5") linear.kind = Linear::Kind::kQ5;
+  else if (kind == "segments") linear.kind = Linear::Kind::kSegments;
   else if (kind == "bf16") linear.kind = Linear::Kind::kBf16;
   else if (kind == "fp32") linear.kind = Linear::Kind::kFp32;
   else if (kind == "q8") linear.kind = Linear::Kind::kQ8;

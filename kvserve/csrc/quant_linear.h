@@ -5,12 +5,21 @@
 
 // y = x @ W^T + bias for Q4_1 weights: qs uint8 [N, Kp / 2] (Kp = K rounded up to 64; per
 // group of 32, GGUF's 16 bytes: weight j in the low nibble of byte j, j + 16 in its high
-// nibble), dm int16 [N, Kp / 64, 4] holding fp16 bits (d, d', m, m') of the chunk's two groups.
+// nibble), dm [N, Kp / 64, 4] = (d, d', m, m') of the chunk's two groups as fp16 bits (int16),
+// or fp32 (Q4_K's d * sc and -dmin * mn).
 void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor dm,
                    c10::optional<torch::Tensor> bias);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, c10::optional<torch::Tensor> bias);
 
-// y = x @ W^T + bias for Q8_0 weights: qs int8 [N, K], d int16 [N, K / 32] holding fp16 scales.
+// y = x @ W^T + bias for Q5_0 weights: qs as Q4_1's, qh int32 [N, Kp / 32] (per group, bit j is
+// weight j's fifth bit), d int16 [N, Kp / 32] holding fp16 scales; w = d * (q - 16).
+void q5_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor qh, torch::Tensor d,
+                   c10::optional<torch::Tensor> bias);
+torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, torch::Tensor d,
+                        c10::optional<torch::Tensor> bias);
+
+// y = x @ W^T + bias for 8-bit weights: qs int8 [N, K]; d int16 [N, K / 32] holding fp16 scales
+// (Q8_0) or fp32 [N, K / 16] (Q6_K's d * sc, with q - 32 in qs).
 void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d,
                    c10::optional<torch::Tensor> bias);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> bias);

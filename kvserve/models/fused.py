@@ -25,23 +25,24 @@ from torch import nn
 from kvserve import ops
 from kvserve.attention import AttentionMetadata, kernel_rows
 from kvserve.kv_cache import KVCache
-from kvserve.quant import Bf16Linear, Fp32Linear, Int4Linear, Int8Linear, Q8Linear
+from kvserve.quant import (Bf16Linear, DecodeFormatLinear, Fp32Linear, Int4Linear, Int8Linear, Q5Linear, Q8Linear,
+                           SegmentedLinear)
 from kvserve.token_roles import ALL_GENERATED, current_token_roles
 
 logger = logging.getLogger(__name__)
 
 
 def _linear_spec(layer: nn.Module) -> Optional[tuple]:
-    """(kind, weight, scales, bias[, out_features[, prefill]]) as decoder.cpp's ``Linear``
-    takes them, or None (out_features where the weight's shape does not say it: packed bf16;
-    prefill: an Int4Linear's bf16 copy for the prompt rows, itself such a spec)."""
-    if isinstance(layer, Int4Linear):
-        if layer.prefill is None:
-            return "q4", layer.qs, layer.dm, layer.bias
+    """(kind, weight, scales, bias[, out_features[, prefill[, extra[, segments]]]]) as
+    decoder.cpp's ``Linear`` takes them, or None (out_features where the weight's shape does not
+    say it; prefill: a block-quantized layer's bf16 copy for the prompt rows, itself such a
+    spec; extra: Q5_0's fifth bits; segments: a SegmentedLinear's parts' specs)."""
+    if isinstance(layer, DecodeFormatLinear):
+        blocks = _block_spec(layer)
+        if blocks is None or layer.prefill is None:
+            return blocks
         prefill = _linear_spec(layer.prefill)
-        return None if prefill is None else ("q4", layer.qs, layer.dm, layer.bias, None, prefill)
-    if isinstance(layer, Q8Linear):
-        return "q8", layer.qs, layer.d, None
+        return None if prefill is None else (*blocks[:5], prefill, *blocks[6:])
     if isinstance(layer, Int8Linear):
         return "int8", layer.weight, layer.scales, layer.bias
     if isinstance(layer, Bf16Linear):
@@ -52,6 +53,22 @@ def _linear_spec(layer: nn.Module) -> Optional[tuple]:
         return "fp32", layer.weight, None, layer.bias
     if type(layer) is nn.Linear and layer.weight.dtype == torch.float32:
         return "dense", layer.weight, None, layer.bias
+    return None
+
+
+def _block_spec(layer: DecodeFormatLinear) -> Optional[tuple]:
+    """A block-quantized layer's spec without its prefill copy."""
+    if isinstance(layer, Int4Linear):
+        return "q4", layer.qs, layer.dm, layer.bias, None, None, None, None
+    if isinstance(layer, Q5Linear):
+        return "q5", layer.qs, layer.d, layer.bias, None, None, layer.qh, None
+    if isinstance(layer, Q8Linear):
+        return "q8", layer.qs, layer.d, layer.bias, None, None, None, None
+    if isinstance(layer, SegmentedLinear):
+        parts = [_block_spec(segment) for segment in layer.segments]
+        if any(part is None for part in parts):
+            return None
+        return "segments", None, None, None, layer.out_features, None, None, parts
     return None
 
 

@@ -1,0 +1,122 @@
+"""GGUF's block formats (Q4_1, Q4_K, Q5_0, Q8_0, Q6_K) as kvserve's kernels read them: the
+unpacked values equal gguf's own dequantization bit for bit, each kernel (AVX512 and portable)
+matches plain torch for every row blocking, and a fused projection mixing types computes each
+part with its own kernel."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from kvserve import block_formats, ops
+from kvserve.loader.gguf import QuantizedTensor
+from kvserve.quant import DecodeFormatLinear, Int4Linear, Q5Linear, Q8Linear, SegmentedLinear, gguf_linear
+
+BLOCK = {T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
+
+
+def _fp16_bytes(rng, shape, lo, hi):
+    return rng.uniform(lo, hi, size=shape).astype(np.float16).view(np.uint8).reshape(*shape, 2)
+
+
+def random_blocks(quant_type: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random but valid blocks of ``quant_type``: every byte random except the scales, kept
+    small and positive so the weights look like a layer's."""
+    rng = np.random.default_rng(seed)
+    per_block, size = BLOCK[quant_type]
+    blocks = rng.integers(0, 256, size=(n, k // per_block, size), dtype=np.uint8)
+    shape = (n, k // per_block)
+    if quant_type in (T.Q4_1, T.Q5_0, T.Q8_0):
+        blocks[..., 0:2] = _fp16_bytes(rng, shape, 0.001, 0.05)
+    if quant_type == T.Q4_1:
+        blocks[..., 2:4] = _fp16_bytes(rng, shape, -0.4, 0.0)
+    if quant_type == T.Q4_K:
+        blocks[..., 0:2] = _fp16_bytes(rng, shape, 0.0005, 0.003)
+        blocks[..., 2:4] = _fp16_bytes(rng, shape, 0.0005, 0.003)
+    if quant_type == T.Q6_K:
+        blocks[..., 208:210] = _fp16_bytes(rng, shape, 0.0001, 0.001)
+    return blocks.reshape(n, -1)
+
+
+def reference_weights(quant_type: T, data: np.ndarray, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(dequantize(data, quant_type).reshape(n, k).astype(np.float32))
+
+
+@pytest.mark.parametrize("quant_type", list(BLOCK))
+def test_unpacked_values_equal_gguf_dequantize(quant_type):
+    n, k = 6, 512
+    data = random_blocks(quant_type, n, k, seed=int(quant_type))
+    layer = gguf_linear([QuantizedTensor(quant_type, data, (n, k))], None)
+    assert isinstance(layer, DecodeFormatLinear)
+    assert torch.equal(layer.dequantized(), reference_weights(quant_type, data, n, k))
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("quant_type,k", [(T.Q5_0, 96), (T.Q5_0, 640), (T.Q4_K, 512), (T.Q6_K, 512),
+                                          (T.Q8_0, 640)])
+def test_kernel_matches_plain_torch(quant_type, k, portable):
+    """Every row count the kernels block differently (1-4 rows together, then the rest), with
+    bias; the portable loops (machines without AVX512-BF16) against the same reference."""
+    ext = ops.load_extension()
+    n = 40  # not a multiple of the 16 rows per task
+    data = random_blocks(quant_type, n, k, seed=k)
+    layer = gguf_linear([QuantizedTensor(quant_type, data, (n, k))], torch.randn(n))
+    w = reference_weights(quant_type, data, n, k)
+    ext.set_portable_quant_kernels(portable)
+    try:
+        for rows in (1, 2, 3, 4, 5, 17):
+            x = torch.randn(rows, k)
+            ref = layer.forward_reference(x)
+            assert (layer(x) - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
+            exact = x.double() @ w.double().T + layer.bias.double()
+            rel = (layer(x).double() - exact).norm() / exact.norm()
+            assert rel < (1e-6 if isinstance(layer, Q8Linear) else 1e-2), rows  # bf16 activations, but Q8
+    finally:
+        ext.set_portable_quant_kernels(False)
+    with ops.use_kernels(False):
+        assert (layer(x) - layer.forward_reference(x)).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_row_results_do_not_depend_on_the_rows_beside_them():
+    """Determinism: a row computed alone equals the same row in any batch, bit for bit."""
+    k = 1024
+    for quant_type in (T.Q5_0, T.Q4_K, T.Q6_K, T.Q8_0):
+        layer = gguf_linear([QuantizedTensor(quant_type, random_blocks(quant_type, 48, k), (48, k))], None)
+        x = torch.randn(11, k)
+        together = layer(x)
+        for i in range(11):
+            assert torch.equal(layer(x[i:i + 1])[0], together[i]), (quant_type, i)
+
+
+def test_mixed_type_projection_runs_each_part_in_its_own_format():
+    """Gemma 3's fused q/k/v with v in Q8_0: one layer per run of same-type parts, equal to the
+    parts' weights stacked; the prefill copy covers every row."""
+    k = 640
+    parts = [QuantizedTensor(T.Q5_0, random_blocks(T.Q5_0, 64, k, 1), (64, k)),
+             QuantizedTensor(T.Q5_0, random_blocks(T.Q5_0, 16, k, 2), (16, k)),
+             QuantizedTensor(T.Q8_0, random_blocks(T.Q8_0, 16, k, 3), (16, k))]
+    layer = gguf_linear(parts, torch.randn(96))
+    assert isinstance(layer, SegmentedLinear)
+    assert [type(s) for s in layer.segments] == [Q5Linear, Q8Linear]
+    w = torch.cat([reference_weights(p.quant_type, p.data, p.shape[0], k) for p in parts])
+    assert torch.equal(layer.dequantized(), w)
+    x = torch.randn(3, k)
+    ref = x @ w.T + layer.bias
+    assert ((layer(x) - ref).norm() / ref.norm()) < 5e-3
+    assert layer.add_prefill_copy() == 96 * k * 2
+    assert layer.prefill.out_features == 96
+
+
+def test_same_type_parts_merge_into_one_layer():
+    k = 512
+    parts = [QuantizedTensor(T.Q4_K, random_blocks(T.Q4_K, 32, k, s), (32, k)) for s in range(2)]
+    layer = gguf_linear(parts, None)
+    assert isinstance(layer, Int4Linear) and layer.dm.dtype == torch.float32
+    assert layer.out_features == 64
+
+
+def test_types_without_a_kernel_are_refused():
+    k = 256
+    assert block_formats.unpack("Q5_K", np.zeros((1, 176), np.uint8), (1, k)) is None
+    assert gguf_linear([QuantizedTensor(T.Q5_K, np.zeros((1, 176), np.uint8), (1, k))], None) is None
+
