@@ -137,6 +137,38 @@ def q5_values(blocks: Q5Blocks, k: int) -> np.ndarray:
     return w.reshape(n, -1)[:, :k]
 
 
+def _plane_positions() -> tuple[np.ndarray, np.ndarray]:
+    """For mask p, bit i of a 128-weight block (kvserve/csrc/quant_linear.cpp's planes): the
+    group within the block and the weight within the group whose fifth bit it holds."""
+    p, i = np.meshgrid(np.arange(4), np.arange(32), indexing="ij")
+    return i // 8, 2 * (i % 8) + (p & 1) * 16 + (p >> 1)
+
+
+def q5_plane_masks(qh: np.ndarray) -> np.ndarray:
+    """Q5_0's fifth bits, ``qh`` [N, groups] (bit j of a group's word: weight j), regrouped as
+    the AVX512 kernel reads them: [N, ceil(groups / 4) * 4] int32, four masks per 128-weight
+    block. Same bits, other order (``q5_fifth_bits`` is the inverse)."""
+    n, groups = qh.shape
+    padded = np.zeros((n, -(-groups // 4) * 4), np.uint32)
+    padded[:, :groups] = qh.view(np.uint32)
+    bits = (padded.reshape(n, -1, 4)[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [N, B, group, j]
+    group, weight = _plane_positions()
+    plane_bits = bits[:, :, group, weight].astype(np.uint64)  # [N, B, plane, i]
+    masks = (plane_bits << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+    return masks.reshape(n, -1).view(np.int32)
+
+
+def q5_fifth_bits(masks: np.ndarray, groups: int) -> np.ndarray:
+    """``q5_plane_masks``' inverse: the [N, groups] int32 qh words."""
+    n = masks.shape[0]
+    bits = (masks.view(np.uint32).reshape(n, -1, 4)[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    group, weight = _plane_positions()
+    per_group = np.zeros((n, bits.shape[1], 4, 32), np.uint64)
+    per_group[:, :, group, weight] = bits
+    qh = (per_group << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32).reshape(n, -1)
+    return qh[:, :groups].view(np.int32)
+
+
 def unpack_q8_0(data: np.ndarray, shape: tuple[int, ...]) -> ByteBlocks:
     """Q8_0: ``half d, int8 qs[32]`` per 32 weights, kept as stored."""
     n, k = shape[0], shape[-1]

@@ -241,8 +241,9 @@ class Int4Linear(DecodeFormatLinear):
     against the file's 18), or a float checkpoint quantized min/max per group (as Q4_1).
 
     ``y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g)``: the kernel streams the blocks once for all
-    rows of the call, with bf16 products of the 4-bit values (exact in bf16) and the
-    activations rounded to bf16, as every bf16 matmul does, and fp32 group sums.
+    rows of the call, with the activations rounded to bf16, as every bf16 matmul does, bf16
+    products of the 4-bit values (exact in bf16) and fp32 sums: ``bf16(x) @ w.T`` with the
+    weights exact.
 
     Buffers: ``qs`` uint8 ``[N, Kp / 2]`` (``Kp`` = K rounded up to 64 with zero groups; per
     group 16 bytes: weight j in the low nibble of byte j, j + 16 in its high nibble); ``dm``
@@ -255,7 +256,6 @@ class Int4Linear(DecodeFormatLinear):
         self.register_buffer("qs", qs.contiguous())
         self.register_buffer("dm", dm.contiguous())
         self.register_buffer("bias", _fp32_bias(bias))
-        self._expanded: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(d, m) as fp32 ``[N, Kp / 32]``."""
@@ -306,26 +306,9 @@ class Int4Linear(DecodeFormatLinear):
         q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15).view(n, k)
         return cls.from_blocks(q, d, m, bias)
 
-    def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``d * q`` fp32 [N, Kp], ``m`` fp32 [N, Kp / 32]): the weights for plain torch."""
-        if self._expanded is None:
-            n, kp = self.qs.shape[0], self.qs.shape[1] * 2
-            d, m = self._scales()
-            self._expanded = ((self._values() * d[..., None]).view(n, kp), m)
-        return self._expanded
-
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Every row through the 4-bit blocks."""
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q4_linear(rows, self.qs, self.dm, self.bias))
-
-    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The kernel's sums in plain torch: bf16-rounded activations times ``d * q``, plus
-        each group's minimum times the fp32 sum of its activations."""
-        dq, m = self.expanded()
-        k, kp = self.in_features, dq.shape[1]
-        xp = torch.nn.functional.pad(x.float(), (0, kp - k))
-        y = xp.to(torch.bfloat16).float() @ dq.T + xp.view(x.shape[0], -1, INT4_GROUP_SIZE).sum(-1) @ m.T
-        return y if self.bias is None else y + self.bias
 
 
 class Q5Linear(DecodeFormatLinear):
@@ -338,12 +321,14 @@ class Q5Linear(DecodeFormatLinear):
         super().__init__()
         self.out_features, self.in_features = blocks.qs.shape[0], in_features
         self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(blocks.qs)))
-        self.register_buffer("qh", torch.from_numpy(np.ascontiguousarray(blocks.qh)))
+        # The fifth bits regrouped for the kernel's 128-weight blocks (same bits, other order).
+        self.register_buffer("qh", torch.from_numpy(np.ascontiguousarray(block_formats.q5_plane_masks(blocks.qh))))
         self.register_buffer("d", torch.from_numpy(np.ascontiguousarray(blocks.d)))
         self.register_buffer("bias", _fp32_bias(bias))
 
     def dequantized(self) -> torch.Tensor:
-        blocks = block_formats.Q5Blocks(self.qs.numpy(), self.qh.numpy(), self.d.numpy())
+        qh = block_formats.q5_fifth_bits(self.qh.numpy(), self.d.shape[1])
+        blocks = block_formats.Q5Blocks(self.qs.numpy(), qh, self.d.numpy())
         return torch.from_numpy(block_formats.q5_values(blocks, self.in_features))
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,14 +5,13 @@
 // and do the arithmetic as they go, one pass over the weights for all rows of the step.
 //
 //   Q4_1 (kvserve int4): groups of 32 weights w = d * q + m, q in 0..15, d and m fp16.
-//     y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g). The q . x products run in bf16 with fp32
-//     sums (vdpbf16ps: q is exact in bf16, x is rounded to bf16 once, as every bf16 matmul
-//     does); sum(x_g) is taken in fp32.
+//     y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g), with x rounded to bf16 once, as every bf16
+//     matmul does: bf16 products (vdpbf16ps; q is exact in bf16), fp32 sums.
 //   Q4_K (Gemma 3's file): super-blocks of 256 with 6-bit sub-scales, w = d * sc * q - dmin * mn
 //     per group of 32. Loaded into the Q4_1 layout with the group's d * sc and -dmin * mn as
 //     fp32 (both exact in fp32, not in fp16): the same kernel with fp32 scales.
 //   Q5_0 (Gemma 3's file): groups of 32, w = d * (q - 16), q in 0..31: the 4 low bits as in
-//     Q4_1, the fifth in a 32-bit word per group (GGUF's qh). Same bf16 products as Q4_1.
+//     Q4_1, the fifth bits (GGUF's qh) regrouped for the kernel. Same bf16 products as Q4_1.
 //   Q8_0 (the int4 mode's LM head, as llama.cpp stores it): groups of 32, w = d * q,
 //     q in -127..127. fp32 products. Q6_K (Gemma 3's file): groups of 16, w = d * sc * (q - 32),
 //     loaded as int8 q - 32 with the group's d * sc in fp32 (exact): the Q8_0 kernel with
@@ -66,10 +65,10 @@ inline float bf16_to_float(uint16_t b) {
 inline float scale_value(uint16_t h) { return half_to_float(h); }
 inline float scale_value(float f) { return f; }
 
-// The activations of one Q4_1 call, laid out for the kernel: per 64-input chunk, the bf16
+// The activations of one nibble-format call for the portable loop: per 64-input chunk, the bf16
 // inputs paired with the low nibbles (inputs 0-15 and 32-47) then with the high nibbles
-// (16-31 and 48-63), and each group's fp32 sum divided by 8 (exact) in the 8 lanes whose
-// products belong to that group.
+// (16-31 and 48-63), and each group's fp32 sum of its bf16 inputs divided by 8 (exact) in the
+// 8 lanes whose products belong to that group.
 struct Q4Activations {
   int64_t chunks;
   std::vector<uint16_t> xb;  // [M][chunks][64]
@@ -82,28 +81,14 @@ struct Q4Activations {
       for (int64_t c = 0; c < chunks; ++c) {
         uint16_t* dst = xb.data() + (r * chunks + c) * kChunk;
         float* sums = group_sums.data() + (r * chunks + c) * 16;
-#ifdef KVSERVE_Q4_AVX512
-        if ((c + 1) * kChunk <= K) {
-          const float* xc = xr + c * kChunk;
-          const __m512 a0 = _mm512_loadu_ps(xc), a1 = _mm512_loadu_ps(xc + 16);
-          const __m512 b0 = _mm512_loadu_ps(xc + 32), b1 = _mm512_loadu_ps(xc + 48);
-          // round to nearest even, as torch's fp32 -> bf16 conversion
-          _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b0, a0));
-          _mm512_storeu_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(b1, a1));
-          const float sum_a = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * 0.125f;
-          const float sum_b = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1)) * 0.125f;
-          _mm512_storeu_ps(sums, _mm512_insertf32x8(_mm512_set1_ps(sum_a), _mm256_set1_ps(sum_b), 1));
-          continue;
-        }
-#endif
         for (int64_t half = 0; half < 2; ++half) {  // group 2c, then 2c + 1
           const int64_t base = c * kChunk + half * kGroup;
           float sum = 0.f;
           for (int64_t j = 0; j < kGroup; ++j) {
-            const float v = base + j < K ? xr[base + j] : 0.f;
-            sum += v;
+            const uint16_t v = float_to_bf16_rne(base + j < K ? xr[base + j] : 0.f);
+            sum += bf16_to_float(v);
             // nibble j < 16 (low) pairs with word half * 16 + j of the low vector
-            dst[(j < 16 ? 0 : 32) + half * 16 + (j & 15)] = float_to_bf16_rne(v);
+            dst[(j < 16 ? 0 : 32) + half * 16 + (j & 15)] = v;
           }
           for (int64_t l = 0; l < 8; ++l) sums[half * 8 + l] = sum * 0.125f;
         }
@@ -112,16 +97,21 @@ struct Q4Activations {
   }
 };
 
-// The nibble formats (Q4_1, Q4_K loaded as Q4_1 with fp32 scales, Q5_0) per 64-weight chunk of
-// an output row: two 32-word bf16 vectors of weight values (lo pairs with the activations'
-// low-nibble words, hi with the high-nibble ones, see Q4Activations), the scale of each lane's
-// group and, for the formats with a minimum, its offset (lanes 0-7: the chunk's first group,
-// 8-15: its second).
+// The nibble formats (Q4_1, Q4_K loaded as Q4_1 with fp32 scales, Q5_0). The portable loop reads
+// them per 64-weight chunk with Q4Activations; the AVX512 kernel per 128-weight block (4 groups,
+// 64 bytes of GGUF's nibbles, the last block of a row possibly half of one) without a single
+// shuffle on the weights: each 16-bit word of the 64 bytes holds 4 nibbles, and four shifts
+// and masks put each nibble in its own word, already as a bf16 number (the "planes": plane p
+// holds nibble p of every word). A nibble v becomes bf16(16 + v) by OR-ing its bits into the
+// mantissa of 16.0 (bf16 0x4180: 16 + v for v < 16 is exact), a Q5_0 value v < 32 bf16(32 + v)
+// (0x4200); the kernel then takes the offset back out with the group's activation sum:
+// d * sum((base + v) * x) + (m - base * d) * sum(x). The activations are laid out to match
+// (NibblePlanes): lane l of a block's products belongs to group l / 4.
 template <typename Scale>
 struct Q4Format {
   static constexpr bool kOffset = true;
   const uint8_t* qs;
-  const Scale* dm;  // (d, d', m, m') per chunk
+  const Scale* dm;  // (d, d', m, m') per 64-weight chunk
   int64_t chunks;
 
   float portable_scale(int64_t n, int64_t c, int half) const { return scale_value(dm[(n * chunks + c) * 4 + half]); }
@@ -134,135 +124,168 @@ struct Q4Format {
     return {byte & 15, byte >> 4};
   }
 #ifdef KVSERVE_Q4_AVX512
-  static float table_value(int i) { return static_cast<float>(i & 15); }
-  __m512 load_scales(int64_t n, int64_t c) const;
-  void load(int64_t n, int64_t c, const __m512i table, __m512bh& lo, __m512bh& hi, __m512& d, __m512& m) const {
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (n * chunks + c) * 32)));
-    lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x0F)), table);
-    hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
-    const __m512 dm4 = load_scales(n, c);
-    d = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), dm4);
-    m = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2), dm4);
+  // Block b (chunks 2b and 2b + 1; `full`: both exist) of output row n: the four planes as
+  // bf16(16 + v), and per lane the group's scale d and offset m - 16 d.
+  void load(int64_t n, int64_t b, bool full, __m512i (&planes)[4], __m512& d, __m512& m) const {
+    const uint8_t* q = qs + (n * chunks + 2 * b) * 32;
+    const __m512i w = full ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q);
+    const __m512i mask = _mm512_set1_epi16(0x78), magic = _mm512_set1_epi16(0x4180);
+    planes[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 3), mask, magic, 0xEA);  // (a & b) | c
+    planes[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 1), mask, magic, 0xEA);
+    planes[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 5), mask, magic, 0xEA);
+    planes[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 9), mask, magic, 0xEA);
+    const __m512 s = load_scales(dm + (n * chunks + 2 * b) * 4, full);  // dA dB mA mB dC dD mC mD
+    d = _mm512_permutexvar_ps(_mm512_set_epi32(5, 5, 5, 5, 4, 4, 4, 4, 1, 1, 1, 1, 0, 0, 0, 0), s);
+    m = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d,
+                         _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 3, 3, 3, 3, 2, 2, 2, 2), s));
   }
+  static __m512 load_scales(const Scale* p, bool full);
 #endif
 };
 
 #ifdef KVSERVE_Q4_AVX512
 template <>
-inline __m512 Q4Format<uint16_t>::load_scales(int64_t n, int64_t c) const {
-  return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm + (n * chunks + c) * 4))));
+inline __m512 Q4Format<uint16_t>::load_scales(const uint16_t* p, bool full) {
+  const __m128i h = full ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi16(0x0F, p);
+  return _mm512_castps256_ps512(_mm256_cvtph_ps(h));
 }
 template <>
-inline __m512 Q4Format<float>::load_scales(int64_t n, int64_t c) const {
-  return _mm512_castps128_ps512(_mm_loadu_ps(dm + (n * chunks + c) * 4));
+inline __m512 Q4Format<float>::load_scales(const float* p, bool full) {
+  return _mm512_castps256_ps512(full ? _mm256_loadu_ps(p) : _mm256_maskz_loadu_ps(0x0F, p));
 }
 #endif
 
 struct Q5Format {
   static constexpr bool kOffset = false;
   const uint8_t* qs;   // as Q4_1's
-  const uint32_t* qh;  // per group: bit j = fifth bit of weight j
+  const uint32_t* qh;  // per 128-weight block, 4 masks: bit i of mask p = fifth bit of plane p's word i
   const uint16_t* d;   // per group, fp16
   int64_t chunks;
 
   float portable_scale(int64_t n, int64_t c, int half) const { return half_to_float(d[(n * chunks + c) * 2 + half]); }
   float portable_offset(int64_t, int64_t, int) const { return 0.f; }
+  // The fifth bit of weight j of group g of row n (see the planes above: word i of a block holds
+  // weights 2 (i % 8) and + 1 of group i / 8 in its bytes, each with a low and a high nibble).
+  int fifth_bit(int64_t n, int64_t g, int j) const {
+    const int plane = (j >= 16) + 2 * (j & 1), word = (g % 4) * 8 + ((j & 15) >> 1);
+    return (qh[(n * ((chunks + 1) / 2) + g / 4) * 4 + plane] >> word) & 1;
+  }
   std::pair<int, int> portable_values(int64_t n, int64_t c, int half, int j) const {
     const uint8_t byte = qs[(n * chunks + c) * 32 + half * 16 + j];
-    const uint32_t h = qh[(n * chunks + c) * 2 + half];
-    return {static_cast<int>((byte & 15) | (((h >> j) & 1) << 4)) - 16,
-            static_cast<int>((byte >> 4) | (((h >> (j + 16)) & 1) << 4)) - 16};
+    const int64_t g = 2 * c + half;
+    return {static_cast<int>((byte & 15) | (fifth_bit(n, g, j) << 4)) - 16,
+            static_cast<int>((byte >> 4) | (fifth_bit(n, g, j + 16) << 4)) - 16};
   }
 #ifdef KVSERVE_Q4_AVX512
-  static float table_value(int i) { return static_cast<float>(i - 16); }
-  void load(int64_t n, int64_t c, const __m512i table, __m512bh& lo, __m512bh& hi, __m512& dv, __m512&) const {
-    const int64_t g = (n * chunks + c) * 2;
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + g * 16)));
-    const uint32_t h0 = qh[g], h1 = qh[g + 1];
-    // word i of lo is weight i of the first group (i < 16) or i - 16 of the second; of hi, the
-    // same plus 16: their fifth bits are the low / high halves of the two qh words.
-    const __mmask32 lo_bits = (h0 & 0xFFFFu) | (h1 << 16), hi_bits = (h0 >> 16) | (h1 & 0xFFFF0000u);
-    const __m512i sixteen = _mm512_set1_epi16(16);
-    const __m512i lo_idx = _mm512_and_si512(w, _mm512_set1_epi16(0x0F)), hi_idx = _mm512_srli_epi16(w, 4);
-    lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(lo_idx, lo_bits, lo_idx, sixteen), table);
-    hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(hi_idx, hi_bits, hi_idx, sixteen), table);
-    uint32_t two;
-    std::memcpy(&two, d + g, sizeof(two));
-    dv = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                               _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)))));
+  void load(int64_t n, int64_t b, bool full, __m512i (&planes)[4], __m512& dv, __m512& mv) const {
+    const uint8_t* q = qs + (n * chunks + 2 * b) * 32;
+    const __m512i w = full ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q);
+    const __m512i mask = _mm512_set1_epi16(0x3C), magic = _mm512_set1_epi16(0x4200), fifth = _mm512_set1_epi16(0x40);
+    const uint32_t* h = qh + (n * ((chunks + 1) / 2) + b) * 4;
+    const __m512i low[4] = {_mm512_slli_epi16(w, 2), _mm512_srli_epi16(w, 2), _mm512_srli_epi16(w, 6),
+                            _mm512_srli_epi16(w, 10)};
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_ternarylogic_epi32(low[p], mask, magic, 0xEA);
+      planes[p] = _mm512_mask_add_epi16(v, _cvtu32_mask32(h[p]), v, fifth);
+    }
+    const uint16_t* s = d + (n * chunks + 2 * b) * 2;
+    const __m128i h4 = full ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)) : _mm_maskz_loadu_epi16(0x03, s);
+    dv = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                               _mm512_castps128_ps512(_mm_cvtph_ps(h4)));
+    mv = _mm512_mul_ps(_mm512_set1_ps(-48.f), dv);  // bf16(32 + v) stands for q = v - 16
   }
 #endif
 };
 
 #ifdef KVSERVE_Q4_AVX512
-template <typename Format>
-__m512i value_table() {
-  alignas(64) uint16_t words[32];
-  for (int i = 0; i < 32; ++i) words[i] = float_to_bf16_rne(Format::table_value(i));
-  return _mm512_load_si512(words);
-}
+// The activations of one call in the planes' order: per row and 128-input block, plane p's
+// word i pairs with input (i / 8) * 32 + 2 (i % 8) + (p & 1) * 16 + (p >> 1) of the block,
+// and lane l of the group sums holds the sum of group l / 4's bf16 inputs divided by 4 (exact).
+struct NibblePlanes {
+  int64_t blocks;
+  std::vector<uint16_t> xb;    // [M][blocks][4][32]
+  std::vector<float> sums;     // [M][blocks][16]
 
-// One chunk's contribution to an output: the bf16 products summed per lane in fp32, times the
-// group's scale, plus its offset times the group's activation sum.
-template <typename Format>
-inline __m512 chunk_term(__m512bh lo, __m512bh hi, __m512 d, __m512 m, const uint16_t* x, const float* sums) {
-  __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(x));
-  t = _mm512_dpbf16_ps(t, hi, (__m512bh)_mm512_loadu_si512(x + 32));
-  if constexpr (Format::kOffset) return _mm512_fmadd_ps(t, d, _mm512_mul_ps(m, _mm512_loadu_ps(sums)));
-  return _mm512_mul_ps(t, d);
-}
-
-template <typename Format, int MR>
-void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, const Q4Activations& act, int64_t r0,
-                        float* out, int64_t out_stride, const float* bias) {
-  const int64_t chunks = f.chunks;
-  const __m512i table = value_table<Format>();
-  const uint16_t* xb[MR];
-  const float* gs[MR];
-  for (int r = 0; r < MR; ++r) {
-    xb[r] = act.xb.data() + (r0 + r) * chunks * kChunk;
-    gs[r] = act.group_sums.data() + (r0 + r) * chunks * 16;
-  }
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    __m512 acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512bh lo, hi;
-      __m512 d, m;
-      f.load(n, c, table, lo, hi, d, m);
-      for (int r = 0; r < MR; ++r)
-        acc[r][c & 1] = _mm512_add_ps(acc[r][c & 1], chunk_term<Format>(lo, hi, d, m, xb[r] + c * kChunk, gs[r] + c * 16));
+  NibblePlanes(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp)
+      : blocks((Kp + 127) / 128), xb(M * blocks * 128, 0), sums(M * blocks * 16, 0.f) {
+    static const std::vector<int> source = [] {
+      std::vector<int> s(128);
+      for (int p = 0; p < 4; ++p)
+        for (int i = 0; i < 32; ++i) s[p * 32 + i] = (i / 8) * 32 + 2 * (i % 8) + (p & 1) * 16 + (p >> 1);
+      return s;
+    }();
+    std::vector<uint16_t> row(blocks * 128, 0);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = x + r * x_stride;
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k));
+        _mm512_storeu_si512(row.data() + k, words);
+        // The sum of the rounded inputs: the offsets below take back exactly what the bf16
+        // products added.
+        const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+        const __m512 c = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c)) * 0.25f;
+        float* lanes = sums.data() + (r * blocks + k / 128) * 16 + (k % 128) / 32 * 4;
+        for (int l = 0; l < 4; ++l) lanes[l] = sum;
+      }
+      for (; k < K; k += 32) {  // a last partial group (K not a multiple of 32)
+        float sum = 0.f;
+        for (int64_t j = k; j < std::min(K, k + 32); ++j) {
+          row[j] = float_to_bf16_rne(xr[j]);
+          sum += bf16_to_float(row[j]);
+        }
+        float* lanes = sums.data() + (r * blocks + k / 128) * 16 + (k % 128) / 32 * 4;
+        for (int l = 0; l < 4; ++l) lanes[l] = sum * 0.25f;
+      }
+      uint16_t* dst = xb.data() + r * blocks * 128;
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int j = 0; j < 128; ++j) dst[b * 128 + j] = row[b * 128 + source[j]];
     }
-    for (int r = 0; r < MR; ++r)
-      out[(r0 + r) * out_stride + n] =
-          _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + (bias ? bias[n] : 0.f);
   }
+};
+
+template <typename Format>
+inline __m512 block_term(const __m512i (&planes)[4], __m512 d, __m512 m, const uint16_t* x, const float* sums) {
+  __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)planes[0], (__m512bh)_mm512_loadu_si512(x));
+  t = _mm512_dpbf16_ps(t, (__m512bh)planes[1], (__m512bh)_mm512_loadu_si512(x + 32));
+  t = _mm512_dpbf16_ps(t, (__m512bh)planes[2], (__m512bh)_mm512_loadu_si512(x + 64));
+  t = _mm512_dpbf16_ps(t, (__m512bh)planes[3], (__m512bh)_mm512_loadu_si512(x + 96));
+  return _mm512_fmadd_ps(t, d, _mm512_mul_ps(m, _mm512_loadu_ps(sums)));
 }
 
-// One activation row (decode): two output rows per pass give the core two independent chains
-// of dot products. Same sums, in the same order, as nibble_rows_avx512<Format, 1>.
-template <typename Format>
-void nibble_row_pairs_avx512(const Format& f, int64_t n_begin, int64_t n_end, const Q4Activations& act, int64_t r0,
-                             float* out, const float* bias) {
-  const int64_t chunks = f.chunks;
-  const __m512i table = value_table<Format>();
-  const uint16_t* xb = act.xb.data() + r0 * chunks * kChunk;
-  const float* gs = act.group_sums.data() + r0 * chunks * 16;
+// NR output rows per pass (their chains of products independent), MR activation rows sharing
+// each decoded block. Every output sums its blocks in the same order whatever NR and MR.
+template <typename Format, int MR, int NR>
+void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t Kp, const NibblePlanes& act,
+                        int64_t r0, float* out, int64_t out_stride, const float* bias) {
+  const int64_t blocks = act.blocks;
   int64_t n = n_begin;
-  for (; n + 1 < n_end; n += 2) {
-    __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
-    for (int64_t c = 0; c < chunks; ++c) {
-      for (int j = 0; j < 2; ++j) {
-        __m512bh lo, hi;
+  for (; n + NR <= n_end; n += NR) {
+    __m512 acc[NR][MR][2];
+    for (int j = 0; j < NR; ++j)
+      for (int r = 0; r < MR; ++r) acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const bool full = (b + 1) * 128 <= Kp;
+      for (int j = 0; j < NR; ++j) {
+        __m512i planes[4];
         __m512 d, m;
-        f.load(n + j, c, table, lo, hi, d, m);
-        acc[j][c & 1] = _mm512_add_ps(acc[j][c & 1], chunk_term<Format>(lo, hi, d, m, xb + c * kChunk, gs + c * 16));
+        f.load(n + j, b, full, planes, d, m);
+        for (int r = 0; r < MR; ++r) {
+          const int64_t at = (r0 + r) * blocks + b;
+          acc[j][r][b & 1] = _mm512_add_ps(
+              acc[j][r][b & 1], block_term<Format>(planes, d, m, act.xb.data() + at * 128, act.sums.data() + at * 16));
+        }
       }
     }
-    for (int j = 0; j < 2; ++j)
-      out[n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1])) + (bias ? bias[n + j] : 0.f);
+    for (int j = 0; j < NR; ++j)
+      for (int r = 0; r < MR; ++r)
+        out[(r0 + r) * out_stride + n + j] =
+            _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r][0], acc[j][r][1])) + (bias ? bias[n + j] : 0.f);
   }
-  if (n < n_end) nibble_rows_avx512<Format, 1>(f, n, n_end, act, r0, out, 0, bias);
+  if constexpr (NR > 1) {
+    if (n < n_end) nibble_rows_avx512<Format, MR, 1>(f, n, n_end, Kp, act, r0, out, out_stride, bias);
+  }
 }
 #endif
 
@@ -326,22 +349,25 @@ template <typename Format>
 void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor& x, int64_t N,
                        const c10::optional<torch::Tensor>& bias) {
   const int64_t Kp = f.chunks * kChunk, M = x.size(0), K = x.size(1);
-  const Q4Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
   float* o = out.data_ptr<float>();
   const int64_t o_stride = out.stride(0);
   const float* b = bias_ptr(bias, N);
-  over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
 #ifdef KVSERVE_Q4_AVX512
-    if (!g_portable) {
+  if (!g_portable) {
+    const NibblePlanes act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+    over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
       switch (rows) {
-        case 1: nibble_row_pairs_avx512(f, n0, n1, act, r0, o + r0 * o_stride, b); break;
-        case 2: nibble_rows_avx512<Format, 2>(f, n0, n1, act, r0, o, o_stride, b); break;
-        case 3: nibble_rows_avx512<Format, 3>(f, n0, n1, act, r0, o, o_stride, b); break;
-        default: nibble_rows_avx512<Format, 4>(f, n0, n1, act, r0, o, o_stride, b); break;
+        case 1: nibble_rows_avx512<Format, 1, 2>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
+        case 2: nibble_rows_avx512<Format, 2, 1>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
+        case 3: nibble_rows_avx512<Format, 3, 1>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
+        default: nibble_rows_avx512<Format, 4, 1>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
       }
-      return;
-    }
+    });
+    return;
+  }
 #endif
+  const Q4Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+  over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
     nibble_rows_portable(f, n0, n1, act, r0, rows, o, o_stride, b);
   });
 }
@@ -383,8 +409,8 @@ void q5_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
   TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && Kp % kChunk == 0 && K <= Kp &&
                   Kp - K < kChunk,
               "qs must be uint8 [N, ceil(K / 64) * 32]");
-  TORCH_CHECK(qh.scalar_type() == torch::kInt32 && qh.is_contiguous() && qh.numel() == N * (Kp / kGroup),
-              "qh must be int32 [N, Kp / 32]");
+  TORCH_CHECK(qh.scalar_type() == torch::kInt32 && qh.is_contiguous() && qh.numel() == N * ((Kp + 127) / 128) * 4,
+              "qh must be int32 [N, ceil(Kp / 128) * 4] (the fifth bits as plane masks)");
   TORCH_CHECK(d.scalar_type() == torch::kInt16 && d.is_contiguous() && d.numel() == N * (Kp / kGroup),
               "d must be the fp16 bits (int16) of [N, Kp / 32]");
   nibble_linear_out(Q5Format{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(qh.data_ptr<int32_t>()),

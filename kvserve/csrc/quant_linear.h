@@ -11,8 +11,9 @@ void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
                    c10::optional<torch::Tensor> bias);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, c10::optional<torch::Tensor> bias);
 
-// y = x @ W^T + bias for Q5_0 weights: qs as Q4_1's, qh int32 [N, Kp / 32] (per group, bit j is
-// weight j's fifth bit), d int16 [N, Kp / 32] holding fp16 scales; w = d * (q - 16).
+// y = x @ W^T + bias for Q5_0 weights: qs as Q4_1's, qh int32 [N, ceil(Kp / 128) * 4] (the fifth
+// bits as the AVX512 kernel's plane masks: kvserve.block_formats.q5_plane_masks), d int16
+// [N, Kp / 32] holding fp16 scales; w = d * (q - 16).
 void q5_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor qh, torch::Tensor d,
                    c10::optional<torch::Tensor> bias);
 torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, torch::Tensor d,
