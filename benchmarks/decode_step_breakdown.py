@@ -2,9 +2,8 @@
 input preparation, sampler, output processing) and the model's (embedding, decoder layers,
 final norm, LM head), timed with perf_counter wrappers (no profiler: its per-op cost would
 swamp a ~10 ms step), over the decode steps of one greedy request. The decoder layers are
-split further by timing each linear layer's kernel alone on the step's one row (the weights
-then stream from memory as in the step), the remainder being attention, norms, rope and the
-native loop itself.
+split further, in a second run under the profiler, into the native loop's kernel ranges (the
+linear layers' kernels, attention) and the rest.
 
     python benchmarks/decode_step_breakdown.py [--model gemma-3-270m] [--quantization int4]
 """
@@ -81,19 +80,21 @@ def decode_steps(engine: LLMEngine, prompt: list[int], n_out: int) -> tuple[dict
     return {k: v / steps for k, v in totals.items()}, steps, step_time / steps
 
 
-def linear_kernels_alone(model: torch.nn.Module, repeats: int = 20) -> float:
-    """Seconds for one row through every decoder linear layer in turn (their decode format)."""
-    linears = [m for name, m in model.model.layers.named_modules()
-               if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
-    rows = [torch.randn(1, m.in_features) for m in linears]
-    blocks = [getattr(m, "forward_blocks", m) for m in linears]
-    for f, x in zip(blocks, rows):
-        f(x)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        for f, x in zip(blocks, rows):
-            f(x)
-    return (time.perf_counter() - t0) / repeats
+def native_kernel_times(engine: LLMEngine, prompt: list[int], n_out: int = 32) -> dict[str, float]:
+    """Seconds per decode step inside the native layer loop's kernels (its RECORD_FUNCTION
+    ranges: the linear layers' kernels, attention), from the profiler over ``n_out`` steps.
+    The profiler adds a little to each range; the split, not the sum, is what it is for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, steps, _ = decode_steps(engine, prompt, n_out)
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.key.startswith("kvserve::") and event.key.endswith("_linear"):
+            times["linear layers' kernels"] += event.cpu_time_total * 1e-6
+        elif event.key == "attention":
+            times["attention"] += event.cpu_time_total * 1e-6
+    return {k: v / steps for k, v in times.items()}
 
 
 def main() -> None:
@@ -115,10 +116,11 @@ def main() -> None:
         if part in parts:
             print(f"    {part:<52} {1e3 * parts[part]:7.2f} ms  {100 * parts[part] / mean:5.1f} %")
             if part.startswith("decoder"):
-                linears = linear_kernels_alone(engine.executor.runner.model)
-                print(f"      {'of which linear kernels (timed alone)':<50} {1e3 * linears:7.2f} ms")
-                print(f"      {'of which the rest (attention, norms, rope, loop)':<50} "
-                      f"{1e3 * (parts[part] - linears):7.2f} ms")
+                inside = native_kernel_times(engine, prompt)
+                for name, seconds in inside.items():
+                    print(f"      {'of which ' + name + ' (profiler)':<50} {1e3 * seconds:7.2f} ms")
+                rest = parts[part] - sum(inside.values())
+                print(f"      {'of which the rest (norms, rope, the loop)':<50} {1e3 * rest:7.2f} ms")
     rest = mean - sum(parts.values())
     print(f"    {'rest of the step (outputs, bookkeeping)':<52} {1e3 * rest:7.2f} ms  {100 * rest / mean:5.1f} %")
 
