@@ -41,8 +41,10 @@ def _resolve(engine: LLMEngine, path: str):
     return owner
 
 
-def instrument(engine: LLMEngine, acc: dict) -> None:
-    for (path, method), part in ENGINE_PARTS.items():
+def instrument(engine: LLMEngine, acc: dict, parts: dict) -> None:
+    """Wrap each ``parts`` method ((dotted attribute path from the engine, method) -> name) so
+    that its time adds to ``acc[name]``; parts the engine lacks are skipped."""
+    for (path, method), part in parts.items():
         owner = _resolve(engine, path)
         if owner is None:
             continue
@@ -59,9 +61,12 @@ def instrument(engine: LLMEngine, acc: dict) -> None:
         object.__setattr__(owner, method, timed)
 
 
-def decode_steps(engine: LLMEngine, prompt: list[int], n_out: int) -> tuple[dict, int, float]:
+def timed_steps(engine: LLMEngine, prompt: list[int], n_out: int, parts: dict,
+                tokens_per_step: int = 1) -> tuple[dict, int, float]:
+    """One greedy request to the end; for its steps that decode ``tokens_per_step`` tokens and
+    prefill none: (mean seconds per part, number of such steps, mean seconds per step)."""
     acc: dict = defaultdict(float)
-    instrument(engine, acc)
+    instrument(engine, acc, parts)
     engine.add_request(f"r{time.monotonic_ns()}", prompt,
                        SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
     totals: dict = defaultdict(float)
@@ -72,12 +77,16 @@ def decode_steps(engine: LLMEngine, prompt: list[int], n_out: int) -> tuple[dict
         engine.step()
         dt = time.perf_counter() - t0
         last = engine.counters.step_history[-1]
-        if last.num_prefill_tokens == 0 and last.num_decode_tokens == 1:
+        if last.num_prefill_tokens == 0 and last.num_decode_tokens == tokens_per_step:
             steps += 1
             step_time += dt
             for k, v in acc.items():
                 totals[k] += v
     return {k: v / steps for k, v in totals.items()}, steps, step_time / steps
+
+
+def decode_steps(engine: LLMEngine, prompt: list[int], n_out: int) -> tuple[dict, int, float]:
+    return timed_steps(engine, prompt, n_out, ENGINE_PARTS)
 
 
 def native_kernel_times(engine: LLMEngine, prompt: list[int], n_out: int = 32) -> dict[str, float]:

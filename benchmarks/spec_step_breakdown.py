@@ -8,61 +8,25 @@ without speculation. Text: a W6 prompt, greedy, EOS ignored.
 from __future__ import annotations
 
 import argparse
-import time
-from collections import defaultdict
 
+from decode_step_breakdown import timed_steps  # benchmarks/, beside this script
 from kvserve.bench.workloads import load_text
 from kvserve.config import EngineArgs
 from kvserve.engine import LLMEngine
-from kvserve.request import SamplingParams
 
-PARTS = {  # (owner attribute path, method) -> part name
+PARTS = {  # (attribute path from the engine, method) -> part name
     ("speculator", "propose"): "drafter propose (n-gram lookup / draft plan)",
     ("scheduler", "schedule"): "scheduler.schedule",
     ("speculator", "fill"): "draft model (catch-up + k forwards + sampling)",
-    ("runner", "prepare_inputs"): "runner.prepare_inputs",
-    ("runner", "model"): "target forward",
-    ("runner", "sampler"): "sampler + verification",
+    ("executor.runner", "prepare_inputs"): "runner.prepare_inputs",
+    ("executor.runner", "model"): "target forward",
+    ("executor.runner", "sampler"): "sampler + verification",
     ("scheduler", "update_from_output"): "scheduler.update (accept, rollback, stops, detok)",
 }
 
 
-def instrument(engine: LLMEngine, acc: dict) -> None:
-    for (owner_name, method), part in PARTS.items():
-        owner = getattr(engine, owner_name, None)
-        if owner is None:
-            continue
-        fn = getattr(owner, method)
-
-        def timed(*a, __fn=fn, __part=part, **kw):
-            t0 = time.perf_counter()
-            try:
-                return __fn(*a, **kw)
-            finally:
-                acc[__part] += time.perf_counter() - t0
-
-        setattr(owner, method, timed)
-
-
 def breakdown(engine: LLMEngine, prompt: list[int], n_out: int) -> tuple[dict, int, float]:
-    acc: dict = defaultdict(float)
-    instrument(engine, acc)
-    engine.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
-    totals: dict = defaultdict(float)
-    steps, step_time = 0, 0.0
-    while engine.has_unfinished_requests():
-        acc.clear()
-        t0 = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t0
-        last = engine.counters.step_history[-1]
-        want = 5 if engine.speculator is not None else 1
-        if last.num_prefill_tokens == 0 and last.num_decode_tokens == want:
-            steps += 1
-            step_time += dt
-            for k, v in acc.items():
-                totals[k] += v
-    return {k: v / steps for k, v in totals.items()}, steps, step_time / steps
+    return timed_steps(engine, prompt, n_out, PARTS, tokens_per_step=5 if engine.speculator is not None else 1)
 
 
 def main() -> None:

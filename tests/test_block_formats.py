@@ -52,12 +52,15 @@ def test_unpacked_values_equal_gguf_dequantize(quant_type):
 
 
 @pytest.mark.parametrize("portable", [False, True])
-@pytest.mark.parametrize("quant_type,k", [(T.Q5_0, 96), (T.Q5_0, 640), (T.Q4_K, 512), (T.Q6_K, 512),
-                                          (T.Q8_0, 640)])
+@pytest.mark.parametrize("quant_type,k", [(T.Q4_1, 64), (T.Q4_1, 96), (T.Q4_1, 576), (T.Q5_0, 96), (T.Q5_0, 640),
+                                          (T.Q4_K, 512), (T.Q6_K, 512), (T.Q8_0, 640)])
 def test_kernel_matches_plain_torch(quant_type, k, portable):
     """Every row count the kernels block differently (1-4 rows together, then the rest), with
-    bias; the portable loops (machines without AVX512-BF16) against the same reference."""
+    bias; the portable loops (machines without AVX512-BF16) against the same reference. K = 96
+    and 576: a row ends in half of the kernel's 128-weight block (96: an odd number of groups,
+    padded to 128)."""
     ext = ops.load_extension()
+    torch.manual_seed(k)
     n = 40  # not a multiple of the 16 rows per task
     data = random_blocks(quant_type, n, k, seed=k)
     layer = gguf_linear([QuantizedTensor(quant_type, data, (n, k))], torch.randn(n))

@@ -372,17 +372,23 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
   });
 }
 
+// x, out and the nibbles of a nibble-format call: qs uint8 [N, ceil(K / 64) * 32].
+void check_nibble_rows(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor& qs) {
+  const int64_t Kp = qs.size(1) * 2, K = x.size(1);
+  check_weight_rows(x, out, qs.size(0));
+  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && Kp % kChunk == 0 && K <= Kp &&
+                  Kp - K < kChunk,
+              "qs must be uint8 [N, ceil(K / 64) * 32]");
+}
+
 }  // namespace
 
 void set_portable_quant_kernels(bool portable) { g_portable = portable; }
 
 void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor dm,
                    c10::optional<torch::Tensor> bias) {
-  const int64_t N = qs.size(0), Kp = qs.size(1) * 2, K = x.size(1);
-  check_weight_rows(x, out, N);
-  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && Kp % kChunk == 0 && K <= Kp &&
-                  Kp - K < kChunk,
-              "qs must be uint8 [N, ceil(K / 64) * 32]");
+  const int64_t N = qs.size(0), Kp = qs.size(1) * 2;
+  check_nibble_rows(x, out, qs);
   TORCH_CHECK((dm.scalar_type() == torch::kInt16 || dm.scalar_type() == torch::kFloat32) && dm.is_contiguous() &&
                   dm.numel() == N * (Kp / kChunk) * 4,
               "dm must be [N, K / 64, 4] = (d, d', m, m') per chunk, as fp16 bits (int16) or fp32");
@@ -404,11 +410,8 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, c10
 
 void q5_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor qh, torch::Tensor d,
                    c10::optional<torch::Tensor> bias) {
-  const int64_t N = qs.size(0), Kp = qs.size(1) * 2, K = x.size(1);
-  check_weight_rows(x, out, N);
-  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && Kp % kChunk == 0 && K <= Kp &&
-                  Kp - K < kChunk,
-              "qs must be uint8 [N, ceil(K / 64) * 32]");
+  const int64_t N = qs.size(0), Kp = qs.size(1) * 2;
+  check_nibble_rows(x, out, qs);
   TORCH_CHECK(qh.scalar_type() == torch::kInt32 && qh.is_contiguous() && qh.numel() == N * ((Kp + 127) / 128) * 4,
               "qh must be int32 [N, ceil(Kp / 128) * 4] (the fifth bits as plane masks)");
   TORCH_CHECK(d.scalar_type() == torch::kInt16 && d.is_contiguous() && d.numel() == N * (Kp / kGroup),
