@@ -213,7 +213,10 @@ def test_smollm2_fp32_with_its_int4_weights_as_draft_is_lossless(llm_factory):
     before = on.engine.stats()
     assert [_tokens(on, [p])[0] for p in PROMPTS] == alone
     drafted, accepted = _delta(on, before)
-    assert 0 < accepted < drafted
+    # int4 computes bf16(x) @ w with the file's exact weights: on these prompts it may pick
+    # fp32's token every time (100 % top-1 agreement on the tolerance text), so every draft can
+    # be accepted; rejection and rollback are exercised by the tiny-model tests above.
+    assert 0 < accepted <= drafted
     assert accepted > drafted // 2  # the same model in another weight format mostly agrees
     assert _tokens(on, PROMPTS) == alone
     hits = on.engine.kv_manager.prefix_cache_hits
