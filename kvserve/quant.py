@@ -313,9 +313,10 @@ class Int4Linear(DecodeFormatLinear):
 
 class Q5Linear(DecodeFormatLinear):
     """GGUF Q5_0 weights as stored (22 bytes per 32): ``w = d * (q - 16)``, ``q`` in 0..31, its
-    low 4 bits in Q4_1's nibble layout, the fifth in a 32-bit word per group; ``d`` fp16. The
-    kernel is the 4-bit one's with the fifth bit added before the bf16 lookup (bf16 products,
-    fp32 sums, no offset term). Buffers as ``block_formats.Q5Blocks``."""
+    low 4 bits in Q4_1's nibble layout, the fifth bits (a 32-bit word per group in the file)
+    regrouped per 128 weights as the kernel reads them (``block_formats.q5_plane_masks``); ``d``
+    fp16. The kernel is the 4-bit one's with the fifth bit added to each value: bf16 products of
+    the bf16-rounded activations, fp32 sums."""
 
     def __init__(self, blocks: block_formats.Q5Blocks, in_features: int, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
