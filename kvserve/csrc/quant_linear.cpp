@@ -262,10 +262,12 @@ void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t
   const int64_t blocks = act.blocks;
   int64_t n = n_begin;
   for (; n + NR <= n_end; n += NR) {
-    __m512 acc[NR][MR][2];
+    // Even and odd blocks in two accumulators (two dependency chains), named rather than
+    // indexed by b & 1, which would keep them in memory instead of registers.
+    __m512 even[NR][MR], odd[NR][MR];
     for (int j = 0; j < NR; ++j)
-      for (int r = 0; r < MR; ++r) acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
+      for (int r = 0; r < MR; ++r) even[j][r] = odd[j][r] = _mm512_setzero_ps();
+    auto block = [&](int64_t b, __m512 (&acc)[NR][MR]) {
       const bool full = (b + 1) * 128 <= Kp;
       for (int j = 0; j < NR; ++j) {
         __m512i planes[4];
@@ -273,15 +275,21 @@ void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t
         f.load(n + j, b, full, planes, d, m);
         for (int r = 0; r < MR; ++r) {
           const int64_t at = (r0 + r) * blocks + b;
-          acc[j][r][b & 1] = _mm512_add_ps(
-              acc[j][r][b & 1], block_term<Format>(planes, d, m, act.xb.data() + at * 128, act.sums.data() + at * 16));
+          acc[j][r] = _mm512_add_ps(
+              acc[j][r], block_term<Format>(planes, d, m, act.xb.data() + at * 128, act.sums.data() + at * 16));
         }
       }
+    };
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+      block(b, even);
+      block(b + 1, odd);
     }
+    if (b < blocks) block(b, even);
     for (int j = 0; j < NR; ++j)
       for (int r = 0; r < MR; ++r)
         out[(r0 + r) * out_stride + n + j] =
-            _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r][0], acc[j][r][1])) + (bias ? bias[n + j] : 0.f);
+            _mm512_reduce_add_ps(_mm512_add_ps(even[j][r], odd[j][r])) + (bias ? bias[n + j] : 0.f);
   }
   if constexpr (NR > 1) {
     if (n < n_end) nibble_rows_avx512<Format, MR, 1>(f, n, n_end, Kp, act, r0, out, out_stride, bias);
@@ -445,9 +453,11 @@ void q8_rows_avx512(const int8_t* qs, const Q8Scales<Scale>& scales, int64_t n_b
                     const float* x, int64_t x_stride, int64_t r0, float* out, int64_t out_stride, const float* bias) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     const int8_t* q = qs + n * groups * kGroup;
-    __m512 acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
+    // Two accumulators (even / odd groups, or first / second 16 of each group for per-16
+    // scales), named: indexing them by g & 1 would keep them in memory.
+    __m512 even[MR], odd[MR];
+    for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    auto group = [&](int64_t g, __m512 (&acc)[MR], __m512 (&second)[MR]) {
       const __m128i* p = reinterpret_cast<const __m128i*>(q + g * kGroup);
       const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
       const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
@@ -456,20 +466,28 @@ void q8_rows_avx512(const int8_t* qs, const Q8Scales<Scale>& scales, int64_t n_b
         for (int r = 0; r < MR; ++r) {
           const float* xr = x + (r0 + r) * x_stride + g * kGroup;
           const __m512 t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xr)));
-          acc[r][g & 1] = _mm512_fmadd_ps(t, scale, acc[r][g & 1]);
+          acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
         }
       } else {
         const __m512 s0 = _mm512_set1_ps(scales(n, 2 * g)), s1 = _mm512_set1_ps(scales(n, 2 * g + 1));
         for (int r = 0; r < MR; ++r) {
           const float* xr = x + (r0 + r) * x_stride + g * kGroup;
-          acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(w0, _mm512_loadu_ps(xr)), s0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(w1, _mm512_loadu_ps(xr + 16)), s1, acc[r][1]);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(w0, _mm512_loadu_ps(xr)), s0, acc[r]);
+          second[r] = _mm512_fmadd_ps(_mm512_mul_ps(w1, _mm512_loadu_ps(xr + 16)), s1, second[r]);
         }
       }
+    };
+    int64_t g = 0;
+    if constexpr (Q8Scales<Scale>::kPerGroup == 32) {
+      for (; g + 1 < groups; g += 2) {
+        group(g, even, odd);
+        group(g + 1, odd, even);
+      }
     }
+    for (; g < groups; ++g) group(g, even, odd);
     for (int r = 0; r < MR; ++r)
       out[(r0 + r) * out_stride + n] =
-          _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + (bias ? bias[n] : 0.f);
+          _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + (bias ? bias[n] : 0.f);
   }
 }
 #endif
@@ -544,4 +562,3 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10:
   q8_linear_out(out, x, qs, d, bias);
   return out;
 }
-
