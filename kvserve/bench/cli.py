@@ -237,7 +237,7 @@ def add_bench_parsers(sub, add_engine_args: AddEngineArgs, engine_args_from: Eng
     p = sub.add_parser("profile", help="torch.profiler over a workload: time by category + trace")
     add_engine_args(p)
     _add_workload_args(p, "W1", with_input=False)
-    p.add_argument("--trace", default="kvserve-trace.json", help="Chrome trace file ('' for none)")
+    p.add_argument("--trace", default="kvserve.trace.json", help="Chrome trace file ('' for none)")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_profile)
