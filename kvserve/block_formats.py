@@ -26,7 +26,6 @@ from typing import Optional
 import numpy as np
 
 GROUP = 32  # weights per group (Q4_1, Q5_0, Q8_0, and Q4_K's sub-blocks)
-CHUNK = 64  # the nibble kernels read two groups at a time
 SUPER_BLOCK = 256  # Q4_K, Q6_K
 
 

@@ -368,10 +368,7 @@ class Q8Linear(DecodeFormatLinear):
                    bias)
 
     def dequantized(self) -> torch.Tensor:
-        group = 16 if self.d.dtype == torch.float32 else INT4_GROUP_SIZE
-        scales = (self.d if self.d.dtype == torch.float32 else self.d.view(torch.float16)).float()
-        groups = self.qs.float().view(self.out_features, -1, group) * scales[..., None]
-        return groups.view(self.out_features, self.in_features)
+        return torch.from_numpy(block_formats.byte_values(block_formats.ByteBlocks(self.qs.numpy(), self.d.numpy())))
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q8_linear(rows, self.qs, self.d, self.bias))

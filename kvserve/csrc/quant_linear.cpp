@@ -38,7 +38,7 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kChunk = 64;        // two groups: one 512-bit vector of bf16 weights
+constexpr int64_t kChunk = 64;        // two groups: the nibble formats' unit of padding and scales
 constexpr int64_t kRowsPerTask = 16;  // output rows per task: their weights stay in cache while every input row uses them
 constexpr int64_t kInputRowBlock = 4;  // input rows sharing one decode of the weights
 
@@ -107,6 +107,22 @@ struct Q4Activations {
 // (0x4200); the kernel then takes the offset back out with the group's activation sum:
 // d * sum((base + v) * x) + (m - base * d) * sum(x). The activations are laid out to match
 // (NibblePlanes): lane l of a block's products belongs to group l / 4.
+#ifdef KVSERVE_Q4_AVX512
+// Block b's 64 bytes of nibbles at q (32 for a row's last, half block; the rest zero), each
+// 16-bit word's 4 nibbles v in 4 planes as the bf16 number base + v: v shifted into the
+// mantissa bits of `base` (bf16 bits `base_bits`) from kShift up, OR-ed in with one vpternlogd.
+template <int kShift>
+inline void nibble_planes(const uint8_t* q, bool full, uint16_t base_bits, __m512i (&planes)[4]) {
+  const __m512i w = full ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q);
+  const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0xF << kShift));
+  const __m512i base = _mm512_set1_epi16(static_cast<int16_t>(base_bits));
+  planes[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w, kShift), mask, base, 0xEA);  // (a & b) | c
+  planes[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4 - kShift), mask, base, 0xEA);
+  planes[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8 - kShift), mask, base, 0xEA);
+  planes[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 12 - kShift), mask, base, 0xEA);
+}
+#endif
+
 template <typename Scale>
 struct Q4Format {
   static constexpr bool kOffset = true;
@@ -127,13 +143,7 @@ struct Q4Format {
   // Block b (chunks 2b and 2b + 1; `full`: both exist) of output row n: the four planes as
   // bf16(16 + v), and per lane the group's scale d and offset m - 16 d.
   void load(int64_t n, int64_t b, bool full, __m512i (&planes)[4], __m512& d, __m512& m) const {
-    const uint8_t* q = qs + (n * chunks + 2 * b) * 32;
-    const __m512i w = full ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q);
-    const __m512i mask = _mm512_set1_epi16(0x78), magic = _mm512_set1_epi16(0x4180);
-    planes[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 3), mask, magic, 0xEA);  // (a & b) | c
-    planes[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 1), mask, magic, 0xEA);
-    planes[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 5), mask, magic, 0xEA);
-    planes[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 9), mask, magic, 0xEA);
+    nibble_planes<3>(qs + (n * chunks + 2 * b) * 32, full, 0x4180, planes);  // bf16 16.0: bits 3-6 hold v
     const __m512 s = load_scales(dm + (n * chunks + 2 * b) * 4, full);  // dA dB mA mB dC dD mC mD
     d = _mm512_permutexvar_ps(_mm512_set_epi32(5, 5, 5, 5, 4, 4, 4, 4, 1, 1, 1, 1, 0, 0, 0, 0), s);
     m = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d,
@@ -178,16 +188,10 @@ struct Q5Format {
   }
 #ifdef KVSERVE_Q4_AVX512
   void load(int64_t n, int64_t b, bool full, __m512i (&planes)[4], __m512& dv, __m512& mv) const {
-    const uint8_t* q = qs + (n * chunks + 2 * b) * 32;
-    const __m512i w = full ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q);
-    const __m512i mask = _mm512_set1_epi16(0x3C), magic = _mm512_set1_epi16(0x4200), fifth = _mm512_set1_epi16(0x40);
+    nibble_planes<2>(qs + (n * chunks + 2 * b) * 32, full, 0x4200, planes);  // bf16 32.0: bits 2-5 hold v
     const uint32_t* h = qh + (n * ((chunks + 1) / 2) + b) * 4;
-    const __m512i low[4] = {_mm512_slli_epi16(w, 2), _mm512_srli_epi16(w, 2), _mm512_srli_epi16(w, 6),
-                            _mm512_srli_epi16(w, 10)};
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_ternarylogic_epi32(low[p], mask, magic, 0xEA);
-      planes[p] = _mm512_mask_add_epi16(v, _cvtu32_mask32(h[p]), v, fifth);
-    }
+    const __m512i fifth = _mm512_set1_epi16(0x40);  // bit 6: 16 more
+    for (int p = 0; p < 4; ++p) planes[p] = _mm512_mask_add_epi16(planes[p], _cvtu32_mask32(h[p]), planes[p], fifth);
     const uint16_t* s = d + (n * chunks + 2 * b) * 2;
     const __m128i h4 = full ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)) : _mm_maskz_loadu_epi16(0x03, s);
     dv = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
