@@ -148,22 +148,28 @@ struct Q4Format {
     return {byte & 15, byte >> 4};
   }
 #ifdef KVSERVE_Q4_AVX512
-  // Block b (chunks 2b and 2b + 1; `full`: both exist) of output row n: the four planes as
-  // bf16(16 + v), and per lane the group's scale d and offset m - 16 d.
-  void load(int64_t n, int64_t b, bool full, __m512i (&planes)[4], __m512& d, __m512& m) const {
-    nibble_planes<3>(qs + (n * chunks + 2 * b) * 32, full, 0x4180, planes);  // bf16 16.0: bits 3-6 hold v
-    const __m512 s = load_scales(dm + (n * chunks + 2 * b) * 4, full);  // dA dB mA mB dC dD mC mD
-    d = _mm512_permutexvar_ps(_mm512_set_epi32(5, 5, 5, 5, 4, 4, 4, 4, 1, 1, 1, 1, 0, 0, 0, 0), s);
-    m = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d,
-                         _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 3, 3, 3, 3, 2, 2, 2, 2), s));
-  }
+  // Output row n's weights, read block by block (the kernel's inner loop: pointers, so that it
+  // does no index arithmetic per block).
+  struct Row {
+    const uint8_t* q;
+    const Scale* s;
+    // Block b (chunks 2b and 2b + 1; `full`: both exist): the four planes as bf16(16 + v), and
+    // per lane the group's scale d and offset m - 16 d.
+    void load(int64_t b, bool full, __m512i (&planes)[4], __m512& d, __m512& m) const {
+      nibble_planes<3>(q + b * 64, full, 0x4180, planes);  // bf16 16.0: bits 3-6 hold v
+      const __m512 sc = load_scales(s + b * 8, full);  // dA dB mA mB dC dD mC mD
+      d = _mm512_permutexvar_ps(_mm512_set_epi32(5, 5, 5, 5, 4, 4, 4, 4, 1, 1, 1, 1, 0, 0, 0, 0), sc);
+      m = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d,
+                           _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 3, 3, 3, 3, 2, 2, 2, 2), sc));
+    }
+    // The weights kPrefetchBytes further on in the stream (rows follow each other), and their scales.
+    void prefetch(int64_t b) const {
+      _mm_prefetch(reinterpret_cast<const char*>(q + b * 64) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(s + b * 8) + kPrefetchBytes * sizeof(Scale) / 8, _MM_HINT_T0);
+    }
+  };
+  Row row(int64_t n) const { return {qs + n * chunks * 32, dm + n * chunks * 4}; }
   static __m512 load_scales(const Scale* p, bool full);
-  // The block kPrefetchBytes of nibbles further on in the weight stream, and its scales.
-  void prefetch(int64_t n, int64_t b) const {
-    const int64_t at = (n * chunks + 2 * b) * 32;
-    _mm_prefetch(reinterpret_cast<const char*>(qs + at + kPrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(dm + (at + kPrefetchBytes) / 8), _MM_HINT_T0);
-  }
 #endif
 };
 
@@ -201,23 +207,27 @@ struct Q5Format {
             static_cast<int>((byte >> 4) | (fifth_bit(n, g, j + 16) << 4)) - 16};
   }
 #ifdef KVSERVE_Q4_AVX512
-  void load(int64_t n, int64_t b, bool full, __m512i (&planes)[4], __m512& dv, __m512& mv) const {
-    nibble_planes<2>(qs + (n * chunks + 2 * b) * 32, full, 0x4200, planes);  // bf16 32.0: bits 2-5 hold v
-    const uint32_t* h = qh + (n * ((chunks + 1) / 2) + b) * 4;
-    const __m512i fifth = _mm512_set1_epi16(0x40);  // bit 6: 16 more
-    for (int p = 0; p < 4; ++p) planes[p] = _mm512_mask_add_epi16(planes[p], _cvtu32_mask32(h[p]), planes[p], fifth);
-    const uint16_t* s = d + (n * chunks + 2 * b) * 2;
-    const __m128i h4 = full ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)) : _mm_maskz_loadu_epi16(0x03, s);
-    dv = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                               _mm512_castps128_ps512(_mm_cvtph_ps(h4)));
-    mv = _mm512_mul_ps(_mm512_set1_ps(-48.f), dv);  // bf16(32 + v) stands for q = v - 16
-  }
-  void prefetch(int64_t n, int64_t b) const {
-    const int64_t at = (n * chunks + 2 * b) * 32;
-    _mm_prefetch(reinterpret_cast<const char*>(qs + at + kPrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(qh) + (at + kPrefetchBytes) / 4, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(d + (at + kPrefetchBytes) / 16), _MM_HINT_T0);
-  }
+  struct Row {
+    const uint8_t* q;
+    const uint32_t* h;  // 4 masks per block
+    const uint16_t* d;  // 4 scales per block
+    void load(int64_t b, bool full, __m512i (&planes)[4], __m512& dv, __m512& mv) const {
+      nibble_planes<2>(q + b * 64, full, 0x4200, planes);  // bf16 32.0: bits 2-5 hold v
+      const __m512i fifth = _mm512_set1_epi16(0x40);  // bit 6: 16 more
+      for (int p = 0; p < 4; ++p) planes[p] = _mm512_mask_add_epi16(planes[p], _cvtu32_mask32(h[b * 4 + p]), planes[p], fifth);
+      const uint16_t* s = d + b * 4;
+      const __m128i h4 = full ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)) : _mm_maskz_loadu_epi16(0x03, s);
+      dv = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(_mm_cvtph_ps(h4)));
+      mv = _mm512_mul_ps(_mm512_set1_ps(-48.f), dv);  // bf16(32 + v) stands for q = v - 16
+    }
+    void prefetch(int64_t b) const {
+      _mm_prefetch(reinterpret_cast<const char*>(q + b * 64) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(h + b * 4) + kPrefetchBytes / 4, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(d + b * 4) + kPrefetchBytes / 8, _MM_HINT_T0);
+    }
+  };
+  Row row(int64_t n) const { return {qs + n * chunks * 32, qh + n * ((chunks + 1) / 2) * 4, d + n * chunks * 2}; }
 #endif
 };
 
@@ -283,29 +293,32 @@ inline __m512 block_term(const __m512i (&planes)[4], __m512 d, __m512 m, const u
 template <typename Format, int MR>
 void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t Kp, const NibblePlanes& act,
                         int64_t r0, float* out, int64_t out_stride, const float* bias) {
-  const int64_t blocks = act.blocks;
+  const int64_t blocks = act.blocks, full_blocks = Kp / 128;
+  const uint16_t* x = act.xb.data() + r0 * blocks * 128;
+  const float* sums = act.sums.data() + r0 * blocks * 16;
   for (int64_t n = n_begin; n < n_end; ++n) {
     // Even and odd blocks in two accumulators (two dependency chains), named rather than
     // indexed by b & 1, which would keep them in memory instead of registers.
     __m512 even[MR], odd[MR];
     for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    auto block = [&](int64_t b, __m512 (&acc)[MR]) {
+    const typename Format::Row w = f.row(n);
+    auto block = [&](int64_t b, bool full, __m512 (&acc)[MR]) {
       __m512i planes[4];
       __m512 d, m;
-      f.prefetch(n, b);
-      f.load(n, b, (b + 1) * 128 <= Kp, planes, d, m);
-      for (int r = 0; r < MR; ++r) {
-        const int64_t at = (r0 + r) * blocks + b;
-        acc[r] = _mm512_add_ps(acc[r],
-                               block_term<Format>(planes, d, m, act.xb.data() + at * 128, act.sums.data() + at * 16));
-      }
+      w.prefetch(b);
+      w.load(b, full, planes, d, m);
+      for (int r = 0; r < MR; ++r)
+        acc[r] = _mm512_add_ps(acc[r], block_term<Format>(planes, d, m, x + r * blocks * 128 + b * 128,
+                                                           sums + r * blocks * 16 + b * 16));
     };
+    // Block b into `even` or `odd` by its parity; only the last block may be half.
     int64_t b = 0;
-    for (; b + 1 < blocks; b += 2) {
-      block(b, even);
-      block(b + 1, odd);
+    for (; b + 1 < full_blocks; b += 2) {
+      block(b, true, even);
+      block(b + 1, true, odd);
     }
-    if (b < blocks) block(b, even);
+    if (b < blocks) block(b, b < full_blocks, even);
+    if (b + 1 < blocks) block(b + 1, false, odd);  // b + 1 == full_blocks: the half block
     for (int r = 0; r < MR; ++r)
       out[(r0 + r) * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + (bias ? bias[n] : 0.f);
   }
