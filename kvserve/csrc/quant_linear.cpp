@@ -473,10 +473,7 @@ struct Q8Scales {
   const Scale* s;
   int64_t groups_per_row;  // of kPerGroup weights
   float operator()(int64_t n, int64_t g) const { return scale_value(s[n * groups_per_row + g]); }
-  // The scales of the weights `bytes` further on than group g's (of 32) of row n.
-  const char* ahead(int64_t n, int64_t g, int64_t bytes) const {
-    return reinterpret_cast<const char*>(s + n * groups_per_row + (g * kGroup + bytes) / kPerGroup);
-  }
+  const Scale* row(int64_t n) const { return s + n * groups_per_row; }
 };
 
 #ifdef KVSERVE_Q4_AVX512
@@ -485,6 +482,8 @@ void q8_rows_avx512(const int8_t* qs, const Q8Scales<Scale>& scales, int64_t n_b
                     const float* x, int64_t x_stride, int64_t r0, float* out, int64_t out_stride, const float* bias) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     const int8_t* q = qs + n * groups * kGroup;
+    const Scale* srow = scales.row(n);
+    constexpr int64_t kPerGroup = Q8Scales<Scale>::kPerGroup;
     // Two accumulators (even / odd groups, or first / second 16 of each group for per-16
     // scales), named: indexing them by g & 1 would keep them in memory.
     __m512 even[MR], odd[MR];
@@ -492,18 +491,20 @@ void q8_rows_avx512(const int8_t* qs, const Q8Scales<Scale>& scales, int64_t n_b
     auto group = [&](int64_t g, __m512 (&acc)[MR], __m512 (&second)[MR]) {
       const __m128i* p = reinterpret_cast<const __m128i*>(q + g * kGroup);
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(scales.ahead(n, g, kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(srow + g * kGroup / kPerGroup) +
+                       kPrefetchBytes / kPerGroup * static_cast<int64_t>(sizeof(Scale)),
+                   _MM_HINT_T0);
       const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
       const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
       if constexpr (Q8Scales<Scale>::kPerGroup == 32) {
-        const __m512 scale = _mm512_set1_ps(scales(n, g));
+        const __m512 scale = _mm512_set1_ps(scale_value(srow[g]));
         for (int r = 0; r < MR; ++r) {
           const float* xr = x + (r0 + r) * x_stride + g * kGroup;
           const __m512 t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xr)));
           acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
         }
       } else {
-        const __m512 s0 = _mm512_set1_ps(scales(n, 2 * g)), s1 = _mm512_set1_ps(scales(n, 2 * g + 1));
+        const __m512 s0 = _mm512_set1_ps(scale_value(srow[2 * g])), s1 = _mm512_set1_ps(scale_value(srow[2 * g + 1]));
         for (int r = 0; r < MR; ++r) {
           const float* xr = x + (r0 + r) * x_stride + g * kGroup;
           acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(w0, _mm512_loadu_ps(xr)), s0, acc[r]);
