@@ -49,7 +49,6 @@ constexpr int64_t kInputRowBlock = 4;  // input rows sharing one decode of the w
 // from cache) read 8.4 GB/s from DRAM with the same prefetch where one row read 12.8.
 constexpr int64_t kPrefetchBytes = 2048;
 
-
 bool g_portable = false;
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
@@ -214,7 +213,8 @@ struct Q5Format {
     void load(int64_t b, bool full, __m512i (&planes)[4], __m512& dv, __m512& mv) const {
       nibble_planes<2>(q + b * 64, full, 0x4200, planes);  // bf16 32.0: bits 2-5 hold v
       const __m512i fifth = _mm512_set1_epi16(0x40);  // bit 6: 16 more
-      for (int p = 0; p < 4; ++p) planes[p] = _mm512_mask_add_epi16(planes[p], _cvtu32_mask32(h[b * 4 + p]), planes[p], fifth);
+      for (int p = 0; p < 4; ++p)
+        planes[p] = _mm512_mask_add_epi16(planes[p], _cvtu32_mask32(h[b * 4 + p]), planes[p], fifth);
       const uint16_t* s = d + b * 4;
       const __m128i h4 = full ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)) : _mm_maskz_loadu_epi16(0x03, s);
       dv = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
@@ -496,7 +496,7 @@ void q8_rows_avx512(const int8_t* qs, const Q8Scales<Scale>& scales, int64_t n_b
                    _MM_HINT_T0);
       const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
       const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
-      if constexpr (Q8Scales<Scale>::kPerGroup == 32) {
+      if constexpr (kPerGroup == 32) {
         const __m512 scale = _mm512_set1_ps(scale_value(srow[g]));
         for (int r = 0; r < MR; ++r) {
           const float* xr = x + (r0 + r) * x_stride + g * kGroup;
@@ -513,7 +513,7 @@ void q8_rows_avx512(const int8_t* qs, const Q8Scales<Scale>& scales, int64_t n_b
       }
     };
     int64_t g = 0;
-    if constexpr (Q8Scales<Scale>::kPerGroup == 32) {
+    if constexpr (kPerGroup == 32) {
       for (; g + 1 < groups; g += 2) {
         group(g, even, odd);
         group(g + 1, odd, even);
