@@ -15,7 +15,7 @@
 #include "quant_linear.h"
 
 #include <sys/mman.h>
-#if defined(__F16C__) || defined(__AVX512BW__)
+#if defined(__F16C__) || defined(__AVX512BW__) || defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -57,6 +57,78 @@ inline void half_to_float(const c10::Half* src, int64_t n, float* dst) {
   }
 #endif
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// 16 fp32 lanes as one value (GCC vector extension: one zmm register with AVX512, two ymm with
+// AVX2). The attention tiles keep their key/value chunks and accumulators in these rather than
+// in float[16] arrays (which GCC kept on the stack, a widened bf16 chunk stored in two halves
+// and reloaded whole), with every FMA written out (fma16), so that a block of any number of
+// rows computes each row with the same instructions.
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef uint16_t Bits16x16 __attribute__((vector_size(32)));
+typedef uint32_t Bits32x16 __attribute__((vector_size(64)));
+
+inline Vec16 load_vec16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store_vec16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// c + a * b, one rounding. The AVX512 build spells the FMA out: GCC's contraction of a generic
+// `c += a * b` depended on the surrounding code (a row computed in a block of 2 rows came out
+// different from the same row in a block of 4), and each row must be computed the same way
+// in every block for the results not to depend on how a prompt was chunked.
+inline Vec16 fma16(float a, Vec16 b, Vec16 c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec16>(_mm512_fmadd_ps(_mm512_set1_ps(a), reinterpret_cast<__m512>(b),
+                                                 reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  typedef float Half8 __attribute__((vector_size(32)));
+  Half8 bh[2], ch[2];
+  std::memcpy(bh, &b, sizeof(b));
+  std::memcpy(ch, &c, sizeof(c));
+  for (int h = 0; h < 2; ++h)
+    ch[h] = reinterpret_cast<Half8>(_mm256_fmadd_ps(_mm256_set1_ps(a), reinterpret_cast<__m256>(bh[h]),
+                                                    reinterpret_cast<__m256>(ch[h])));
+  Vec16 out;
+  std::memcpy(&out, ch, sizeof(out));
+  return out;
+#else
+  return c + a * b;  // no FMA instruction: nothing to contract
+#endif
+}
+
+// 16 consecutive cache elements widened to fp32 (exact for every cache type but fp64).
+template <typename T>
+inline Vec16 widen16(const T* p) {
+  float wide[16];
+  for (int i = 0; i < 16; ++i) wide[i] = to_float(p[i]);
+  return load_vec16(wide);
+}
+
+inline Vec16 widen16(const float* p) { return load_vec16(p); }
+
+inline Vec16 widen16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // One vpmovzxwd from memory and a shift (GCC's generic lowering widens in two halves).
+  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<Vec16>(_mm512_castsi512_ps(bits));
+#else
+  Bits16x16 half;
+  std::memcpy(&half, p, sizeof(half));
+  const Bits32x16 bits = __builtin_convertvector(half, Bits32x16) << 16;
+  Vec16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+#endif
+}
+
+inline Vec16 widen16(const c10::Half* p) {
+  float wide[16];
+  half_to_float(p, 16, wide);
+  return load_vec16(wide);
 }
 
 // exp(x) for x <= 0 with ~1 ulp error, written so that GCC vectorises a loop of it
@@ -308,7 +380,8 @@ struct TypeTag {
 constexpr int64_t kKeyChunk = 16;  // keys per inner tile: one 16-float vector of scores
 constexpr int64_t kQueryTile = 16;  // queries per work item (times G heads = rows)
 constexpr int64_t kRowBlock = 4;  // score rows computed together
-constexpr int64_t kPrefetchBlocks = 2;  // paged blocks fetched ahead of the one in use
+constexpr int64_t kPrefetchBlocks = 2;  // int8 caches: paged blocks fetched ahead of the one in use
+constexpr int64_t kPrefetchChunks = 2;  // other caches: key chunks fetched ahead of the one in use
 // Keys are split at multiples of this position into partitions with their own softmax, merged
 // in order (see attention_impl): a lone decode's partitions can run on every thread.
 constexpr int64_t kKeyPartition = 128;
@@ -414,120 +487,92 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     const int64_t block = table[j0 / BS], offset = j0 % BS;
     const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
     const int64_t n_keys = j1 - j0;
-    prefetch_ahead(j0, j1, first_key, last_key, BS, [&](int64_t b) {
-      prefetch_bytes(khead + table[b] * BS * D, BS * D * static_cast<int64_t>(sizeof(cache_t)));
-      prefetch_bytes(vhead + table[b] * BS * D, BS * D * static_cast<int64_t>(sizeof(cache_t)));
-    });
+    // The chunk kPrefetchChunks ahead, fetched into L2 a line at a time inside the score loop
+    // (see there). Blocks sit anywhere in the pool, so the hardware prefetcher cannot follow.
+    const char* k_ahead = nullptr;
+    const char* v_ahead = nullptr;
+    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; ahead <= last_key) {
+      k_ahead = reinterpret_cast<const char*>(khead + table[ahead / BS] * D * BS + ahead % BS);
+      v_ahead = reinterpret_cast<const char*>(vhead + (table[ahead / BS] * BS + ahead % BS) * D);
+    }
     const cache_t* kb = khead + block * D * BS + offset;  // row d of the chunk: kb + d * BS
     const cache_t* vb = vhead + (block * BS + offset) * D;  // row t of the chunk: vb + t * D
     // The score and value loops read keys/values through K (row d at K + d * k_stride) and V
     // (row t at V + t * D). A decode's few rows read a full chunk straight from the cache,
     // widening as they go; more rows (prefill), or a partial chunk, first copy it to fp32
     // (zero-padded), widened once for all row blocks.
+    // NR (<= kRowBlock) score rows from r0 over the chunk: the key/value vectors loaded once
+    // serve all of them, and their accumulators are independent FMA chains (one chain per row
+    // would stall on latency). Each row's arithmetic is the same whatever NR (explicit FMAs, one
+    // chain per row), so a decode's G rows need no padding row to make a block of 4 (SmolLM2:
+    // G = 3, a quarter of the FMAs were padding).
+    auto row_block = [&](const auto* K, int64_t k_stride, const auto* V, int64_t r0, auto nr_constant) {
+      constexpr int64_t NR = decltype(nr_constant)::value;
+      const float* qr[NR];
+      int64_t lo[NR], hi[NR];
+      bool any_visible = false;
+      for (int64_t b = 0; b < NR; ++b) {
+        const int64_t qi = (r0 + b) / G, g = (r0 + b) % G;
+        qr[b] = q + (first_row + qi) * q_s0 + (kvh * G + g) * q_s1;
+        hi[b] = first_query_pos + qi;  // the query's own position: its last visible key
+        lo[b] = window > 0 ? hi[b] - window + 1 : 0;
+        any_visible |= j0 <= hi[b] && j1 > lo[b];
+      }
+      if (!any_visible) return;
+
+      Vec16 sc[NR], sc_odd[NR];  // a second partial sum over d: two chains per row
+      for (int64_t b = 0; b < NR; ++b) sc[b] = sc_odd[b] = Vec16{};
+      for (int64_t d = 0; d < D; d += 2) {
+        // One line of the chunk ahead's keys (rows d and d + 1) and one of its values per step
+        // (D / 2 steps, D / 2 lines of values): spread this way the fetches overlap the FMAs;
+        // a block's 64 prefetches issued at once (the previous scheme) measured no faster
+        // than none. ~20 % off a decode's attention from memory, 1 or 2 threads.
+        if (k_ahead != nullptr && r0 == 0) {
+          __builtin_prefetch(k_ahead + d * BS * static_cast<int64_t>(sizeof(cache_t)), 0, 2);
+          __builtin_prefetch(k_ahead + (d + 1) * BS * static_cast<int64_t>(sizeof(cache_t)), 0, 2);
+          constexpr int64_t kValueBytesPerStep = 2 * kKeyChunk * sizeof(cache_t);  // of D / 2 steps
+          for (int64_t off = 0; off < kValueBytesPerStep; off += 64)
+            __builtin_prefetch(v_ahead + d / 2 * kValueBytesPerStep + off, 0, 2);
+        }
+        const Vec16 k0 = widen16(K + d * k_stride), k1 = widen16(K + (d + 1) * k_stride);
+        for (int64_t b = 0; b < NR; ++b) {
+          sc[b] = fma16(qr[b][d], k0, sc[b]);
+          sc_odd[b] = fma16(qr[b][d + 1], k1, sc_odd[b]);
+        }
+      }
+      float p[NR][kKeyChunk];
+      float correction[NR];
+      for (int64_t b = 0; b < NR; ++b) {
+        float x[kKeyChunk];
+        store_vec16(x, (sc[b] + sc_odd[b]) * scale);
+        correction[b] = softmax_chunk(x, j0, n_keys, lo[b], hi[b], softcap, row_max[r0 + b], row_sum[r0 + b], p[b]);
+      }
+
+      // acc[r] = acc[r] * correction + sum_t p[r][t] v[t], 16 columns of d at a time, two
+      // chains per row (even and odd keys). Masked keys have p = 0 and zeroed value rows.
+      for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
+        Vec16 even[NR], odd[NR];
+        for (int64_t b = 0; b < NR; ++b) {
+          even[b] = load_vec16(acc + (r0 + b) * D + d0) * correction[b];
+          odd[b] = Vec16{};
+        }
+        for (int64_t t = 0; t < kKeyChunk; t += 2) {
+          const Vec16 v0 = widen16(V + t * D + d0), v1 = widen16(V + (t + 1) * D + d0);
+          for (int64_t b = 0; b < NR; ++b) {
+            even[b] = fma16(p[b][t], v0, even[b]);
+            odd[b] = fma16(p[b][t + 1], v1, odd[b]);
+          }
+        }
+        for (int64_t b = 0; b < NR; ++b) store_vec16(acc + (r0 + b) * D + d0, even[b] + odd[b]);
+      }
+    };
     auto rows_over_chunk = [&](const auto* K, int64_t k_stride, const auto* V) {
-      // Rows in blocks of kRowBlock: the key/value vectors loaded once serve all of them, and
-      // their accumulators are independent FMA chains (one chain per row would stall on latency).
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-        const int64_t nr = std::min(kRowBlock, rows - r0);
-        const float* qr[kRowBlock];
-        int64_t lo[kRowBlock], hi[kRowBlock];
-        bool any_visible = false;
-        for (int64_t b = 0; b < kRowBlock; ++b) {
-          const int64_t r = r0 + std::min(b, nr - 1);  // padding rows repeat the last one, unused
-          const int64_t qi = r / G, g = r % G;
-          qr[b] = q + (first_row + qi) * q_s0 + (kvh * G + g) * q_s1;
-          hi[b] = first_query_pos + qi;  // the query's own position: its last visible key
-          lo[b] = window > 0 ? hi[b] - window + 1 : 0;
-          any_visible |= j0 <= hi[b] && j1 > lo[b];
-        }
-        if (!any_visible) continue;
-
-        float sc[kRowBlock][kKeyChunk];
-        float sc_odd[kRowBlock][kKeyChunk];  // a second partial sum over d: two chains per row
-        for (int64_t b = 0; b < kRowBlock; ++b) {
-#pragma omp simd
-          for (int64_t t = 0; t < kKeyChunk; ++t) sc[b][t] = sc_odd[b][t] = 0.f;
-        }
-        for (int64_t d = 0; d < D; d += 2) {
-          const float* k0 = nullptr;
-          const float* k1 = nullptr;
-          float k0_wide[kKeyChunk], k1_wide[kKeyChunk];
-          if constexpr (std::is_same_v<std::decay_t<decltype(*K)>, float>) {
-            k0 = K + d * k_stride;
-            k1 = k0 + k_stride;
-          } else {
-#pragma omp simd
-            for (int64_t t = 0; t < kKeyChunk; ++t) {
-              k0_wide[t] = to_float(K[d * k_stride + t]);
-              k1_wide[t] = to_float(K[(d + 1) * k_stride + t]);
-            }
-            k0 = k0_wide;
-            k1 = k1_wide;
-          }
-          for (int64_t b = 0; b < kRowBlock; ++b) {
-            const float q0 = qr[b][d], q1 = qr[b][d + 1];
-#pragma omp simd
-            for (int64_t t = 0; t < kKeyChunk; ++t) {
-              sc[b][t] += q0 * k0[t];
-              sc_odd[b][t] += q1 * k1[t];
-            }
-          }
-        }
-        float p[kRowBlock][kKeyChunk];
-        float correction[kRowBlock];
-        for (int64_t b = 0; b < nr; ++b) {
-          float x[kKeyChunk];
-#pragma omp simd
-          for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = (sc[b][t] + sc_odd[b][t]) * scale;
-          correction[b] = softmax_chunk(x, j0, n_keys, lo[b], hi[b], softcap, row_max[r0 + b], row_sum[r0 + b], p[b]);
-        }
-        for (int64_t b = nr; b < kRowBlock; ++b) {
-          correction[b] = 1.f;
-          for (int64_t t = 0; t < kKeyChunk; ++t) p[b][t] = 0.f;
-        }
-
-        // acc[r] = acc[r] * correction + sum_t p[r][t] v[t], 16 columns of d at a time, two
-        // chains per row (even and odd keys). Masked keys have p = 0 and zeroed value rows.
-        for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
-          float even[kRowBlock][kKeyChunk], odd[kRowBlock][kKeyChunk];
-          for (int64_t b = 0; b < kRowBlock; ++b) {
-            const float* a = acc + std::min(r0 + b, rows - 1) * D + d0;
-#pragma omp simd
-            for (int64_t i = 0; i < kKeyChunk; ++i) {
-              even[b][i] = a[i] * correction[b];
-              odd[b][i] = 0.f;
-            }
-          }
-          for (int64_t t = 0; t < kKeyChunk; t += 2) {
-            const float* v0 = nullptr;
-            const float* v1 = nullptr;
-            float v0_wide[kKeyChunk], v1_wide[kKeyChunk];
-            if constexpr (std::is_same_v<std::decay_t<decltype(*V)>, float>) {
-              v0 = V + t * D + d0;
-              v1 = v0 + D;
-            } else {
-#pragma omp simd
-              for (int64_t i = 0; i < kKeyChunk; ++i) {
-                v0_wide[i] = to_float(V[t * D + d0 + i]);
-                v1_wide[i] = to_float(V[(t + 1) * D + d0 + i]);
-              }
-              v0 = v0_wide;
-              v1 = v1_wide;
-            }
-            for (int64_t b = 0; b < kRowBlock; ++b) {
-              const float p0 = p[b][t], p1 = p[b][t + 1];
-#pragma omp simd
-              for (int64_t i = 0; i < kKeyChunk; ++i) {
-                even[b][i] += p0 * v0[i];
-                odd[b][i] += p1 * v1[i];
-              }
-            }
-          }
-          for (int64_t b = 0; b < nr; ++b) {
-            float* a = acc + (r0 + b) * D + d0;
-#pragma omp simd
-            for (int64_t i = 0; i < kKeyChunk; ++i) a[i] = even[b][i] + odd[b][i];
-          }
+        switch (std::min(kRowBlock, rows - r0)) {
+          case 1: row_block(K, k_stride, V, r0, std::integral_constant<int64_t, 1>{}); break;
+          case 2: row_block(K, k_stride, V, r0, std::integral_constant<int64_t, 2>{}); break;
+          case 3: row_block(K, k_stride, V, r0, std::integral_constant<int64_t, 3>{}); break;
+          default: row_block(K, k_stride, V, r0, std::integral_constant<int64_t, kRowBlock>{}); break;
         }
       }
     };
