@@ -454,6 +454,17 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
   return correction;
 }
 
+// softmax_chunk for `rows` score rows x[r] (row_max/row_sum/lo/hi/p/correction indexed alike).
+// Never inlined: one copy of the code serves every row, since GCC compiled the sum and the exp
+// differently in the tiles' blocks of 1-4 rows (-fassociative-math), and a row must not depend
+// on its block.
+__attribute__((noinline)) void softmax_rows(float (*x)[kKeyChunk], int64_t rows, int64_t j0, int64_t n_keys,
+                                            const int64_t* lo, const int64_t* hi, float softcap, float* row_max,
+                                            float* row_sum, float (*p)[kKeyChunk], float* correction) {
+  for (int64_t r = 0; r < rows; ++r)
+    correction[r] = softmax_chunk(x[r], j0, n_keys, lo[r], hi[r], softcap, row_max[r], row_sum[r], p[r]);
+}
+
 // Attention of a tile of one sequence's queries (all G query heads of one KV head) over the
 // paged cache, flash-style: keys are visited in chunks of <= 16 within a block, widened to
 // fp32 once; with keys stored [D, block_size] per block, each score row is a sum over d of
@@ -487,11 +498,12 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     const int64_t block = table[j0 / BS], offset = j0 % BS;
     const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
     const int64_t n_keys = j1 - j0;
-    // The chunk kPrefetchChunks ahead, fetched into L2 a line at a time inside the score loop
-    // (see there). Blocks sit anywhere in the pool, so the hardware prefetcher cannot follow.
+    // A decode's chunk kPrefetchChunks ahead, fetched into L2 a line at a time inside the score
+    // loop (see there). Blocks sit anywhere in the pool, so the hardware prefetcher cannot
+    // follow; a prefill's tile computes long enough on each chunk not to need it.
     const char* k_ahead = nullptr;
     const char* v_ahead = nullptr;
-    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; ahead <= last_key) {
+    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; ahead <= last_key && rows <= kRowBlock) {
       k_ahead = reinterpret_cast<const char*>(khead + table[ahead / BS] * D * BS + ahead % BS);
       v_ahead = reinterpret_cast<const char*>(vhead + (table[ahead / BS] * BS + ahead % BS) * D);
     }
@@ -527,7 +539,7 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
         // (D / 2 steps, D / 2 lines of values): spread this way the fetches overlap the FMAs;
         // a block's 64 prefetches issued at once (the previous scheme) measured no faster
         // than none. ~20 % off a decode's attention from memory, 1 or 2 threads.
-        if (k_ahead != nullptr && r0 == 0) {
+        if (k_ahead != nullptr) {
           __builtin_prefetch(k_ahead + d * BS * static_cast<int64_t>(sizeof(cache_t)), 0, 2);
           __builtin_prefetch(k_ahead + (d + 1) * BS * static_cast<int64_t>(sizeof(cache_t)), 0, 2);
           constexpr int64_t kValueBytesPerStep = 2 * kKeyChunk * sizeof(cache_t);  // of D / 2 steps
@@ -542,15 +554,17 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
       }
       float p[NR][kKeyChunk];
       float correction[NR];
-      for (int64_t b = 0; b < NR; ++b) {
-        float x[kKeyChunk];
-        store_vec16(x, (sc[b] + sc_odd[b]) * scale);
-        correction[b] = softmax_chunk(x, j0, n_keys, lo[b], hi[b], softcap, row_max[r0 + b], row_sum[r0 + b], p[b]);
-      }
+      float x[NR][kKeyChunk];
+      for (int64_t b = 0; b < NR; ++b) store_vec16(x[b], (sc[b] + sc_odd[b]) * scale);
+      softmax_rows(x, NR, j0, n_keys, lo, hi, softcap, row_max + r0, row_sum + r0, p, correction);
 
       // acc[r] = acc[r] * correction + sum_t p[r][t] v[t], 16 columns of d at a time, two
       // chains per row (even and odd keys). Masked keys have p = 0 and zeroed value rows.
       for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
+        // The weights p are read from memory here, one broadcast operand per FMA: left to
+        // itself GCC hoists all NR x 16 broadcasts out of this loop and spills them, two 64-byte
+        // loads per FMA (measured: prefill attention 35 % slower).
+        asm("" : "+m"(p));
         Vec16 even[NR], odd[NR];
         for (int64_t b = 0; b < NR; ++b) {
           even[b] = load_vec16(acc + (r0 + b) * D + d0) * correction[b];
