@@ -76,7 +76,7 @@ inline Vec16 load_vec16(const float* p) {
 
 inline void store_vec16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// c + a * b, one rounding. The AVX512 build spells the FMA out: GCC's contraction of a generic
+// c + a * b, one rounding, spelt out with intrinsics where the CPU has FMA: GCC's contraction of a generic
 // `c += a * b` depended on the surrounding code (a row computed in a block of 2 rows came out
 // different from the same row in a block of 4), and each row must be computed the same way
 // in every block for the results not to depend on how a prompt was chunked.
@@ -493,6 +493,7 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
   const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
   const int64_t first_key =
       std::max(key_begin, first_visible_key(first_query_pos, window));
+  const bool few_rows = rows <= kRowBlock;  // a decode's tile: one row block, read from the cache
   for (int64_t j0 = first_key; j0 <= last_key;) {
     // A chunk never crosses a paged block.
     const int64_t block = table[j0 / BS], offset = j0 % BS;
@@ -503,7 +504,7 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     // follow; a prefill's tile computes long enough on each chunk not to need it.
     const char* k_ahead = nullptr;
     const char* v_ahead = nullptr;
-    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; ahead <= last_key && rows <= kRowBlock) {
+    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; ahead <= last_key && few_rows) {
       k_ahead = reinterpret_cast<const char*>(khead + table[ahead / BS] * D * BS + ahead % BS);
       v_ahead = reinterpret_cast<const char*>(vhead + (table[ahead / BS] * BS + ahead % BS) * D);
     }
@@ -537,8 +538,8 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
       for (int64_t d = 0; d < D; d += 2) {
         // One line of the chunk ahead's keys (rows d and d + 1) and one of its values per step
         // (D / 2 steps, D / 2 lines of values): spread this way the fetches overlap the FMAs;
-        // a block's 64 prefetches issued at once (the previous scheme) measured no faster
-        // than none. ~20 % off a decode's attention from memory, 1 or 2 threads.
+        // a block's 64 prefetches issued at once measured no faster than none. ~20 % off a
+        // decode's attention from memory, 1 or 2 threads.
         if (k_ahead != nullptr) {
           __builtin_prefetch(k_ahead + d * BS * static_cast<int64_t>(sizeof(cache_t)), 0, 2);
           __builtin_prefetch(k_ahead + (d + 1) * BS * static_cast<int64_t>(sizeof(cache_t)), 0, 2);
@@ -590,7 +591,7 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
         }
       }
     };
-    if (n_keys == kKeyChunk && rows <= kRowBlock) {
+    if (n_keys == kKeyChunk && few_rows) {
       rows_over_chunk(kb, BS, vb);
     } else {
       for (int64_t d = 0; d < D; ++d) {
