@@ -646,9 +646,12 @@ inline int32_t int16_pair(const int16_t* x) {
 }
 
 // isum[b][t] = sum_d q16[b][d] * key(d, offset + t) of one block's keys ([D/2][BS][2]), for
-// t < n_keys; 0 beyond.
+// t < n_keys; 0 beyond. With k_ahead (a decode), the same dims of a chunk ahead are fetched into
+// L2 a line per step, with a line of its values (v_ahead) every other step: the fetches ride
+// along with the products, as in attention_tile.
 inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, int64_t BS, int64_t offset,
-                              int64_t n_keys, int64_t D, int32_t (*isum)[kKeyChunk]) {
+                              int64_t n_keys, int64_t D, int32_t (*isum)[kKeyChunk], const int8_t* k_ahead = nullptr,
+                              const int8_t* v_ahead = nullptr) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
     const __mmask32 mask = n_keys >= kKeyChunk ? 0xFFFFFFFFu : (1u << (2 * n_keys)) - 1u;
@@ -656,6 +659,10 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
     for (int64_t b = 0; b < kRowBlock; ++b) acc[b] = _mm512_setzero_si512();
     const int8_t* src = kblock + offset * 2;
     for (int64_t dp = 0; dp < D / 2; ++dp, src += 2 * BS) {
+      if (k_ahead != nullptr) {
+        __builtin_prefetch(k_ahead + dp * 2 * BS, 0, 2);
+        if (dp % 2 == 0) __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
+      }
       const __m512i k = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src));
       for (int64_t b = 0; b < kRowBlock; ++b)
         acc[b] = _mm512_dpwssd_epi32(acc[b], k, _mm512_set1_epi32(int16_pair(q16[b] + 2 * dp)));
@@ -746,16 +753,32 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
   // same in a decode, a prefill chunk or a recompute. It also starts value pairs (2j, 2j + 1)
   // on even positions.
   const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window)) & ~(kKeyChunk - 1);
+  const bool few_rows = rows <= kRowBlock;  // a decode's tile: one row block
   for (int64_t j0 = first_key; j0 <= last_key;) {
     const int64_t block = table[j0 / BS], offset = j0 % BS;
     const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
     const int64_t n_keys = j1 - j0;
-    prefetch_ahead(j0, j1, first_key, last_key, BS, [&](int64_t b) {
-      prefetch_bytes(khead + table[b] * BS * D, BS * D);
-      prefetch_bytes(vhead + table[b] * BS * D, BS * D);
-      prefetch_bytes(kscales + table[b] * groups * BS, groups * BS * 2);
-      prefetch_bytes(vscales + table[b] * groups * BS, groups * BS * 2);
-    });
+    // A decode's chunk kPrefetchChunks ahead: its scales now, its keys and values a line at a
+    // time in the score loop (int8_chunk_scores); ~25 % off a decode's attention from memory
+    // against the whole blocks fetched at once that a prefill tile keeps.
+    const int8_t* k_ahead = nullptr;
+    const int8_t* v_ahead = nullptr;
+    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; few_rows && ahead <= last_key) {
+      const int64_t ahead_block = table[ahead / BS], ahead_offset = ahead % BS;
+      k_ahead = khead + ahead_block * BS * D + ahead_offset * 2;  // key pair row dp at + dp * 2 * BS
+      v_ahead = vhead + ahead_block * BS * D + ahead_offset / 2 * 2 * D;  // 16 * D bytes in a row
+      for (int64_t g = 0; g < groups; ++g) {
+        __builtin_prefetch(kscales + (ahead_block * groups + g) * BS + ahead_offset, 0, 2);
+        __builtin_prefetch(vscales + (ahead_block * groups + g) * BS + ahead_offset, 0, 2);
+      }
+    } else if (!few_rows) {
+      prefetch_ahead(j0, j1, first_key, last_key, BS, [&](int64_t b) {
+        prefetch_bytes(khead + table[b] * BS * D, BS * D);
+        prefetch_bytes(vhead + table[b] * BS * D, BS * D);
+        prefetch_bytes(kscales + table[b] * groups * BS, groups * BS * 2);
+        prefetch_bytes(vscales + table[b] * groups * BS, groups * BS * 2);
+      });
+    }
     // Per group and token: score scale x key scale, and the value scale (0 past the chunk).
     float key_mul[kMaxGroups][kKeyChunk] = {}, value_mul[kMaxGroups][kKeyChunk] = {};
     for (int64_t g = 0; g < groups; ++g) {
@@ -786,7 +809,11 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
         int32_t isum[kRowBlock][kKeyChunk];
         const int16_t* qg[kRowBlock];
         for (int64_t b = 0; b < kRowBlock; ++b) qg[b] = qr[b] + g * group;
-        int8_chunk_scores(qg, kblock + g * group * BS, BS, offset, n_keys, group, isum);
+        // Group g's share of the chunk ahead: its key dims, and group / 4 of the chunk's D / 4
+        // lines of values.
+        int8_chunk_scores(qg, kblock + g * group * BS, BS, offset, n_keys, group, isum,
+                          k_ahead != nullptr ? k_ahead + g * group * BS : nullptr,
+                          k_ahead != nullptr ? v_ahead + g * group * 16 : nullptr);
         for (int64_t b = 0; b < nr; ++b) {
 #pragma omp simd
           for (int64_t t = 0; t < kKeyChunk; ++t) x[b][t] += static_cast<float>(isum[b][t]) * key_mul[g][t];
