@@ -50,7 +50,7 @@ LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::
               "aten::_weight_int4pack_mm_for_cpu", "aten::_addmm_activation",
               "mkldnn::_linear_pointwise",  # Bf16Linear's pre-packed oneDNN matmul
               "kvserve::q4_linear", "kvserve::q5_linear", "kvserve::q8_linear", "kvserve::bf16_linear",
-              "kvserve::fp32_linear"}  # labels of kvserve's own kernels (csrc/)
+              "kvserve::fp32_linear"}  # labels of kvserve's own kernels (their *_linear_out)
 
 ROW_ORDER = ["prefill forward", "  attention (prefill)", "  linear layers (prefill)",
              "  other ops (prefill)", "decode forward", "  attention (decode)",

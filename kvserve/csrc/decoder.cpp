@@ -76,13 +76,11 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case Kind::kQ4: {
-        RECORD_FUNCTION("kvserve::q4_linear", std::vector<c10::IValue>());
         auto out = torch::empty({x.size(0), out_features}, x.options());
         q4_linear_out(out, x, weight, scales, bias);
         return out;
       }
       case Kind::kQ5: {
-        RECORD_FUNCTION("kvserve::q5_linear", std::vector<c10::IValue>());
         auto out = torch::empty({x.size(0), out_features}, x.options());
         q5_linear_out(out, x, weight, extra, scales, bias);
         return out;
@@ -94,19 +92,16 @@ struct Linear {
         return torch::cat(parts, 1);
       }
       case Kind::kQ8: {
-        RECORD_FUNCTION("kvserve::q8_linear", std::vector<c10::IValue>());
         auto out = torch::empty({x.size(0), out_features}, x.options());
         q8_linear_out(out, x, weight, scales, bias);
         return out;
       }
       case Kind::kBf16: {  // kvserve.quant.Bf16Linear, packed for kvserve's kernel
-        RECORD_FUNCTION("kvserve::bf16_linear", std::vector<c10::IValue>());
         auto out = torch::empty({x.size(0), out_features}, x.options());
         bf16_linear_out(out, x, weight, bias);
         return out;
       }
       case Kind::kFp32: {  // kvserve.quant.Fp32Linear
-        RECORD_FUNCTION("kvserve::fp32_linear", std::vector<c10::IValue>());
         auto out = torch::empty({x.size(0), out_features}, x.options());
         fp32_linear_out(out, x, weight, bias);
         return out;

@@ -305,6 +305,7 @@ void fp32_block(const float* x, int64_t x_stride, const float* w, int64_t w_stri
 void set_portable_dense_kernels(bool portable) { g_portable = portable; }
 
 void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
+  RECORD_FUNCTION("kvserve::bf16_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   check_rows(x, out, N);
   TORCH_CHECK(wp.scalar_type() == torch::kInt16 && wp.is_contiguous() && wp.dim() == 4 && wp.size(2) == kPanel &&
@@ -328,14 +329,13 @@ void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::
 }
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t n, c10::optional<torch::Tensor> bias) {
-  // A call from Python (the LM head, unfused layers), labelled as decoder.cpp labels its calls.
-  RECORD_FUNCTION("kvserve::bf16_linear", std::vector<c10::IValue>());
   auto out = torch::empty({x.size(0), n}, x.options());
   bf16_linear_out(out, x, wp, bias);
   return out;
 }
 
 void fp32_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  RECORD_FUNCTION("kvserve::fp32_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_rows(x, out, N);
   TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.stride(1) == 1 && w.size(1) == K,
@@ -351,8 +351,6 @@ void fp32_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::o
 }
 
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  // A call from Python (the LM head, unfused layers), labelled as decoder.cpp labels its calls.
-  RECORD_FUNCTION("kvserve::fp32_linear", std::vector<c10::IValue>());
   auto out = torch::empty({x.size(0), w.size(0)}, x.options());
   fp32_linear_out(out, x, w, bias);
   return out;

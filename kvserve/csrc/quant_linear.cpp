@@ -424,6 +424,7 @@ void set_portable_quant_kernels(bool portable) { g_portable = portable; }
 
 void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor dm,
                    c10::optional<torch::Tensor> bias) {
+  RECORD_FUNCTION("kvserve::q4_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller
   const int64_t N = qs.size(0), Kp = qs.size(1) * 2;
   check_nibble_rows(x, out, qs);
   TORCH_CHECK((dm.scalar_type() == torch::kInt16 || dm.scalar_type() == torch::kFloat32) && dm.is_contiguous() &&
@@ -440,8 +441,6 @@ void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
 }
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, c10::optional<torch::Tensor> bias) {
-  // A call from Python (the LM head, unfused layers), labelled as decoder.cpp labels its calls.
-  RECORD_FUNCTION("kvserve::q4_linear", std::vector<c10::IValue>());
   auto out = torch::empty({x.size(0), qs.size(0)}, x.options());
   q4_linear_out(out, x, qs, dm, bias);
   return out;
@@ -449,6 +448,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, c10
 
 void q5_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor qh, torch::Tensor d,
                    c10::optional<torch::Tensor> bias) {
+  RECORD_FUNCTION("kvserve::q5_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller
   const int64_t N = qs.size(0), Kp = qs.size(1) * 2;
   check_nibble_rows(x, out, qs);
   TORCH_CHECK(qh.scalar_type() == torch::kInt32 && qh.is_contiguous() && qh.numel() == N * ((Kp + 127) / 128) * 4,
@@ -462,8 +462,6 @@ void q5_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
 
 torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, torch::Tensor d,
                         c10::optional<torch::Tensor> bias) {
-  // A call from Python (the LM head, unfused layers), labelled as decoder.cpp labels its calls.
-  RECORD_FUNCTION("kvserve::q5_linear", std::vector<c10::IValue>());
   auto out = torch::empty({x.size(0), qs.size(0)}, x.options());
   q5_linear_out(out, x, qs, qh, d, bias);
   return out;
@@ -581,6 +579,7 @@ void q8_linear_impl(torch::Tensor& out, const torch::Tensor& x, const int8_t* q,
 
 void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d,
                    c10::optional<torch::Tensor> bias) {
+  RECORD_FUNCTION("kvserve::q8_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller
   const int64_t N = qs.size(0), K = qs.size(1);
   check_weight_rows(x, out, N);
   TORCH_CHECK(qs.scalar_type() == torch::kInt8 && qs.is_contiguous() && K % kGroup == 0 && x.size(1) == K,
@@ -598,8 +597,6 @@ void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
 }
 
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> bias) {
-  // A call from Python (the LM head, unfused layers), labelled as decoder.cpp labels its calls.
-  RECORD_FUNCTION("kvserve::q8_linear", std::vector<c10::IValue>());
   auto out = torch::empty({x.size(0), qs.size(0)}, x.options());
   q8_linear_out(out, x, qs, d, bias);
   return out;
