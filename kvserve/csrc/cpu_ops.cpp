@@ -176,27 +176,37 @@ void check_int8_cache(const torch::Tensor& kv_cache, const torch::Tensor& scales
 
 }  // namespace
 
-// out[t] = x[t] / rms(x[t]) * (offset + w): offset 0 is LLaMA's RMSNorm, 1 is Gemma's.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset) {
+// out[t] = x[t] / rms(x[t]) * (offset + w): offset 0 is LLaMA's RMSNorm, 1 is Gemma's. x and out
+// [T, n] with contiguous rows; out may be x itself (each row's rms is taken before it is written).
+void rms_norm_out(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& weight, double eps, double offset) {
   check_fp32_cpu(x, "x");
+  check_fp32_cpu(out, "out");
   check_fp32_cpu(weight, "weight");
   const int64_t n = x.size(-1);
-  auto x2 = x.reshape({-1, n}).contiguous();
-  auto w = weight.contiguous();
-  auto out = torch::empty_like(x2);
-  const float* xp = x2.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) == n && weight.is_contiguous() && weight.numel() == n,
+              "rms_norm_out: x and out [T, n] with contiguous rows, weight [n]");
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t x_stride = x.stride(0), o_stride = out.stride(0);
   const float off = static_cast<float>(offset);
-  at::parallel_for(0, x2.size(0), std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* row = xp + t * n;
+      const float* row = xp + t * x_stride;
       const float r = inv_rms(row, n, eps);
-      float* o = op + t * n;
+      float* o = op + t * o_stride;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) o[i] = (row[i] * r) * (off + wp[i]);
     }
   });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset) {
+  const int64_t n = x.size(-1);
+  auto x2 = x.reshape({-1, n}).contiguous();
+  auto out = torch::empty_like(x2);
+  rms_norm_out(out, x2, weight.contiguous(), eps, offset);
   return out.view(x.sizes());
 }
 
@@ -1056,19 +1066,23 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
   });
 }
 
-// act(gate) * up for x = [gate | up] of shape [T, 2 I]; act 0 = SiLU, 1 = tanh-approximated GELU.
-torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
+// act(gate) * up for x = [gate | up] of shape [T, 2 I] into out [T, I] (both with contiguous
+// rows); act 0 = SiLU, 1 = tanh-approximated GELU.
+void act_and_mul_out(torch::Tensor out, const torch::Tensor& x, int64_t act) {
   check_fp32_cpu(x, "x");
+  check_fp32_cpu(out, "out");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [T, 2 I] with contiguous rows");
   const int64_t T = x.size(0), I = x.size(1) / 2, stride = x.stride(0);
-  auto out = torch::empty({T, I}, x.options());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == I && out.stride(1) == 1,
+              "out must be [T, I] with contiguous rows");
+  const int64_t o_stride = out.stride(0);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* gate = xp + t * stride;
       const float* up = gate + I;
-      float* o = op + t * I;
+      float* o = op + t * o_stride;
       // Both activations through exp of a non-positive argument, which vectorises.
       if (act == 0) {
 #pragma omp simd
@@ -1091,6 +1105,11 @@ torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
       }
     }
   });
+}
+
+torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  act_and_mul_out(out, x, act);
   return out;
 }
 

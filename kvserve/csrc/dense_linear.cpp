@@ -86,19 +86,23 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& out, int64_t N) {
 // ------------------------------------------------------------------------------ bf16
 
 // The activations rounded to bf16, as k pairs: [M][Kh] words, word kk = x[2kk] | x[2kk + 1] << 16.
-std::vector<uint32_t> bf16_pairs(const float* x, int64_t stride, int64_t M, int64_t K, int64_t Kh) {
-  std::vector<uint32_t> pairs(M * Kh);
+// In the calling thread's scratch memory (every word written), valid until its next call: a
+// decode step makes hundreds of calls, each with a fresh zero-filled vector before.
+const uint32_t* bf16_pairs(const float* x, int64_t stride, int64_t M, int64_t K, int64_t Kh) {
+  thread_local std::vector<uint32_t> pairs;
+  if (static_cast<int64_t>(pairs.size()) < M * Kh) pairs.resize(M * Kh);
+  uint32_t* const words = pairs.data();  // the caller's buffer (inside the workers `pairs` is theirs)
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xr = x + m * stride;
-      uint32_t* dst = pairs.data() + m * Kh;
+      uint32_t* dst = words + m * Kh;
       const int64_t full = K / 2;
 #pragma omp simd
       for (int64_t kk = 0; kk < full; ++kk) dst[kk] = bf16_bits_rne(xr[2 * kk]) | (bf16_bits_rne(xr[2 * kk + 1]) << 16);
       if (full < Kh) dst[full] = bf16_bits_rne(xr[K - 1]);  // odd K: the padded weight is zero
     }
   });
-  return pairs;
+  return words;
 }
 
 struct Bf16Call {
@@ -314,8 +318,8 @@ void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::
   const int64_t P = wp.size(0), Kh = wp.size(1);
   TORCH_CHECK(Kh == (K + 1) / 2 && P == (N + kPanel - 1) / kPanel, "wp does not match x [M, K] and N");
   if (M == 0) return;
-  const std::vector<uint32_t> pairs = bf16_pairs(x.data_ptr<float>(), x.stride(0), M, K, Kh);
-  const Bf16Call call{pairs.data(), reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>()), Kh, N,
+  const uint32_t* pairs = bf16_pairs(x.data_ptr<float>(), x.stride(0), M, K, Kh);
+  const Bf16Call call{pairs, reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>()), Kh, N,
                       out.data_ptr<float>(), out.stride(0), optional_bias(bias, N)};
   over_column_ranges(P, std::min(P, threads_for(M * N * K)), [&](int64_t pb, int64_t pe) {
 #ifdef KVSERVE_DENSE_BF16

@@ -52,6 +52,13 @@ constexpr int64_t kPrefetchBytes = 2048;
 
 bool g_portable = false;
 
+// buffer's first n elements, growing it when it is shorter (its contents are the caller's to set).
+template <typename T>
+T* grown(std::vector<T>& buffer, int64_t n) {
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
 inline uint16_t float_to_bf16_rne(float f) {
@@ -238,30 +245,38 @@ struct Q5Format {
 // and lane l of the group sums holds the sum of group l / 4's bf16 inputs divided by 4 (exact).
 struct NibblePlanes {
   int64_t blocks;
-  std::vector<uint16_t> xb;    // [M][blocks][4][32]
-  std::vector<float> sums;     // [M][blocks][16]
+  uint16_t* xb;  // [M][blocks][4][32]
+  float* sums;   // [M][blocks][16]
 
-  NibblePlanes(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp)
-      : blocks((Kp + 127) / 128), xb(M * blocks * 128, 0), sums(M * blocks * 16, 0.f) {
+  // In the calling thread's scratch memory, reused by its next call: a decode step makes a few
+  // hundred calls, and fresh zero-filled vectors per call (allocation, fill, free) were ~4 % of
+  // a SmolLM2 int4 step's main thread. Read by the call's workers while the caller waits.
+  NibblePlanes(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : blocks((Kp + 127) / 128) {
     static const std::vector<int> source = [] {
       std::vector<int> s(128);
       for (int p = 0; p < 4; ++p)
         for (int i = 0; i < 32; ++i) s[p * 32 + i] = (i / 8) * 32 + 2 * (i % 8) + (p & 1) * 16 + (p >> 1);
       return s;
     }();
-    std::vector<uint16_t> row(blocks * 128, 0);
+    thread_local std::vector<uint16_t> xb_scratch, row_scratch;
+    thread_local std::vector<float> sums_scratch;
+    xb = grown(xb_scratch, M * blocks * 128);
+    sums = grown(sums_scratch, M * blocks * 16);
+    std::fill(sums, sums + M * blocks * 16, 0.f);  // groups past K sum to zero
+    uint16_t* row = grown(row_scratch, blocks * 128);
+    std::fill(row + K, row + blocks * 128, uint16_t{0});  // inputs past K are zero (bf16 +0)
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * x_stride;
       int64_t k = 0;
       for (; k + 32 <= K; k += 32) {
         const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k));
-        _mm512_storeu_si512(row.data() + k, words);
+        _mm512_storeu_si512(row + k, words);
         // The sum of the rounded inputs: the offsets below take back exactly what the bf16
         // products added.
         const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
         const __m512 c = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
         const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c)) * 0.25f;
-        float* lanes = sums.data() + (r * blocks + k / 128) * 16 + (k % 128) / 32 * 4;
+        float* lanes = sums + (r * blocks + k / 128) * 16 + (k % 128) / 32 * 4;
         for (int l = 0; l < 4; ++l) lanes[l] = sum;
       }
       for (; k < K; k += 32) {  // a last partial group (K not a multiple of 32)
@@ -270,10 +285,10 @@ struct NibblePlanes {
           row[j] = float_to_bf16_rne(xr[j]);
           sum += bf16_to_float(row[j]);
         }
-        float* lanes = sums.data() + (r * blocks + k / 128) * 16 + (k % 128) / 32 * 4;
+        float* lanes = sums + (r * blocks + k / 128) * 16 + (k % 128) / 32 * 4;
         for (int l = 0; l < 4; ++l) lanes[l] = sum * 0.25f;
       }
-      uint16_t* dst = xb.data() + r * blocks * 128;
+      uint16_t* dst = xb + r * blocks * 128;
       for (int64_t b = 0; b < blocks; ++b)
         for (int j = 0; j < 128; ++j) dst[b * 128 + j] = row[b * 128 + source[j]];
     }
@@ -295,8 +310,8 @@ template <typename Format, int MR>
 void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t Kp, const NibblePlanes& act,
                         int64_t r0, float* out, int64_t out_stride, const float* bias) {
   const int64_t blocks = act.blocks, full_blocks = Kp / 128;
-  const uint16_t* x = act.xb.data() + r0 * blocks * 128;
-  const float* sums = act.sums.data() + r0 * blocks * 16;
+  const uint16_t* x = act.xb + r0 * blocks * 128;
+  const float* sums = act.sums + r0 * blocks * 16;
   for (int64_t n = n_begin; n < n_end; ++n) {
     // Even and odd blocks in two accumulators (two dependency chains), named rather than
     // indexed by b & 1, which would keep them in memory instead of registers.
