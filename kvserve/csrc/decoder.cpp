@@ -12,10 +12,12 @@
 #include "dense_linear.h"
 #include "quant_linear.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -160,17 +162,20 @@ c10::optional<torch::Tensor> optional_tensor(const pybind11::dict& d, const char
 }
 
 // x += y for [T, n] tensors with contiguous rows: the residual adds, without a trip through
-// the dispatcher per layer (the same IEEE sums as torch's add_).
+// the dispatcher per layer (the same IEEE sums as torch's add_), rows spread over the threads as
+// rms_norm spreads them (a decode's one row stays on this thread).
 void add_rows_(const torch::Tensor& x, const torch::Tensor& y) {
-  const int64_t rows = x.size(0), n = x.size(1), x_stride = x.stride(0), y_stride = y.stride(0);
+  const int64_t n = x.size(1), x_stride = x.stride(0), y_stride = y.stride(0);
   float* xp = x.data_ptr<float>();
   const float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    float* xr = xp + r * x_stride;
-    const float* yr = yp + r * y_stride;
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = xp + r * x_stride;
+      const float* yr = yp + r * y_stride;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) xr[i] += yr[i];
-  }
+      for (int64_t i = 0; i < n; ++i) xr[i] += yr[i];
+    }
+  });
 }
 
 struct Layer {

@@ -44,15 +44,17 @@ def _linear_spec(layer: nn.Module) -> Optional[tuple]:
         prefill = _linear_spec(layer.prefill)
         return None if prefill is None else (*blocks[:5], prefill, *blocks[6:])
     if isinstance(layer, Int8Linear):
-        return "int8", layer.weight, layer.scales, layer.bias, layer.out_features
+        return "int8", layer.weight, layer.scales, layer.bias
     if isinstance(layer, Bf16Linear):
         if layer.packed:
             return "bf16", layer.weight, None, layer.bias, layer.out_features
+        # out_features given: the decoder sizes its buffers from it, and a pre-packed oneDNN
+        # weight's shape need not say it.
         return "onednn_bf16" if layer.prepacked else "dense", layer.weight, None, layer.bias, layer.out_features
     if isinstance(layer, Fp32Linear):
-        return "fp32", layer.weight, None, layer.bias, layer.out_features
+        return "fp32", layer.weight, None, layer.bias
     if type(layer) is nn.Linear and layer.weight.dtype == torch.float32:
-        return "dense", layer.weight, None, layer.bias, layer.out_features
+        return "dense", layer.weight, None, layer.bias
     return None
 
 
