@@ -35,6 +35,11 @@ INT4_GROUP_SIZE = 32
 # The low-precision LM head's top candidates are rescored with the fp32 weights so that
 # greedy picks and top logprobs carry fp32 precision (bf16 logits have ~3 significant digits).
 LM_HEAD_RESCORE_TOP_K = 16
+# A step that needs only each row's argmax (kvserve.sampler.argmax_suffices) ranks the
+# vocabulary with the head's 4-bit screen and rescores this many candidates in fp32. On the
+# real models' tolerance texts the fp32 argmax ranked at most 10th in the screen (1,400
+# positions): 64 leaves a margin, and rescoring 64 rows costs microseconds.
+SCREEN_TOP_K = 64
 _KERNEL_DTYPE = torch.bfloat16
 
 
@@ -409,26 +414,100 @@ def _block_quantized_forward(layer: nn.Module, x: torch.Tensor, kernel) -> torch
     return y.view(*x.shape[:-1], layer.out_features).to(x.dtype)
 
 
+class Q4Screen(nn.Module):
+    """Approximate logits for ranking only: the weights at 4 bits (asymmetric min/max per group
+    of 32, ``d`` and ``m`` fp16: 0.625 bytes a weight, against Q8_0's 1.06) times activations
+    rounded to int8 per group of 32, summed as integers (kvserve/csrc/screen_linear.cpp).
+
+    Too coarse for logits (SmolLM2's head: mean error 0.4 against fp32) but a good ranking:
+    the fp32 argmax ranked at most 10th on the real models' texts. ``packed``: uint8
+    ``[ceil(N / 16), K / 32, 320]``, per tile of 16 rows and group of 32 inputs the nibbles
+    (byte ``64 i + 4 r + c``: row r's weight ``4 i + c`` low, ``16 + 4 i + c`` high), then
+    the 16 rows' ``d``, then their ``m``, as fp16.
+    """
+
+    TILE_ROWS = 16
+
+    def __init__(self, packed: torch.Tensor, out_features: int) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed.contiguous())
+        self.out_features, self.in_features = out_features, packed.shape[1] * INT4_GROUP_SIZE
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> "Q4Screen":
+        n, k = weight.shape
+        if k % INT4_GROUP_SIZE:
+            raise ConfigError(f"the 4-bit screen needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
+        reference = Int4Linear.from_float(weight, None)  # the same quantization as int4 layers
+        groups, tiles = k // INT4_GROUP_SIZE, -(-n // cls.TILE_ROWS)
+        q = torch.zeros(tiles * cls.TILE_ROWS, k, dtype=torch.uint8)
+        q[:n] = reference._values().view(n, -1)[:, :k].to(torch.uint8)
+        # (tile, row, group, half, i, c): weight 16 * half + 4 i + c of the group
+        q = q.view(tiles, cls.TILE_ROWS, groups, 2, 4, 4)
+        nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
+        d, m = reference._scales()
+        scales = torch.zeros(2, tiles * cls.TILE_ROWS, groups, dtype=torch.float16)
+        scales[0, :n], scales[1, :n] = d[:, :groups], m[:, :groups]
+        scales = scales.view(2, tiles, cls.TILE_ROWS, groups).permute(1, 3, 0, 2)  # (tile, group, d|m, row)
+        packed = torch.cat([nibbles, scales.reshape(tiles, groups, -1).view(torch.uint8)], dim=-1)
+        return cls(packed, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        ext = ops.cpu_extension()
+        if ext is not None and rows.device.type == "cpu":
+            return ext.q4_screen_linear(rows, self.packed, self.out_features)
+        return self.forward_reference(rows)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's arithmetic in plain torch (other summation order)."""
+        tiles, groups, _ = self.packed.shape
+        n, g32 = self.out_features, INT4_GROUP_SIZE
+        nib = self.packed[:, :, :256].reshape(tiles, groups, 4, self.TILE_ROWS, 4)  # (t, g, i, r, c)
+        q = torch.stack([nib & 15, nib >> 4], dim=2)  # (t, g, half, i, r, c)
+        q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * self.TILE_ROWS, groups, g32)[:n].float()
+        scales = self.packed[:, :, 256:].contiguous().view(torch.float16).float()
+        scales = scales.view(tiles, groups, 2, self.TILE_ROWS).permute(2, 0, 3, 1).reshape(2, -1, groups)[:, :n]
+        xg = x.float().view(x.shape[0], groups, g32)
+        dx = xg.abs().amax(-1) / 127.0
+        xq = torch.round(xg / torch.where(dx > 0, dx, 1.0)[..., None]).clamp(-127, 127)
+        dots = torch.einsum("sgj,ngj->sng", xq, q)
+        return (dots * scales[0][None] * dx[:, None]).sum(-1) + xg.sum(-1) @ scales[1].T
+
+
 class RescoredLMHead(nn.Module):
     """A low-precision LM head whose top candidates are recomputed with the fp32 weights.
 
     The cheap head ranks the whole vocabulary; the ``top_k`` best of each row get exact fp32
     logits (a [rows, top_k, hidden] gather and one batched dot product), so argmax and the top
     logprobs match an fp32 head unless the true best token fell outside the top k.
+
+    With a ``screen`` (Q4Screen), a step that needs only each row's argmax (``argmax_only``:
+    greedy rows that ask for nothing else) ranks with the screen instead, in about half the
+    bytes, and its ``SCREEN_TOP_K`` best get fp32 logits; every other logit is -inf, so the
+    argmax is the fp32 argmax unless the true best ranked below the candidates.
     """
 
-    def __init__(self, fast: nn.Module, exact_weight: torch.Tensor, top_k: int = LM_HEAD_RESCORE_TOP_K) -> None:
+    def __init__(self, fast: nn.Module, exact_weight: torch.Tensor, top_k: int = LM_HEAD_RESCORE_TOP_K,
+                 screen: Optional[Q4Screen] = None) -> None:
         super().__init__()
         self.fast = fast
         self.exact_weight = exact_weight  # shared with the (fp32) embedding table when tied
         self.top_k = top_k
+        self.screen = screen
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.fast(x).float()
+    def forward(self, x: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        if argmax_only and self.screen is not None:
+            logits, top_k = self.screen(x), SCREEN_TOP_K
+        else:
+            logits, top_k = self.fast(x).float(), self.top_k
         if logits.shape[0] == 0:
             return logits
-        idx = ops.top_k(logits, min(self.top_k, logits.shape[-1]))[1]  # [S, k]
-        return logits.scatter_(1, idx, ops.gathered_rows_dot(x.float(), self.exact_weight, idx))
+        idx = ops.top_k(logits, min(top_k, logits.shape[-1]))[1]  # [S, k]
+        exact = ops.gathered_rows_dot(x.float(), self.exact_weight, idx)
+        if argmax_only and self.screen is not None:
+            logits.fill_(float("-inf"))
+        return logits.scatter_(1, idx, exact)
 
 
 def _gguf_block_linear(quant_type: str, data: np.ndarray, shape: tuple[int, ...],
@@ -484,7 +563,8 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
     keeps other GGUF matrices at bf16. Float checkpoints are quantized from their values
     (int4: asymmetric min/max per group of 32). int8 is symmetric per output channel.
     The LM head is Q8_0 in int4 mode and bf16 otherwise, with fp32 rescoring of its top
-    candidates. Returns how many layers got each format.
+    candidates, and a 4-bit screen for steps that need only the argmax (RescoredLMHead).
+    Returns how many layers got each format.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ConfigError(f"unknown weight format {weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
@@ -522,14 +602,19 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
         parent_name, attr = name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), attr, new)
     exact = model.lm_head.weight
-    if weight_format == "int4" and exact.device.type == "cpu" and exact.shape[1] % INT4_GROUP_SIZE == 0:
+    screenable = exact.device.type == "cpu" and exact.shape[1] % INT4_GROUP_SIZE == 0
+    # Greedy steps rank with a 4-bit screen where the kernel exists (its plain-torch reference
+    # is far slower than the head it would replace).
+    screen = Q4Screen.from_float(exact) if screenable and ops.load_extension() is not None else None
+    if weight_format == "int4" and screenable:
         # Q8_0, llama.cpp's format for SmolLM2's head: half the bytes of bf16 (1.0 against
         # 2.2 ms per token for its 28 M weights).
-        model.lm_head, kind = RescoredLMHead(Q8Linear.from_float(exact), exact), "lm_head Q8_0 + fp32 rescoring"
+        model.lm_head, kind = RescoredLMHead(Q8Linear.from_float(exact), exact, screen=screen), "lm_head Q8_0"
     else:
         # bf16 otherwise: the packed bf16 matmul reads the head faster at one row than
         # torch's int8 kernel does (0.9-1.5 ms against 2.0 ms for SmolLM2's 28 M weights).
-        model.lm_head, kind = RescoredLMHead(Bf16Linear(exact, None), exact), "lm_head bf16 + fp32 rescoring"
+        model.lm_head, kind = RescoredLMHead(Bf16Linear(exact, None), exact, screen=screen), "lm_head bf16"
+    kind += " + fp32 rescoring" + (" + 4-bit argmax screen" if screen is not None else "")
     counts[kind] = 1
     if prefill_bytes:
         logger.info("int4: bf16 prefill copies of the block-quantized layers for prompt tokens, %.1f MiB",

@@ -17,7 +17,7 @@ from kvserve.config import ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.executor.step import NewRequestData, StepInput, StepOutput
 from kvserve.quant import has_prefill_copies
-from kvserve.sampler import Sampler, build_sampling_metadata, make_generator
+from kvserve.sampler import Sampler, argmax_suffices, build_sampling_metadata, make_generator
 from kvserve.spec.rejection import rejection_sample
 from kvserve.spec.verify import accept_run
 from kvserve.token_roles import TokenRoles
@@ -240,7 +240,7 @@ class ModelRunner:
             roles = {} if inputs.token_roles is None else {"token_roles": inputs.token_roles}
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache,
-                inputs.logits_indices, **roles,
+                inputs.logits_indices, **roles, argmax_only=self._argmax_only(inputs),
             )
         out = StepOutput(num_prefill_tokens=inputs.num_prefill_tokens,
                          num_decode_tokens=inputs.num_decode_tokens)
@@ -271,6 +271,13 @@ class ModelRunner:
                 out.logprobs[req.request_id] = sampler_out.logprobs[row:row + len(tokens)]
             row += num_rows
         return out
+
+    @staticmethod
+    def _argmax_only(inputs: ModelInputs) -> bool:
+        """Whether the step reads only the argmax of its logits rows: no prompt logprobs, no
+        draft probabilities to verify against, and sampling that is plain greedy."""
+        return (bool(inputs.sampled_requests) and not inputs.prompt_targets
+                and all(q is None for q in inputs.draft_probs) and argmax_suffices(inputs.sampled_requests))
 
     def _verify_with_draft_probs(self, logits: torch.Tensor, inputs: ModelInputs, out: StepOutput) -> None:
         """A step where some requests verify a draft model's samples (temperature > 0): those

@@ -90,6 +90,21 @@ class SamplingMetadata:
         return max(n for n in self.num_logprobs if n is not None)
 
 
+def argmax_suffices(requests: Sequence[Request]) -> bool:
+    """Whether sampling these rows reads nothing of the logits but each row's argmax: every
+    row greedy, with no logprobs, no grammar, and no logit bias, min_tokens blocking or
+    penalty that could move the argmax (build_sampling_metadata's conditions). The LM head
+    may then rank the vocabulary approximately and compute exact logits only for its best
+    candidates (kvserve.quant.RescoredLMHead)."""
+    for r in requests:
+        p = r.sampling_params
+        if (p.temperature >= _GREEDY_TEMPERATURE or p.logprobs is not None or p.logit_bias
+                or r.grammar is not None or r.num_output_tokens < p.min_tokens
+                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            return False
+    return True
+
+
 def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
                             device: torch.device | str) -> SamplingMetadata:
     """Gather the batch's sampling parameters into device tensors (runs once per step)."""

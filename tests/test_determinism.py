@@ -91,6 +91,22 @@ def test_tiny_batch_size_and_composition(tiny_model, dtype, quantization, kv):
     assert _in_crowd(llm, 1, SAMPLED) == _in_crowd(llm, 17, SAMPLED)
 
 
+@pytest.mark.parametrize("quantization", ["bf16", "int4"])
+def test_tiny_argmax_screen_keeps_greedy_tokens(tiny_model, quantization):
+    """A greedy request that asks for nothing else lets its steps rank the vocabulary with the
+    LM head's 4-bit screen (RescoredLMHead, argmax-only); beside a sampled request the steps
+    take the full head. The tokens are the same either way, alone and in crowds."""
+    llm = _tiny(tiny_model, "float32", quantization, "bfloat16", max_num_seqs=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    screened = _in_crowd(llm, 1, greedy)
+    assert len(screened[0]) == 8
+    for b in (9, 64):
+        assert _in_crowd(llm, b, greedy) == screened, f"batch size {b}"
+    llm.engine.kv_manager.reset_prefix_cache()
+    mixed = llm.generate([TARGET, OTHERS[0]], [greedy, SAMPLED])
+    assert signature(mixed[0]) == screened
+
+
 @pytest.mark.parametrize("kv", KV_DTYPES)
 @pytest.mark.parametrize("dtype,quantization", FORMATS)
 def test_tiny_prompt_splits_and_streaming(tiny_model, dtype, quantization, kv):

@@ -1,5 +1,5 @@
 """Unit tests of the weight formats: exact Q4_1 blocks, the Q4_1/Q8_0 kernels against plain
-torch, int8, LM-head rescoring."""
+torch, int8, LM-head rescoring and its 4-bit argmax screen."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,8 @@ import pytest
 
 from kvserve import ops
 from kvserve.block_formats import unpack_q4_1
-from kvserve.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead, unpack_bf16_weight
+from kvserve.quant import (SCREEN_TOP_K, Bf16Linear, Int4Linear, Int8Linear, Q4Screen, Q8Linear, RescoredLMHead,
+                           unpack_bf16_weight)
 from kvserve.token_roles import ALL_GENERATED, ALL_PROMPT, MIXED, TokenRoles, use_token_roles
 
 
@@ -132,3 +133,52 @@ def test_rescored_head_gives_fp32_logits_for_top_candidates():
     top = exact.topk(4, dim=-1).indices
     assert torch.allclose(logits.gather(1, top), exact.gather(1, top), atol=1e-5)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.parametrize("n,k", [(100, 64), (37, 96), (2000, 576)])
+def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
+    """The screen's kernels (AVX512-VNNI, AVX2 or the portable loop, whichever this CPU has)
+    compute the same integer sums and the same two FMAs per group: bit-identical to each
+    other, equal to the plain-torch reference to rounding, and independent of the row count
+    (N not a multiple of the 16-row tile, K of 64)."""
+    torch.manual_seed(0)
+    screen = Q4Screen.from_float(torch.randn(n, k) * 0.05)
+    assert screen.packed.shape == (-(-n // 16), k // 32, 320)
+    x = torch.randn(6, k) * 3
+    ext = ops.load_extension()
+    y = screen(x)
+    ref = screen.forward_reference(x)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    ext.set_portable_screen_kernel(True)
+    try:
+        assert torch.equal(screen(x), y)
+    finally:
+        ext.set_portable_screen_kernel(False)
+    for rows in (1, 2, 5):
+        assert torch.equal(screen(x[:rows]), y[:rows])
+
+
+def test_q4_screen_approximates_the_weights_it_was_built_from():
+    """4-bit weights (as Int4Linear.from_float) and int8 activations: a coarse copy of x @ W^T."""
+    torch.manual_seed(1)
+    w, x = torch.randn(500, 128) * 0.05, torch.randn(3, 128)
+    exact = x @ w.T
+    rel = (Q4Screen(Q4Screen.from_float(w).packed, 500)(x) - exact).norm() / exact.norm()
+    assert rel < 0.1, rel.item()
+
+
+def test_rescored_head_argmax_only_ranks_with_the_screen_and_keeps_fp32_argmax():
+    """In argmax-only mode the screen's best SCREEN_TOP_K get fp32 logits and every other
+    logit is -inf: the argmax is the fp32 head's."""
+    torch.manual_seed(2)
+    w = torch.randn(5000, 64)
+    x = torch.randn(7, 64)
+    head = RescoredLMHead(Bf16Linear(w, None), w, screen=Q4Screen.from_float(w))
+    exact = x @ w.T
+    logits = head(x, argmax_only=True)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert (logits.isfinite().sum(-1) == SCREEN_TOP_K).all()
+    kept = logits.isfinite()
+    assert torch.allclose(logits[kept], exact[kept], atol=1e-5)
+    # Without the flag the head is the usual one (no -inf).
+    assert head(x).isfinite().all()

@@ -9,7 +9,7 @@ import torch
 
 from kvserve.request import Request, SamplingParams
 import kvserve.sampler as sampler_module
-from kvserve.sampler import Sampler, apply_top_k_top_p, build_sampling_metadata, make_generator
+from kvserve.sampler import Sampler, apply_top_k_top_p, argmax_suffices, build_sampling_metadata, make_generator
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 _ids = itertools.count()
@@ -312,3 +312,18 @@ def test_top_k_top_p_candidate_path_is_exact(monkeypatch):
             kept = torch.isfinite(out[i])
             assert torch.equal(kept, torch.isfinite(ref)), (i, kept.sum(), torch.isfinite(ref).sum())
             assert torch.equal(out[i][kept], logits[i][kept])
+
+
+def test_argmax_suffices_only_for_plain_greedy_rows():
+    """The LM head may rank approximately (RescoredLMHead's screen) only when sampling reads
+    nothing but each row's argmax: any processor that could move it, or a read of the other
+    logits, rules that out for the whole step."""
+    greedy = dict(temperature=0.0)
+    assert argmax_suffices([make_request(**greedy), make_request(**greedy)])
+    assert argmax_suffices([make_request(output=(1, 2), eos=(3,), min_tokens=2, **greedy)])
+    for other in [dict(temperature=0.7), dict(logprobs=0, **greedy), dict(logit_bias={5: 1.0}, **greedy),
+                  dict(repetition_penalty=1.2, **greedy), dict(frequency_penalty=0.5, **greedy),
+                  dict(presence_penalty=0.5, **greedy)]:
+        assert not argmax_suffices([make_request(**greedy), make_request(**other)]), other
+    # min_tokens not yet reached blocks EOS: the next best matters.
+    assert not argmax_suffices([make_request(eos=(3,), min_tokens=2, **greedy)])

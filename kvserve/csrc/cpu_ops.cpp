@@ -13,6 +13,7 @@
 #include "cpu_ops.h"
 #include "dense_linear.h"
 #include "quant_linear.h"
+#include "screen_linear.h"
 
 #include <sys/mman.h>
 #if defined(__F16C__) || defined(__AVX512BW__) || defined(__FMA__) || defined(__AVX512F__)
@@ -1247,6 +1248,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q5_linear", &q5_linear);
   m.def("q8_linear", &q8_linear);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
+  m.def("q4_screen_linear", &q4_screen_linear);
+  m.def("set_portable_screen_kernel", &set_portable_screen_kernel);
   m.def("bf16_linear", &bf16_linear);
   m.def("fp32_linear", &fp32_linear);
   m.def("gathered_rows_dot", &gathered_rows_dot);

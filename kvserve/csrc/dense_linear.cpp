@@ -15,8 +15,9 @@
 //   fp32: W as nn.Linear stores it, [N, K]: a 16-lane dot product per output with FMAs in
 //     ascending k, then the same horizontal sum (_mm512_reduce_add_ps) for every output.
 //
-// Without AVX512(-BF16) a portable loop computes each output in its own fixed order (not
-// the same bits as the vector kernels, equally batch invariant).
+// With AVX2 and FMA but no AVX512-BF16, the bf16 panels are widened to fp32 in registers
+// (bf16_panels_avx2). Without either, a portable loop computes each output in its own fixed
+// order (not the same bits as the vector kernels, equally batch invariant).
 #include "dense_linear.h"
 
 #include <ATen/Parallel.h>
@@ -32,6 +33,11 @@
 #if defined(__AVX512BF16__)
 #define KVSERVE_DENSE_BF16 1
 #endif
+#endif
+// AVX2 + FMA without AVX512-BF16 (Zen 2/3, older Xeons): bf16 weights widened in registers.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVSERVE_DENSE_BF16)
+#include <immintrin.h>
+#define KVSERVE_DENSE_AVX2 1
 #endif
 
 namespace {
@@ -202,6 +208,180 @@ void bf16_panels_avx512(const Bf16Call& c, int64_t M, int64_t pb, int64_t pe) {
 }
 #endif
 
+#ifdef KVSERVE_DENSE_AVX2
+// AVX2 has no bf16 dot product: each 32-bit word of a panel (one column's k pair) becomes two
+// fp32 weights in registers, the first by shifting it left 16 bits, the second by clearing its
+// low half, and each takes one FMA against its broadcast input, first then second: every
+// output is one accumulator over ascending k, whatever the tile shape (batch invariant). The
+// inputs are the bf16-rounded activations as fp32 (bf16_pairs' words, widened once per call).
+const float* widened_pairs(const uint32_t* pairs, int64_t M, int64_t Kh) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < M * Kh * 2) scratch.resize(M * Kh * 2);
+  float* const xf = scratch.data();
+  for (int64_t i = 0; i < M * Kh; ++i) {
+    xf[2 * i] = bf16_value(pairs[i] & 0xFFFF);
+    xf[2 * i + 1] = bf16_value(pairs[i] >> 16);
+  }
+  return xf;
+}
+
+// Writes 8 sums (columns col..col+7, those < N) of one output row, plus the bias: masked
+// stores, no array on the stack (through one, GCC kept a tile's accumulators in memory and
+// stored every one of them at every k of the loop).
+__attribute__((always_inline)) inline void store8(const Bf16Call& c, float* o, int64_t col, __m256 sum) {
+  if (col >= c.N) return;
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(8, c.N - col))), lanes);
+  if (c.bias) sum = _mm256_add_ps(sum, _mm256_maskload_ps(c.bias + col, keep));
+  _mm256_maskstore_ps(o + col, keep, sum);
+}
+
+// Every output is one FMA chain over ascending k (the pair's first weight, then its second)
+// from zero, then the bias: the same arithmetic in both routes below, so a row's result does
+// not depend on how many rows share the call.
+//
+// Few rows (decode): MR rows x NV vectors of 8 columns from col0 (a multiple of 8; the vectors
+// may run into the next panel), the weights widened as they are read.
+template <int MR, int NV>
+void bf16_tile_avx2(const Bf16Call& c, const float* xf, int64_t m0, int64_t col0) {
+  __m256 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  const uint16_t* w[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = col0 + 8 * v;
+    w[v] = c.w + (col / kPanel) * c.Kh * 2 * kPanel + (col % kPanel) * 2;
+  }
+  const float* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = xf + (m0 + r) * c.Kh * 2;
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t kk = 0; kk < c.Kh; ++kk) {
+    for (int v = 0; v < NV; ++v) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[v] + kk * 2 * kPanel));
+      const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      const __m256 second = _mm256_castsi256_ps(_mm256_and_si256(words, high_half));
+      for (int r = 0; r < MR; ++r) {
+        acc[r][v] = _mm256_fmadd_ps(first, _mm256_broadcast_ss(x[r] + 2 * kk), acc[r][v]);
+        acc[r][v] = _mm256_fmadd_ps(second, _mm256_broadcast_ss(x[r] + 2 * kk + 1), acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) store8(c, c.out + (m0 + r) * c.out_stride, col0 + 8 * v, acc[r][v]);
+}
+
+// Many rows (prefill): a panel is widened once into fp32 [2][K][16] (thread scratch, L2-sized for
+// these models' K) and MR rows x 16 columns at a time run over it: 2 MR chains, no widening in
+// the inner loop.
+template <int MR>
+void widened_tile_avx2(const Bf16Call& c, const float* panel, int64_t K2, const float* xf, int64_t m0, int64_t col0) {
+  // Two arrays of MR, not one of 2 MR: GCC keeps a 12-vector array in memory (a store per
+  // vector per k), two 6-vector ones in registers.
+  __m256 acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const float* __restrict w = panel + (col0 % kPanel) / 16 * K2 * 16;  // this half of the panel, [K2][16]
+  const float* __restrict x = xf + m0 * K2;
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m256 w0 = _mm256_load_ps(w + k * 16), w1 = _mm256_load_ps(w + k * 16 + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * K2 + k);
+      acc0[r] = _mm256_fmadd_ps(w0, xv, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(w1, xv, acc1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    store8(c, c.out + (m0 + r) * c.out_stride, col0, acc0[r]);
+    store8(c, c.out + (m0 + r) * c.out_stride, col0 + 8, acc1[r]);
+  }
+}
+
+// Six rows, the accumulators spelt out: as an array of 12 vectors GCC kept them in memory
+// (a store per vector per k); named, they stay in registers (12 of the 16, with the broadcast
+// and the FMAs' weights read from memory). The same arithmetic as widened_tile_avx2.
+void widened_tile6_avx2(const Bf16Call& c, const float* panel, int64_t K2, const float* xf, int64_t m0,
+                        int64_t col0) {
+  const float* __restrict w = panel + (col0 % kPanel) / 16 * K2 * 16;
+  const float* __restrict x = xf + m0 * K2;
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
+         a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  for (int64_t k = 0; k < K2; ++k) {
+    const float* wk = w + k * 16;
+#define KVSERVE_ROW(r, lo, hi)                                  \
+  {                                                             \
+    const __m256 xv = _mm256_broadcast_ss(x + (r) * K2 + k);    \
+    lo = _mm256_fmadd_ps(_mm256_load_ps(wk), xv, lo);           \
+    hi = _mm256_fmadd_ps(_mm256_load_ps(wk + 8), xv, hi);       \
+  }
+    KVSERVE_ROW(0, a00, a01)
+    KVSERVE_ROW(1, a10, a11)
+    KVSERVE_ROW(2, a20, a21)
+    KVSERVE_ROW(3, a30, a31)
+    KVSERVE_ROW(4, a40, a41)
+    KVSERVE_ROW(5, a50, a51)
+#undef KVSERVE_ROW
+  }
+  const __m256 sums[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int r = 0; r < 6; ++r) {
+    store8(c, c.out + (m0 + r) * c.out_stride, col0, sums[r][0]);
+    store8(c, c.out + (m0 + r) * c.out_stride, col0 + 8, sums[r][1]);
+  }
+}
+
+// Panels [pb, pe) for all M rows: up to kDirectRowsAvx2 rows read the bf16 panels directly
+// (one row 64 columns per pass, two rows 32, more 16); more rows widen each panel once and go
+// six at a time over it.
+constexpr int64_t kDirectRowsAvx2 = 4;
+void bf16_panels_avx2(const Bf16Call& c, const float* xf, int64_t M, int64_t pb, int64_t pe) {
+  const int64_t end = pe * kPanel;
+  if (M <= kDirectRowsAvx2) {
+    const int64_t cols = M == 1 ? 64 : M == 2 ? 32 : 16;
+    for (int64_t col = pb * kPanel; col < end; col += cols) {
+      const int64_t span = std::min(cols, end - col);  // 64, 32 or 16 (panels hold 32 columns)
+      if (M == 1 && span == 64) bf16_tile_avx2<1, 8>(c, xf, 0, col);
+      else if (M == 1) bf16_tile_avx2<1, 4>(c, xf, 0, col);
+      else if (M == 2) bf16_tile_avx2<2, 4>(c, xf, 0, col);
+      else if (M == 3) bf16_tile_avx2<3, 2>(c, xf, 0, col);
+      else bf16_tile_avx2<4, 2>(c, xf, 0, col);
+    }
+    return;
+  }
+  const int64_t K2 = c.Kh * 2;
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < K2 * kPanel + 8) scratch.resize(K2 * kPanel + 8);
+  float* const panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = pb; p < pe; ++p) {
+    const uint16_t* w = c.w + p * c.Kh * 2 * kPanel;
+    for (int64_t kk = 0; kk < c.Kh; ++kk) {
+      for (int v = 0; v < 4; ++v) {  // columns 8 v .. 8 v + 7: half v / 2, lanes 8 (v % 2) on
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * 2 * kPanel + 16 * v));
+        float* dst = panel + (v / 2) * K2 * 16 + 2 * kk * 16 + 8 * (v % 2);
+        _mm256_store_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
+        _mm256_store_ps(dst + 16, _mm256_castsi256_ps(_mm256_and_si256(words, high_half)));
+      }
+    }
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t col = p * kPanel + 16 * half;
+      if (col >= c.N) break;
+      for (int64_t m = 0; m < M; m += 6) {
+        switch (std::min<int64_t>(6, M - m)) {
+          case 1: widened_tile_avx2<1>(c, panel, K2, xf, m, col); break;
+          case 2: widened_tile_avx2<2>(c, panel, K2, xf, m, col); break;
+          case 3: widened_tile_avx2<3>(c, panel, K2, xf, m, col); break;
+          case 4: widened_tile_avx2<4>(c, panel, K2, xf, m, col); break;
+          case 5:
+            widened_tile_avx2<4>(c, panel, K2, xf, m, col);
+            widened_tile_avx2<1>(c, panel, K2, xf, m + 4, col);
+            break;
+          default: widened_tile6_avx2(c, panel, K2, xf, m, col); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
 // The portable loop: per output, k pairs in ascending order, each pair's two products added
 // one after the other.
 void bf16_panels_portable(const Bf16Call& c, int64_t M, int64_t pb, int64_t pe) {
@@ -253,6 +433,40 @@ inline void dot_tile(const float* const* x, const float* const* w, int64_t K, fl
 }
 #endif
 
+#if defined(KVSERVE_DENSE_AVX2) && !defined(KVSERVE_DENSE_AVX512)
+#define KVSERVE_DOT_AVX2 1
+// The fp32 tile in 8 lanes (AVX2 CPUs): one FMA chain per output in ascending k (a masked
+// tail), then a fixed horizontal sum.
+template <int MR, int NR>
+inline void dot_tile(const float* const* x, const float* const* w, int64_t K, float (*res)[8]) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  auto step = [&](auto load) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load(w[j] + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = load(x[r] + k);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  };
+  for (; k + 8 <= K; k += 8) step([](const float* p) { return _mm256_loadu_ps(p); });
+  if (k < K) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(K - k)), lanes);
+    step([&](const float* p) { return _mm256_maskload_ps(p, mask); });
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NR; ++j) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r][j]), _mm256_extractf128_ps(acc[r][j], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      res[r][j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+  }
+}
+#endif
+
 inline float dot_portable(const float* x, const float* w, int64_t K) {
   float acc = 0.f;
   for (int64_t k = 0; k < K; ++k) acc += x[k] * w[k];
@@ -262,7 +476,7 @@ inline float dot_portable(const float* x, const float* w, int64_t K) {
 // Outputs (m, n) for m in [0, M), n in [nb, ne): dot(x row m, w row n) + bias[n].
 void fp32_block(const float* x, int64_t x_stride, const float* w, int64_t w_stride, int64_t K, int64_t M,
                 int64_t nb, int64_t ne, float* out, int64_t o_stride, const float* bias) {
-#ifdef KVSERVE_DENSE_AVX512
+#if defined(KVSERVE_DENSE_AVX512) || defined(KVSERVE_DOT_AVX2)
   if (!g_portable) {
     float res[4][8];
     const float* xr[4];
@@ -273,12 +487,16 @@ void fp32_block(const float* x, int64_t x_stride, const float* w, int64_t w_stri
     };
     for (int64_t mb = 0; mb < M; mb += kRowBlock) {
       const int64_t me = std::min(M, mb + kRowBlock);
-      const int64_t cols_per_pass = me - mb <= 2 ? 8 : 4;
+#ifdef KVSERVE_DOT_AVX2
+      const int64_t cols_per_pass = 4, row_step = 2;  // 16 ymm registers: 2 x 4 accumulators and 4 weights
+#else
+      const int64_t cols_per_pass = me - mb <= 2 ? 8 : 4, row_step = me - mb <= 2 ? 2 : 4;
+#endif
       for (int64_t n = nb; n < ne; n += cols_per_pass) {
         const int64_t cols = std::min(cols_per_pass, ne - n);
         for (int64_t j = 0; j < cols; ++j) wr[j] = w + (n + j) * w_stride;
         for (int64_t m = mb; m < me;) {
-          const int64_t rows = cols == cols_per_pass ? std::min<int64_t>(me - m, me - mb <= 2 ? 2 : 4) : 1;
+          const int64_t rows = cols == cols_per_pass ? std::min<int64_t>(me - m, row_step) : 1;
           for (int64_t r = 0; r < rows; ++r) xr[r] = x + (m + r) * x_stride;
           if (cols == 8 && rows == 2) dot_tile<2, 8>(xr, wr, K, res);
           else if (cols == 8) dot_tile<1, 8>(xr, wr, K, res);
@@ -321,10 +539,19 @@ void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::
   const uint32_t* pairs = bf16_pairs(x.data_ptr<float>(), x.stride(0), M, K, Kh);
   const Bf16Call call{pairs, reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>()), Kh, N,
                       out.data_ptr<float>(), out.stride(0), optional_bias(bias, N)};
+#ifdef KVSERVE_DENSE_AVX2
+  const float* xf = widened_pairs(pairs, M, Kh);  // the caller's scratch, read by every worker
+#endif
   over_column_ranges(P, std::min(P, threads_for(M * N * K)), [&](int64_t pb, int64_t pe) {
 #ifdef KVSERVE_DENSE_BF16
     if (!g_portable) {
       bf16_panels_avx512(call, M, pb, pe);
+      return;
+    }
+#endif
+#ifdef KVSERVE_DENSE_AVX2
+    if (!g_portable) {
+      bf16_panels_avx2(call, xf, M, pb, pe);
       return;
     }
 #endif
@@ -379,7 +606,7 @@ torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor 
       const float* xr[1] = {xp + s * x.stride(0)};
       for (int64_t j = 0; j < C; ++j) {
         const float* wr[1] = {wp + ip[s * C + j] * w.stride(0)};
-#ifdef KVSERVE_DENSE_AVX512
+#if defined(KVSERVE_DENSE_AVX512) || defined(KVSERVE_DOT_AVX2)
         if (!g_portable) {
           float res[1][8];
           dot_tile<1, 1>(xr, wr, K, res);

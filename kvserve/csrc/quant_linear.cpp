@@ -26,14 +26,24 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVSERVE_Q4_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Zen 2/3 and other CPUs without AVX512-BF16: the Q4_1 and Q8 kernels in 8-lane fp32 (the
+// 4-bit values widened to fp32, products with the same bf16-rounded inputs, fp32 sums).
+#include <immintrin.h>
+#define KVSERVE_QUANT_AVX2 1
 #endif
 
 namespace {
@@ -59,7 +69,11 @@ T* grown(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
+#if defined(__F16C__)
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }  // one vcvtph2ps (exact, as the generic one)
+#else
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+#endif
 
 inline uint16_t float_to_bf16_rne(float f) {
   uint32_t bits;
@@ -74,6 +88,15 @@ inline float bf16_to_float(uint16_t b) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+
+#ifdef KVSERVE_QUANT_AVX2
+// The 8 lanes' sum in one fixed order (pairs of halves, then pairs, then the last two).
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 // Per-group scales as a format stores them: fp16 bits (GGUF's own) or fp32 (scales that are
 // products of two stored numbers, exact only in fp32).
@@ -154,6 +177,9 @@ struct Q4Format {
     const uint8_t byte = qs[(n * chunks + c) * 32 + half * 16 + j];
     return {byte & 15, byte >> 4};
   }
+#ifdef KVSERVE_QUANT_AVX2
+  void avx2_group(int64_t n, int64_t g, __m256 (&w)[4], float& d, float& m) const;
+#endif
 #ifdef KVSERVE_Q4_AVX512
   // Output row n's weights, read block by block (the kernel's inner loop: pointers, so that it
   // does no index arithmetic per block).
@@ -194,6 +220,9 @@ inline __m512 Q4Format<float>::load_scales(const float* p, bool full) {
 
 struct Q5Format {
   static constexpr bool kOffset = false;
+#ifdef KVSERVE_QUANT_AVX2
+  void avx2_group(int64_t n, int64_t g, __m256 (&w)[4], float& d, float& m) const;
+#endif
   const uint8_t* qs;   // as Q4_1's
   const uint32_t* qh;  // per 128-weight block, 4 masks: bit i of mask p = fifth bit of plane p's word i
   const uint16_t* d;   // per group, fp16
@@ -341,6 +370,110 @@ void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t
 }
 #endif
 
+#ifdef KVSERVE_QUANT_AVX2
+// The activations of a Q4_1 call for the AVX2 kernel: rounded to bf16 (as the other paths),
+// held as fp32 in input order, zero past K, and each group's sum of its rounded inputs.
+struct RoundedActivations {
+  int64_t groups;
+  float* x;     // [M][Kp]
+  float* sums;  // [M][groups]
+
+  RoundedActivations(const float* src, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : groups(Kp / kGroup) {
+    thread_local std::vector<float> x_scratch, sums_scratch;
+    x = grown(x_scratch, M * Kp);
+    sums = grown(sums_scratch, M * groups);
+    for (int64_t r = 0; r < M; ++r) {
+      float* xr = x + r * Kp;
+      for (int64_t k = 0; k < Kp; ++k) xr[k] = k < K ? bf16_to_float(float_to_bf16_rne(src[r * x_stride + k])) : 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < kGroup; ++j) sum += xr[g * kGroup + j];
+        sums[r * groups + g] = sum;
+      }
+    }
+  }
+};
+
+// A nibble format (Q4_1 with fp16 or fp32 scales, Q5_0) for MR activation rows, one output row
+// at a time: per group the 32 values widened to fp32 (Format::avx2_group: weights 0-7 and 8-15
+// from the low nibbles, 16-31 from the high), four products per lane summed in a fixed order,
+// times d into the row's accumulator, and the offset m * sum(x) into a scalar. Every output
+// sums its groups in the same order whatever MR.
+template <typename Format, int MR>
+void nibble_rows_avx2(const Format& f, int64_t n_begin, int64_t n_end, const RoundedActivations& act, int64_t r0,
+                      float* out, int64_t out_stride, const float* bias) {
+  const int64_t groups = act.groups, Kp = groups * kGroup;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m256 acc[MR];
+    float offset[MR];
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      offset[r] = 0.f;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 w[4];
+      float d, m;
+      f.avx2_group(n, g, w, d, m);
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = act.x + (r0 + r) * Kp + g * kGroup;
+        __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        for (int i = 1; i < 4; ++i) t = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), t);
+        acc[r] = _mm256_fmadd_ps(t, dv, acc[r]);
+        offset[r] = std::fma(m, act.sums[(r0 + r) * groups + g], offset[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      out[(r0 + r) * out_stride + n] = horizontal_sum(acc[r]) + offset[r] + (bias ? bias[n] : 0.f);
+  }
+}
+
+// Group g's 16 bytes of nibbles as four vectors of 32-bit lanes: weights 0-7, 8-15 (low
+// nibbles of bytes 0-7, 8-15), 16-23, 24-31 (their high nibbles).
+__attribute__((always_inline)) inline void nibble_lanes(const uint8_t* p, __m256i (&v)[4]) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  v[0] = _mm256_and_si256(b0, low4);
+  v[1] = _mm256_and_si256(b1, low4);
+  v[2] = _mm256_srli_epi32(b0, 4);
+  v[3] = _mm256_srli_epi32(b1, 4);
+}
+
+template <typename Scale>
+__attribute__((always_inline)) inline void Q4Format<Scale>::avx2_group(int64_t n, int64_t g, __m256 (&w)[4], float& d, float& m) const {
+  __m256i v[4];
+  nibble_lanes(qs + (n * chunks * 2 + g) * 16, v);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtepi32_ps(v[i]);
+  d = portable_scale(n, g / 2, static_cast<int>(g % 2));
+  m = portable_offset(n, g / 2, static_cast<int>(g % 2));
+}
+
+// Q5_0: the fifth bits come from the block's four plane masks (fifth_bit: weight j of group g
+// is bit (g % 4) * 8 + (j % 16) / 2 of mask (j >= 16) + 2 (j % 2)), shifted per lane into
+// bit 4 of the nibble's lane; w = d * (q - 16) is d * q with the offset -16 d * sum(x).
+__attribute__((always_inline)) inline void Q5Format::avx2_group(int64_t n, int64_t g, __m256 (&w)[4], float& dg,
+                                                                 float& m) const {
+  __m256i v[4];
+  nibble_lanes(qs + (n * chunks * 2 + g) * 16, v);
+  const uint32_t* masks = qh + (n * ((chunks + 1) / 2) + g / 4) * 4;
+  const __m256i four = _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(masks)));
+  const __m256i even_j = _mm256_permutevar8x32_epi32(four, _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2));  // j < 16
+  const __m256i odd_half = _mm256_permutevar8x32_epi32(four, _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3));  // j >= 16
+  const __m256i base = _mm256_set1_epi32(static_cast<int>((g % 4) * 8));
+  const __m256i first = _mm256_add_epi32(base, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(4));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i bits[4] = {_mm256_srlv_epi32(even_j, first), _mm256_srlv_epi32(even_j, second),
+                           _mm256_srlv_epi32(odd_half, first), _mm256_srlv_epi32(odd_half, second)};
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm256_cvtepi32_ps(_mm256_or_si256(v[i], _mm256_slli_epi32(_mm256_and_si256(bits[i], one), 4)));
+  dg = half_to_float(d[n * chunks * 2 + g]);
+  m = -16.f * dg;
+}
+#endif
+
 template <typename Format>
 void nibble_rows_portable(const Format& f, int64_t n_begin, int64_t n_end, const Q4Activations& act, int64_t r0,
                           int64_t rows, float* out, int64_t out_stride, const float* bias) {
@@ -413,6 +546,20 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
         case 2: nibble_rows_avx512<Format, 2>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
         case 3: nibble_rows_avx512<Format, 3>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
         default: nibble_rows_avx512<Format, 4>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
+      }
+    });
+    return;
+  }
+#endif
+#ifdef KVSERVE_QUANT_AVX2
+  if (!g_portable) {
+    const RoundedActivations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+    over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
+      switch (rows) {
+        case 1: nibble_rows_avx2<Format, 1>(f, n0, n1, act, r0, o, o_stride, b); break;
+        case 2: nibble_rows_avx2<Format, 2>(f, n0, n1, act, r0, o, o_stride, b); break;
+        case 3: nibble_rows_avx2<Format, 3>(f, n0, n1, act, r0, o, o_stride, b); break;
+        default: nibble_rows_avx2<Format, 4>(f, n0, n1, act, r0, o, o_stride, b); break;
       }
     });
     return;
@@ -545,6 +692,46 @@ void q8_rows_avx512(const int8_t* qs, const Q8Scales<Scale>& scales, int64_t n_b
 }
 #endif
 
+#ifdef KVSERVE_QUANT_AVX2
+// Q8_0 / Q6_K for MR activation rows (fp32 inputs, as the other paths): per group of 32 the
+// int8 values widened to fp32 in four vectors; per-32 scales: the four products per lane
+// summed, then times the scale into the accumulator; per-16 scales (Q6_K): each half's two
+// products times its own scale, first half then second. One fixed order for every MR.
+template <typename Scale, int MR>
+void q8_rows_avx2(const int8_t* qs, const Q8Scales<Scale>& scales, int64_t n_begin, int64_t n_end, int64_t groups,
+                  const float* x, int64_t x_stride, int64_t r0, float* out, int64_t out_stride, const float* bias) {
+  constexpr int64_t kPerGroup = Q8Scales<Scale>::kPerGroup;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const int8_t* q = qs + n * groups * kGroup;
+    const Scale* srow = scales.row(n);
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* p = q + g * kGroup;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+      __m256 w[4];
+      for (int i = 0; i < 4; ++i)
+        w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + (r0 + r) * x_stride + g * kGroup;
+        if constexpr (kPerGroup == 32) {
+          __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+          for (int i = 1; i < 4; ++i) t = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), t);
+          acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(scale_value(srow[g])), acc[r]);
+        } else {
+          for (int h = 0; h < 2; ++h) {
+            const __m256 t = _mm256_fmadd_ps(w[2 * h + 1], _mm256_loadu_ps(xr + 16 * h + 8),
+                                             _mm256_mul_ps(w[2 * h], _mm256_loadu_ps(xr + 16 * h)));
+            acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(scale_value(srow[2 * g + h])), acc[r]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) out[(r0 + r) * out_stride + n] = horizontal_sum(acc[r]) + (bias ? bias[n] : 0.f);
+  }
+}
+#endif
+
 template <typename Scale>
 void q8_rows_portable(const int8_t* qs, const Q8Scales<Scale>& scales, int64_t n_begin, int64_t n_end, int64_t K,
                       const float* x, int64_t x_stride, int64_t r0, int64_t rows, float* out, int64_t out_stride,
@@ -582,6 +769,17 @@ void q8_linear_impl(torch::Tensor& out, const torch::Tensor& x, const int8_t* q,
         case 2: q8_rows_avx512<Scale, 2>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
         case 3: q8_rows_avx512<Scale, 3>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
         default: q8_rows_avx512<Scale, 4>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
+      }
+      return;
+    }
+#endif
+#ifdef KVSERVE_QUANT_AVX2
+    if (!g_portable) {
+      switch (rows) {
+        case 1: q8_rows_avx2<Scale, 1>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
+        case 2: q8_rows_avx2<Scale, 2>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
+        case 3: q8_rows_avx2<Scale, 3>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
+        default: q8_rows_avx2<Scale, 4>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
       }
       return;
     }

@@ -15,6 +15,7 @@ from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
+from kvserve.quant import RescoredLMHead
 from kvserve.token_roles import TokenRoles, use_token_roles
 
 
@@ -41,6 +42,7 @@ class PagedCausalLM(nn.Module):
         kv_caches: KVCache,  # every layer's paged KV (kvserve.kv_cache)
         logits_indices: torch.Tensor,  # [S'] int64 rows of T whose logits are wanted
         token_roles: Optional[TokenRoles] = None,  # which rows are prompt tokens (dual-format linears)
+        argmax_only: bool = False,  # the caller reads only each row's argmax (see RescoredLMHead)
     ) -> Optional[torch.Tensor]:  # [S', vocab] float32; None on a pipeline stage before the last
         # The roles choose the decoder layers' weight format per row; the LM head, after the
         # block, computes every row alike.
@@ -50,7 +52,10 @@ class PagedCausalLM(nn.Module):
             return None  # the hidden states went to the next stage
         # Only the rows that will be sampled reach the final norm and the (vocab-wide) head.
         hidden = self.model.norm(hidden.index_select(0, logits_indices))
-        logits = self.lm_head(hidden).float()
+        if argmax_only and isinstance(self.lm_head, RescoredLMHead):
+            logits = self.lm_head(hidden, argmax_only=True)
+        else:
+            logits = self.lm_head(hidden).float()
         if self.tp is not None and logits.shape[0]:
             logits = self.tp.all_gather_last_dim(logits)[:, :self.config.vocab_size]
         cap: Optional[float] = self.config.final_logit_softcapping

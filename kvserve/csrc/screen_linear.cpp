@@ -1,0 +1,293 @@
+// The LM head's screen: approximate logits of the whole vocabulary from 4-bit weights and
+// 8-bit activations, for steps that only need each row's argmax (kvserve.quant.RescoredLMHead:
+// the best candidates of the screen get exact fp32 logits afterwards).
+//
+// A decode step at batch 1 reads the head once per token, and for a large vocabulary it is the
+// step's biggest read (Gemma 3: 262k rows x 640, 178 MB as Q8_0, 55 % of an int4 step at this
+// machine's read bandwidth). A ranking tolerates what the logits themselves would not, so this
+// kernel takes the cheapest route to a number per row: weights w = d * q + m with q in 0..15 per
+// group of 32 (asymmetric, d and m fp16: 0.625 bytes a weight), activations rounded to int8 per
+// group of 32 (scale amax / 127), integer dot products of each group (u8 x s8, vpdpbusd), and
+//   y = sum_g (d_g * dx_g) * (q_g . x8_g) + m_g * sum(x_g).
+//
+// Layout, per tile of 16 output rows and group of 32 inputs (kTileBytes): 256 bytes of nibbles,
+// then the 16 rows' d (fp16), then their m (fp16). Byte 64 i + 4 r + c of the nibbles holds
+// row r's weight 4 i + c in its low nibble and weight 16 + 4 i + c in its high nibble, so that
+// each 32-bit lane of a vector is one output row: one vpdpbusd adds four products to each of
+// 16 rows against one broadcast word of activations, the scales are a plain vector load, and
+// no row needs a horizontal sum (llama.cpp's interleaved "repacked" layouts do the same).
+//
+// The AVX512-VNNI kernel, the AVX2 one and the portable loop compute the same integer sums and the same two
+// fused multiply-adds per group in the same order: their results are bit-identical, and every
+// row's result is independent of the number of activation rows.
+#include "screen_linear.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVSERVE_SCREEN_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVSERVE_SCREEN_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kNibbleBytes = kTileRows * kGroup / 2;                  // 256
+constexpr int64_t kTileBytes = kNibbleBytes + 2 * kTileRows * 2;        // + d and m as fp16: 320
+constexpr int64_t kInputRowBlock = 4;  // activation rows sharing one decode of a tile's nibbles
+constexpr int64_t kPrefetchBytes = 2048;  // as the other weight-streaming kernels (quant_linear.cpp)
+
+bool g_portable = false;
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// One call's activations: per row and group, the int8 values, the scale and the fp32 sum.
+struct Int8Activations {
+  int64_t groups;
+  int8_t* q;     // [M][groups][32]
+  float* scale;  // [M][groups]
+  float* sum;    // [M][groups]
+
+  // In the calling thread's scratch memory (a decode step calls this once per token).
+  Int8Activations(const float* x, int64_t x_stride, int64_t M, int64_t K) : groups(K / kGroup) {
+    thread_local std::vector<int8_t> q_scratch;
+    thread_local std::vector<float> scale_scratch, sum_scratch;
+    if (static_cast<int64_t>(q_scratch.size()) < M * K) q_scratch.resize(M * K);
+    if (static_cast<int64_t>(scale_scratch.size()) < M * groups) {
+      scale_scratch.resize(M * groups);
+      sum_scratch.resize(M * groups);
+    }
+    q = q_scratch.data();
+    scale = scale_scratch.data();
+    sum = sum_scratch.data();
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = x + r * x_stride + g * kGroup;
+        float amax = 0.f, s = 0.f;
+        for (int64_t j = 0; j < kGroup; ++j) {
+          amax = std::max(amax, std::fabs(xg[j]));
+          s += xg[j];
+        }
+        const float dx = amax / 127.f;
+        const float inv = dx > 0.f ? 1.f / dx : 0.f;
+        int8_t* qg = q + (r * groups + g) * kGroup;
+        for (int64_t j = 0; j < kGroup; ++j)
+          qg[j] = static_cast<int8_t>(std::clamp(std::nearbyint(xg[j] * inv), -127.f, 127.f));
+        scale[r * groups + g] = dx;
+        sum[r * groups + g] = s;
+      }
+    }
+  }
+};
+
+#ifdef KVSERVE_SCREEN_VNNI
+// Tiles [t0, t1) for activation rows r0 .. r0 + MR - 1.
+template <int MR>
+void screen_tiles_vnni(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N, const Int8Activations& act,
+                       int64_t r0, float* out, int64_t out_stride) {
+  const int64_t groups = act.groups;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t* tile = packed + t * groups * kTileBytes;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = tile + g * kTileBytes;
+      for (int64_t line = 0; line < kTileBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T0);
+      __m512i lo[4], hi[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * i);
+        lo[i] = _mm512_and_si512(v, low_nibbles);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kNibbleBytes)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kNibbleBytes + 32)));
+      for (int r = 0; r < MR; ++r) {
+        const int64_t ag = (r0 + r) * groups + g;
+        const int8_t* xq = act.q + ag * kGroup;
+        int32_t words[8];
+        std::memcpy(words, xq, sizeof(words));
+        // Two dependency chains (low and high nibbles), added once.
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int i = 0; i < 4; ++i) {
+          s0 = _mm512_dpbusd_epi32(s0, lo[i], _mm512_set1_epi32(words[i]));
+          s1 = _mm512_dpbusd_epi32(s1, hi[i], _mm512_set1_epi32(words[4 + i]));
+        }
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(act.scale[ag])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(act.sum[ag]), acc[r]);
+      }
+    }
+    const int64_t n0 = t * kTileRows;
+    const __mmask16 keep = n0 + kTileRows <= N ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * out_stride + n0, keep, acc[r]);
+  }
+}
+#endif
+
+#ifdef KVSERVE_SCREEN_AVX2
+// The same tiles in two 8-lane halves (rows 0-7, 8-15): vpmaddubsw adds pairs of u8 x s8
+// products into 16 bits, the group's eight such vectors are added in 16 bits (at most
+// 8 * 2 * 15 * 127 = 30,480: no saturation) and vpmaddwd against ones widens them to the
+// lane's 32-bit sum: the same integer as vpdpbusd's.
+template <int MR>
+void screen_tiles_avx2(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N, const Int8Activations& act,
+                       int64_t r0, float* out, int64_t out_stride) {
+  const int64_t groups = act.groups;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m256 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint8_t* tile = packed + t * groups * kTileBytes;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = tile + g * kTileBytes;
+      for (int64_t line = 0; line < kTileBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {  // rows 8 h .. 8 h + 7
+        __m256i lo[4], hi[4];
+        for (int i = 0; i < 4; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32 * h));
+          lo[i] = _mm256_and_si256(v, low_nibbles);
+          hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kNibbleBytes + 16 * h)));
+        const __m256 m =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kNibbleBytes + 32 + 16 * h)));
+        for (int r = 0; r < MR; ++r) {
+          const int64_t ag = (r0 + r) * groups + g;
+          int32_t words[8];
+          std::memcpy(words, act.q + ag * kGroup, sizeof(words));
+          __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(words[0]));
+          for (int i = 1; i < 4; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[i], _mm256_set1_epi32(words[i])));
+          for (int i = 0; i < 4; ++i)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[i], _mm256_set1_epi32(words[4 + i])));
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+          acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(act.scale[ag])), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(act.sum[ag]), acc[r][h]);
+        }
+      }
+    }
+    const int64_t n0 = t * kTileRows;
+    for (int r = 0; r < MR; ++r) {
+      float* o = out + (r0 + r) * out_stride + n0;
+      if (n0 + kTileRows <= N) {
+        _mm256_storeu_ps(o, acc[r][0]);
+        _mm256_storeu_ps(o + 8, acc[r][1]);
+      } else {
+        alignas(32) float lanes[kTileRows];
+        _mm256_store_ps(lanes, acc[r][0]);
+        _mm256_store_ps(lanes + 8, acc[r][1]);
+        std::memcpy(o, lanes, (N - n0) * sizeof(float));
+      }
+    }
+  }
+}
+#endif
+
+void screen_tiles_portable(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N, const Int8Activations& act,
+                           int64_t r0, int64_t rows, float* out, int64_t out_stride) {
+  const int64_t groups = act.groups;
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t lane = 0; lane < kTileRows && t * kTileRows + lane < N; ++lane) {
+      for (int64_t r = r0; r < r0 + rows; ++r) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* p = packed + (t * groups + g) * kTileBytes;
+          const int8_t* xq = act.q + (r * groups + g) * kGroup;
+          int32_t dot = 0;
+          for (int i = 0; i < 4; ++i) {
+            for (int c = 0; c < 4; ++c) {
+              const uint8_t byte = p[64 * i + 4 * lane + c];
+              dot += (byte & 15) * xq[4 * i + c] + (byte >> 4) * xq[16 + 4 * i + c];
+            }
+          }
+          uint16_t dh, mh;
+          std::memcpy(&dh, p + kNibbleBytes + 2 * lane, 2);
+          std::memcpy(&mh, p + kNibbleBytes + 32 + 2 * lane, 2);
+          const float scale = half_to_float(dh) * act.scale[r * groups + g];
+          acc = std::fma(static_cast<float>(dot), scale, acc);
+          acc = std::fma(half_to_float(mh), act.sum[r * groups + g], acc);
+        }
+        out[r * out_stride + t * kTileRows + lane] = acc;
+      }
+    }
+  }
+}
+
+void tiles_for_rows(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N, const Int8Activations& act,
+                    int64_t r0, int64_t rows, float* out, int64_t out_stride) {
+#ifdef KVSERVE_SCREEN_VNNI
+  if (!g_portable) {
+    switch (rows) {
+      case 1: return screen_tiles_vnni<1>(packed, t0, t1, N, act, r0, out, out_stride);
+      case 2: return screen_tiles_vnni<2>(packed, t0, t1, N, act, r0, out, out_stride);
+      case 3: return screen_tiles_vnni<3>(packed, t0, t1, N, act, r0, out, out_stride);
+      default: return screen_tiles_vnni<4>(packed, t0, t1, N, act, r0, out, out_stride);
+    }
+  }
+#endif
+#ifdef KVSERVE_SCREEN_AVX2
+  if (!g_portable) {
+    switch (rows) {
+      case 1: return screen_tiles_avx2<1>(packed, t0, t1, N, act, r0, out, out_stride);
+      case 2: return screen_tiles_avx2<2>(packed, t0, t1, N, act, r0, out, out_stride);
+      case 3: return screen_tiles_avx2<3>(packed, t0, t1, N, act, r0, out, out_stride);
+      default: return screen_tiles_avx2<4>(packed, t0, t1, N, act, r0, out, out_stride);
+    }
+  }
+#endif
+  screen_tiles_portable(packed, t0, t1, N, act, r0, rows, out, out_stride);
+}
+
+}  // namespace
+
+void set_portable_screen_kernel(bool portable) { g_portable = portable; }
+
+void q4_screen_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
+  RECORD_FUNCTION("kvserve::q4_screen_linear", std::vector<c10::IValue>());
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(2) == kTileBytes,
+              "packed must be uint8 [ceil(N / 16), K / 32, 320]");
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = out.size(1);
+  TORCH_CHECK(K == packed.size(1) * kGroup, "x has ", K, " features, the weights ", packed.size(1) * kGroup);
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
+                  N > (tiles - 1) * kTileRows && N <= tiles * kTileRows,
+              "out must be float32 [M, N] with contiguous rows, N the weights' row count");
+  if (M == 0) return;
+  const Int8Activations act(x.data_ptr<float>(), x.stride(0), M, K);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t o_stride = out.stride(0);
+  // A call too small to be worth waking the other threads stays on this one.
+  const int64_t grain = M * N * K < (1 << 18) ? tiles : 1;
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    if (M <= kInputRowBlock) {
+      tiles_for_rows(w, t0, t1, N, act, 0, M, o, o_stride);
+      return;
+    }
+    // More rows than one block: every block of rows against a tile while it is in cache.
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock)
+        tiles_for_rows(w, t, t + 1, N, act, r0, std::min(kInputRowBlock, M - r0), o, o_stride);
+  });
+}
+
+torch::Tensor q4_screen_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  auto out = torch::empty({x.size(0), N}, x.options());
+  q4_screen_linear_out(out, x, packed);
+  return out;
+}

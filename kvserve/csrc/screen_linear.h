@@ -1,0 +1,12 @@
+// The LM head's argmax screen: 4-bit weights, 8-bit activations (screen_linear.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+// out [M, N] = approximate x @ W^T for ranking: W packed by kvserve.quant.Q4Screen as uint8
+// [ceil(N / 16), K / 32, 320] (per tile of 16 rows and group of 32 inputs: nibbles, d, m).
+void q4_screen_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed);
+torch::Tensor q4_screen_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
+
+// Tests: force the portable loop on a machine that has the AVX512-VNNI kernel.
+void set_portable_screen_kernel(bool portable);
