@@ -18,8 +18,10 @@
 //     fine-grained fp32 scales.
 //
 // Every output row is computed in the same order whatever the number of activation rows, so
-// results do not depend on batch composition. Without AVX512-BF16 a portable loop computes
-// the same sums (in another order).
+// results do not depend on batch composition. Without AVX512-BF16, CPUs with AVX2 and FMA
+// (Zen 2/3) widen the 4-, 5- and 8-bit values to fp32 in 8-lane vectors (the same products, an
+// fp32 FMA chain per lane; the Q4/Q5 inputs rounded to bf16 as above), and a portable loop
+// computes the same sums elsewhere (each path in its own fixed order).
 #include "quant_linear.h"
 
 #include <ATen/Parallel.h>
