@@ -81,6 +81,13 @@ def cpu_extension() -> Optional[Any]:
     return load_extension() if _kernels_on else None
 
 
+def nibble_kernel_isa() -> str:
+    """Which route the block-format kernels (csrc/quant_linear.cpp) were built with here:
+    "avx512" (AVX512-BF16), "avx2" (AVX2 + FMA) or "portable"; "none" without the extension."""
+    ext = load_extension()
+    return "none" if ext is None else ext.quant_kernel_isa()
+
+
 def enabled_for(x: torch.Tensor) -> bool:
     """Whether the fused kernels handle this activation tensor (fp32 on the CPU)."""
     return _kernels_on and x.dtype == torch.float32 and x.device.type == "cpu" and load_extension() is not None

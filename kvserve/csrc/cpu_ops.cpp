@@ -546,6 +546,13 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
 
       Vec16 sc[NR], sc_odd[NR];  // a second partial sum over d: two chains per row
       for (int64_t b = 0; b < NR; ++b) sc[b] = sc_odd[b] = Vec16{};
+#if !defined(__AVX512F__)
+      // With 16 ymm registers (a Vec16 is two) the second chains spilled: one chain per row
+      // over d, d + 1 (here, in every block shape alike). sc_odd stays zero.
+      constexpr bool kOneChain = true;
+#else
+      constexpr bool kOneChain = false;
+#endif
       for (int64_t d = 0; d < D; d += 2) {
         // One line of the chunk ahead's keys (rows d and d + 1) and one of its values per step
         // (D / 2 steps, D / 2 lines of values): spread this way the fetches overlap the FMAs;
@@ -561,7 +568,8 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
         const Vec16 k0 = widen16(K + d * k_stride), k1 = widen16(K + (d + 1) * k_stride);
         for (int64_t b = 0; b < NR; ++b) {
           sc[b] = fma16(qr[b][d], k0, sc[b]);
-          sc_odd[b] = fma16(qr[b][d + 1], k1, sc_odd[b]);
+          if constexpr (kOneChain) sc[b] = fma16(qr[b][d + 1], k1, sc[b]);
+          else sc_odd[b] = fma16(qr[b][d + 1], k1, sc_odd[b]);
         }
       }
       float p[NR][kKeyChunk];
@@ -586,7 +594,8 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
           const Vec16 v0 = widen16(V + t * D + d0), v1 = widen16(V + (t + 1) * D + d0);
           for (int64_t b = 0; b < NR; ++b) {
             even[b] = fma16(p[b][t], v0, even[b]);
-            odd[b] = fma16(p[b][t + 1], v1, odd[b]);
+            if constexpr (kOneChain) even[b] = fma16(p[b][t + 1], v1, even[b]);  // (as the scores)
+            else odd[b] = fma16(p[b][t + 1], v1, odd[b]);
           }
         }
         for (int64_t b = 0; b < NR; ++b) store_vec16(acc + (r0 + b) * D + d0, even[b] + odd[b]);
@@ -1248,6 +1257,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q5_linear", &q5_linear);
   m.def("q8_linear", &q8_linear);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
+  m.def("quant_kernel_isa", &quant_kernel_isa);
   m.def("q4_screen_linear", &q4_screen_linear);
   m.def("set_portable_screen_kernel", &set_portable_screen_kernel);
   m.def("bf16_linear", &bf16_linear);

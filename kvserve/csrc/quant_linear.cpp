@@ -586,6 +586,16 @@ void check_nibble_rows(const torch::Tensor& x, const torch::Tensor& out, const t
 
 void set_portable_quant_kernels(bool portable) { g_portable = portable; }
 
+std::string quant_kernel_isa() {
+#if defined(KVSERVE_Q4_AVX512)
+  return "avx512";
+#elif defined(KVSERVE_QUANT_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor dm,
                    c10::optional<torch::Tensor> bias) {
   RECORD_FUNCTION("kvserve::q4_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller

@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
 // y = x @ W^T + bias for Q4_1 weights: qs uint8 [N, Kp / 2] (Kp = K rounded up to 64; per
 // group of 32, GGUF's 16 bytes: weight j in the low nibble of byte j, j + 16 in its high
 // nibble), dm [N, Kp / 64, 4] = (d, d', m, m') of the chunk's two groups as fp16 bits (int16),
@@ -27,3 +29,6 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10:
 
 // Tests: force the portable loops on a machine that has the AVX512 ones.
 void set_portable_quant_kernels(bool portable);
+
+// The route these kernels were built with for this CPU: "avx512", "avx2" or "portable".
+std::string quant_kernel_isa();
