@@ -90,7 +90,10 @@ class Bf16Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         cpu = weight.device.type == "cpu"
         self.packed = cpu and batch_invariant_linears() and ops.load_extension() is not None
-        self.prepacked = cpu and not self.packed and torch.backends.mkldnn.is_available()
+        # oneDNN's bf16 path needs AVX512BW/VL/DQ or AVX-NE-CONVERT (its reorder raises on a
+        # Zen 3); elsewhere the plain F.linear.
+        self.prepacked = (cpu and not self.packed and torch.backends.mkldnn.is_available()
+                          and torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.packed:
             w = pack_bf16_weight(weight)
             b = None if bias is None else bias.detach().float().contiguous()
