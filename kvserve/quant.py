@@ -500,15 +500,13 @@ class RescoredLMHead(nn.Module):
         self.screen = screen
 
     def forward(self, x: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
-        if argmax_only and self.screen is not None:
-            logits, top_k = self.screen(x), SCREEN_TOP_K
-        else:
-            logits, top_k = self.fast(x).float(), self.top_k
+        screened = argmax_only and self.screen is not None
+        logits, top_k = (self.screen(x), SCREEN_TOP_K) if screened else (self.fast(x).float(), self.top_k)
         if logits.shape[0] == 0:
             return logits
         idx = ops.top_k(logits, min(top_k, logits.shape[-1]))[1]  # [S, k]
         exact = ops.gathered_rows_dot(x.float(), self.exact_weight, idx)
-        if argmax_only and self.screen is not None:
+        if screened:
             logits.fill_(float("-inf"))
         return logits.scatter_(1, idx, exact)
 
