@@ -655,8 +655,8 @@ inline float quantize_int16(const float* x, int64_t n, int16_t* out) {
   return s;
 }
 
-// Tests force the portable loops (machines without AVX512-VNNI) to compare them with the
-// vector path: integer sums, so the two agree bit for bit.
+// Tests force the portable loops (machines without AVX512-VNNI or AVX2) to compare them with the
+// vector paths: integer sums, so the two agree bit for bit.
 std::atomic<bool> g_portable_int8_attention{false};
 
 inline int32_t int16_pair(const int16_t* x) {
@@ -690,6 +690,38 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
     for (int64_t b = 0; b < kRowBlock; ++b) _mm512_storeu_si512(isum[b], acc[b]);
     return;
   }
+#elif defined(__AVX2__)
+  // vpmaddwd: 8 int16 pairs per instruction, summed exactly as vpdpwssd does (no pair reaches
+  // 2 * 32768 * 128): the same integers, two halves of 8 keys per row.
+  if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
+    __m256i lo_acc[kRowBlock], hi_acc[kRowBlock];
+    for (int64_t b = 0; b < kRowBlock; ++b) lo_acc[b] = hi_acc[b] = _mm256_setzero_si256();
+    const int8_t* src = kblock + offset * 2;
+    alignas(32) int8_t tail[2 * kKeyChunk] = {};  // a short chunk's keys, zeros beyond: no read past the block
+    for (int64_t dp = 0; dp < D / 2; ++dp, src += 2 * BS) {
+      if (k_ahead != nullptr) {
+        __builtin_prefetch(k_ahead + dp * 2 * BS, 0, 2);
+        if (dp % 2 == 0) __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
+      }
+      const int8_t* keys = src;
+      if (n_keys < kKeyChunk) {
+        std::memcpy(tail, src, 2 * n_keys);
+        keys = tail;
+      }
+      const __m256i k_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys)));
+      const __m256i k_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + 16)));
+      for (int64_t b = 0; b < kRowBlock; ++b) {
+        const __m256i pair = _mm256_set1_epi32(int16_pair(q16[b] + 2 * dp));
+        lo_acc[b] = _mm256_add_epi32(lo_acc[b], _mm256_madd_epi16(k_lo, pair));
+        hi_acc[b] = _mm256_add_epi32(hi_acc[b], _mm256_madd_epi16(k_hi, pair));
+      }
+    }
+    for (int64_t b = 0; b < kRowBlock; ++b) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum[b]), lo_acc[b]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum[b] + 8), hi_acc[b]);
+    }
+    return;
+  }
 #endif
   for (int64_t b = 0; b < kRowBlock; ++b) {
     for (int64_t t = 0; t < kKeyChunk; ++t) {
@@ -717,6 +749,28 @@ inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vbl
           acc[b] = _mm512_dpwssd_epi32(acc[b], v, _mm512_set1_epi32(int16_pair(w16[b] + 2 * j)));
       }
       for (int64_t b = 0; b < kRowBlock; ++b) _mm512_storeu_si512(products + b * D + d0, acc[b]);
+    }
+    return;
+  }
+#elif defined(__AVX2__)
+  if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
+    for (int64_t d0 = d_begin; d0 < d_end; d0 += kKeyChunk) {
+      __m256i lo_acc[kRowBlock], hi_acc[kRowBlock];
+      for (int64_t b = 0; b < kRowBlock; ++b) lo_acc[b] = hi_acc[b] = _mm256_setzero_si256();
+      const int8_t* src = vblock + ((first / 2) * D + d0) * 2;
+      for (int64_t j = 0; j < num_pairs; ++j, src += 2 * D) {
+        const __m256i v_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+        const __m256i v_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
+        for (int64_t b = 0; b < kRowBlock; ++b) {
+          const __m256i pair = _mm256_set1_epi32(int16_pair(w16[b] + 2 * j));
+          lo_acc[b] = _mm256_add_epi32(lo_acc[b], _mm256_madd_epi16(v_lo, pair));
+          hi_acc[b] = _mm256_add_epi32(hi_acc[b], _mm256_madd_epi16(v_hi, pair));
+        }
+      }
+      for (int64_t b = 0; b < kRowBlock; ++b) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(products + b * D + d0), lo_acc[b]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(products + b * D + d0 + 8), hi_acc[b]);
+      }
     }
     return;
   }
