@@ -60,14 +60,36 @@ inline void half_to_float(const c10::Half* src, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// 16 fp32 lanes as one value (GCC vector extension: one zmm register with AVX512, two ymm with
-// AVX2). The attention tiles keep their key/value chunks and accumulators in these rather than
-// in float[16] arrays (which GCC kept on the stack, a widened bf16 chunk stored in two halves
-// and reloaded whole), with every FMA written out (fma16), so that a block of any number of
-// rows computes each row with the same instructions.
+// 16 fp32 lanes as one value: one zmm register with AVX512, two named ymm registers with
+// AVX2 + FMA, a GCC vector otherwise. The attention tiles keep their key/value chunks and
+// accumulators in these rather than in float[16] arrays (which GCC kept on the stack, a widened
+// bf16 chunk stored in two halves and reloaded whole), with every FMA written out (fma16), so
+// that a block of any number of rows computes each row with the same instructions.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// A 64-byte GCC vector on AVX2 is two ymm registers for + and *, but every intrinsic needs its
+// halves, and getting them (memcpy, unions) compiled to stack stores and GPR shuffles (vmovq,
+// vpinsrq) in the score and value loops: 2x the prefill attention time. The halves are kept
+// named instead, with the same per-lane arithmetic.
+struct Vec16 {
+  __m256 lo, hi;
+};
+inline Vec16 operator+(Vec16 a, Vec16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Vec16 operator*(Vec16 a, float s) {
+  const __m256 v = _mm256_set1_ps(s);
+  return {_mm256_mul_ps(a.lo, v), _mm256_mul_ps(a.hi, v)};
+}
+inline Vec16 load_vec16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store_vec16(float* p, Vec16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+// c + a * b, one rounding per lane.
+inline Vec16 fma16(float a, Vec16 b, Vec16 c) {
+  const __m256 va = _mm256_set1_ps(a);
+  return {_mm256_fmadd_ps(va, b.lo, c.lo), _mm256_fmadd_ps(va, b.hi, c.hi)};
+}
+#else
 typedef float Vec16 __attribute__((vector_size(64)));
-typedef uint16_t Bits16x16 __attribute__((vector_size(32)));
-typedef uint32_t Bits32x16 __attribute__((vector_size(64)));
 
 inline Vec16 load_vec16(const float* p) {
   Vec16 v;
@@ -85,21 +107,11 @@ inline Vec16 fma16(float a, Vec16 b, Vec16 c) {
 #if defined(__AVX512F__)
   return reinterpret_cast<Vec16>(_mm512_fmadd_ps(_mm512_set1_ps(a), reinterpret_cast<__m512>(b),
                                                  reinterpret_cast<__m512>(c)));
-#elif defined(__FMA__)
-  typedef float Half8 __attribute__((vector_size(32)));
-  Half8 bh[2], ch[2];
-  std::memcpy(bh, &b, sizeof(b));
-  std::memcpy(ch, &c, sizeof(c));
-  for (int h = 0; h < 2; ++h)
-    ch[h] = reinterpret_cast<Half8>(_mm256_fmadd_ps(_mm256_set1_ps(a), reinterpret_cast<__m256>(bh[h]),
-                                                    reinterpret_cast<__m256>(ch[h])));
-  Vec16 out;
-  std::memcpy(&out, ch, sizeof(out));
-  return out;
 #else
   return c + a * b;  // no FMA instruction: nothing to contract
 #endif
 }
+#endif
 
 // 16 consecutive cache elements widened to fp32 (exact for every cache type but fp64).
 template <typename T>
@@ -116,7 +128,13 @@ inline Vec16 widen16(const c10::BFloat16* p) {
   // One vpmovzxwd from memory and a shift (GCC's generic lowering widens in two halves).
   const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
   return reinterpret_cast<Vec16>(_mm512_castsi512_ps(bits));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m128i* half = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(half)), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(half + 1)), 16))};
 #else
+  typedef uint16_t Bits16x16 __attribute__((vector_size(32)));
+  typedef uint32_t Bits32x16 __attribute__((vector_size(64)));
   Bits16x16 half;
   std::memcpy(&half, p, sizeof(half));
   const Bits32x16 bits = __builtin_convertvector(half, Bits32x16) << 16;
@@ -127,9 +145,14 @@ inline Vec16 widen16(const c10::BFloat16* p) {
 }
 
 inline Vec16 widen16(const c10::Half* p) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+  const __m128i* half = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(half)), _mm256_cvtph_ps(_mm_loadu_si128(half + 1))};
+#else
   float wide[16];
   half_to_float(p, 16, wide);
   return load_vec16(wide);
+#endif
 }
 
 // exp(x) for x <= 0 with ~1 ulp error, written so that GCC vectorises a loop of it
@@ -613,6 +636,10 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     };
     if (n_keys == kKeyChunk && few_rows) {
       rows_over_chunk(kb, BS, vb);
+    } else if (n_keys == kKeyChunk) {  // (the masked loop below compiled to scalar code)
+      for (int64_t d = 0; d < D; ++d) store_vec16(kt + d * kKeyChunk, widen16(kb + d * BS));
+      for (int64_t i = 0; i < kKeyChunk * D; i += kKeyChunk) store_vec16(vc + i, widen16(vb + i));
+      rows_over_chunk(static_cast<const float*>(kt), kKeyChunk, static_cast<const float*>(vc));
     } else {
       for (int64_t d = 0; d < D; ++d) {
 #pragma omp simd
