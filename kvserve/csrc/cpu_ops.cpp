@@ -692,6 +692,35 @@ inline int32_t int16_pair(const int16_t* x) {
   return pair;
 }
 
+#if !(defined(__AVX512BW__) && defined(__AVX512VNNI__)) && defined(__AVX2__)
+// The AVX2 int8 products: 16 int32 sums per row of a row block, as two ymm halves. add() takes
+// 32 int8 (16 pairs: the pairs of 16 keys, or 16 dims of a pair of tokens) times each row's
+// int16 pair; vpmaddwd sums each pair exactly as vpdpwssd does (no pair reaches 2 * 32768 * 128).
+struct PairSums16 {
+  __m256i lo[kRowBlock], hi[kRowBlock];
+
+  PairSums16() {
+    for (int64_t b = 0; b < kRowBlock; ++b) lo[b] = hi[b] = _mm256_setzero_si256();
+  }
+  __attribute__((always_inline)) void add(const int8_t* src, const int32_t (&row_pairs)[kRowBlock]) {
+    const __m256i v_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    const __m256i v_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
+    for (int64_t b = 0; b < kRowBlock; ++b) {
+      const __m256i pair = _mm256_set1_epi32(row_pairs[b]);
+      lo[b] = _mm256_add_epi32(lo[b], _mm256_madd_epi16(v_lo, pair));
+      hi[b] = _mm256_add_epi32(hi[b], _mm256_madd_epi16(v_hi, pair));
+    }
+  }
+  // Row b's 16 sums to out + b * stride.
+  void store(int32_t* out, int64_t stride) const {
+    for (int64_t b = 0; b < kRowBlock; ++b) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * stride), lo[b]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * stride + 8), hi[b]);
+    }
+  }
+};
+#endif
+
 // isum[b][t] = sum_d q16[b][d] * key(d, offset + t) of one block's keys ([D/2][BS][2]), for
 // t < n_keys; 0 beyond. With k_ahead (a decode), the same dims of a chunk ahead are fetched into
 // L2 a line per step, with a line of its values (v_ahead) every other step: the fetches ride
@@ -718,11 +747,8 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
     return;
   }
 #elif defined(__AVX2__)
-  // vpmaddwd: 8 int16 pairs per instruction, summed exactly as vpdpwssd does (no pair reaches
-  // 2 * 32768 * 128): the same integers, two halves of 8 keys per row.
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
-    __m256i lo_acc[kRowBlock], hi_acc[kRowBlock];
-    for (int64_t b = 0; b < kRowBlock; ++b) lo_acc[b] = hi_acc[b] = _mm256_setzero_si256();
+    PairSums16 sums;
     const int8_t* src = kblock + offset * 2;
     alignas(32) int8_t tail[2 * kKeyChunk] = {};  // a short chunk's keys, zeros beyond: no read past the block
     for (int64_t dp = 0; dp < D / 2; ++dp, src += 2 * BS) {
@@ -735,18 +761,11 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
         std::memcpy(tail, src, 2 * n_keys);
         keys = tail;
       }
-      const __m256i k_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys)));
-      const __m256i k_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + 16)));
-      for (int64_t b = 0; b < kRowBlock; ++b) {
-        const __m256i pair = _mm256_set1_epi32(int16_pair(q16[b] + 2 * dp));
-        lo_acc[b] = _mm256_add_epi32(lo_acc[b], _mm256_madd_epi16(k_lo, pair));
-        hi_acc[b] = _mm256_add_epi32(hi_acc[b], _mm256_madd_epi16(k_hi, pair));
-      }
+      int32_t pairs[kRowBlock];
+      for (int64_t b = 0; b < kRowBlock; ++b) pairs[b] = int16_pair(q16[b] + 2 * dp);
+      sums.add(keys, pairs);
     }
-    for (int64_t b = 0; b < kRowBlock; ++b) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum[b]), lo_acc[b]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum[b] + 8), hi_acc[b]);
-    }
+    sums.store(isum[0], kKeyChunk);
     return;
   }
 #endif
@@ -782,22 +801,14 @@ inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vbl
 #elif defined(__AVX2__)
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
     for (int64_t d0 = d_begin; d0 < d_end; d0 += kKeyChunk) {
-      __m256i lo_acc[kRowBlock], hi_acc[kRowBlock];
-      for (int64_t b = 0; b < kRowBlock; ++b) lo_acc[b] = hi_acc[b] = _mm256_setzero_si256();
+      PairSums16 sums;
       const int8_t* src = vblock + ((first / 2) * D + d0) * 2;
       for (int64_t j = 0; j < num_pairs; ++j, src += 2 * D) {
-        const __m256i v_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-        const __m256i v_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
-        for (int64_t b = 0; b < kRowBlock; ++b) {
-          const __m256i pair = _mm256_set1_epi32(int16_pair(w16[b] + 2 * j));
-          lo_acc[b] = _mm256_add_epi32(lo_acc[b], _mm256_madd_epi16(v_lo, pair));
-          hi_acc[b] = _mm256_add_epi32(hi_acc[b], _mm256_madd_epi16(v_hi, pair));
-        }
+        int32_t pairs[kRowBlock];
+        for (int64_t b = 0; b < kRowBlock; ++b) pairs[b] = int16_pair(w16[b] + 2 * j);
+        sums.add(src, pairs);
       }
-      for (int64_t b = 0; b < kRowBlock; ++b) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(products + b * D + d0), lo_acc[b]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(products + b * D + d0 + 8), hi_acc[b]);
-      }
+      sums.store(products + d0, D);
     }
     return;
   }

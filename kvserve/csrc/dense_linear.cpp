@@ -19,6 +19,7 @@
 // (bf16_panels_avx2). Without either, a portable loop computes each output in its own fixed
 // order (not the same bits as the vector kernels, equally batch invariant).
 #include "dense_linear.h"
+#include "row_dispatch.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -183,14 +184,7 @@ void bf16_tile_np(const Bf16Call& c, int64_t m0, int64_t p0, int64_t np) {
 }
 
 void bf16_rows(const Bf16Call& c, int64_t m0, int64_t rows, int64_t p0, int64_t np) {
-  switch (rows) {
-    case 1: bf16_tile_np<1>(c, m0, p0, np); break;
-    case 2: bf16_tile_np<2>(c, m0, p0, np); break;
-    case 3: bf16_tile_np<3>(c, m0, p0, np); break;
-    case 4: bf16_tile_np<4>(c, m0, p0, np); break;
-    case 5: bf16_tile_np<5>(c, m0, p0, np); break;
-    default: bf16_tile_np<6>(c, m0, p0, np); break;
-  }
+  dispatch_rows<6>(rows, [&](auto mr) { bf16_tile_np<decltype(mr)::value>(c, m0, p0, np); });
 }
 
 // Panels [pb, pe) for all M rows: one or two rows (decode) take four panels per pass (eight

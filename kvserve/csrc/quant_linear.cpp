@@ -23,6 +23,7 @@
 // fp32 FMA chain per lane; the Q4/Q5 inputs rounded to bf16 as above), and a portable loop
 // computes the same sums elsewhere (each path in its own fixed order).
 #include "quant_linear.h"
+#include "row_dispatch.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -543,12 +544,7 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
   if (!g_portable) {
     const NibblePlanes act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
     over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
-      switch (rows) {
-        case 1: nibble_rows_avx512<Format, 1>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
-        case 2: nibble_rows_avx512<Format, 2>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
-        case 3: nibble_rows_avx512<Format, 3>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
-        default: nibble_rows_avx512<Format, 4>(f, n0, n1, Kp, act, r0, o, o_stride, b); break;
-      }
+      dispatch_rows<4>(rows, [&](auto mr) { nibble_rows_avx512<Format, decltype(mr)::value>(f, n0, n1, Kp, act, r0, o, o_stride, b); });
     });
     return;
   }
@@ -557,12 +553,7 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
   if (!g_portable) {
     const RoundedActivations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
     over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
-      switch (rows) {
-        case 1: nibble_rows_avx2<Format, 1>(f, n0, n1, act, r0, o, o_stride, b); break;
-        case 2: nibble_rows_avx2<Format, 2>(f, n0, n1, act, r0, o, o_stride, b); break;
-        case 3: nibble_rows_avx2<Format, 3>(f, n0, n1, act, r0, o, o_stride, b); break;
-        default: nibble_rows_avx2<Format, 4>(f, n0, n1, act, r0, o, o_stride, b); break;
-      }
+      dispatch_rows<4>(rows, [&](auto mr) { nibble_rows_avx2<Format, decltype(mr)::value>(f, n0, n1, act, r0, o, o_stride, b); });
     });
     return;
   }
@@ -776,23 +767,13 @@ void q8_linear_impl(torch::Tensor& out, const torch::Tensor& x, const int8_t* q,
   over_row_blocks(N, M, M * N * K, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
 #ifdef KVSERVE_Q4_AVX512
     if (!g_portable) {
-      switch (rows) {
-        case 1: q8_rows_avx512<Scale, 1>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-        case 2: q8_rows_avx512<Scale, 2>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-        case 3: q8_rows_avx512<Scale, 3>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-        default: q8_rows_avx512<Scale, 4>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-      }
+      dispatch_rows<4>(rows, [&](auto mr) { q8_rows_avx512<Scale, decltype(mr)::value>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); });
       return;
     }
 #endif
 #ifdef KVSERVE_QUANT_AVX2
     if (!g_portable) {
-      switch (rows) {
-        case 1: q8_rows_avx2<Scale, 1>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-        case 2: q8_rows_avx2<Scale, 2>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-        case 3: q8_rows_avx2<Scale, 3>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-        default: q8_rows_avx2<Scale, 4>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); break;
-      }
+      dispatch_rows<4>(rows, [&](auto mr) { q8_rows_avx2<Scale, decltype(mr)::value>(q, scales, n0, n1, groups, xp, x_stride, r0, o, o_stride, b); });
       return;
     }
 #endif

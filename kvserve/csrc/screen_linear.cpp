@@ -21,6 +21,7 @@
 // fused multiply-adds per group in the same order: their results are bit-identical, and every
 // row's result is independent of the number of activation rows.
 #include "screen_linear.h"
+#include "row_dispatch.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -230,22 +231,12 @@ void tiles_for_rows(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N, co
                     int64_t r0, int64_t rows, float* out, int64_t out_stride) {
 #ifdef KVSERVE_SCREEN_VNNI
   if (!g_portable) {
-    switch (rows) {
-      case 1: return screen_tiles_vnni<1>(packed, t0, t1, N, act, r0, out, out_stride);
-      case 2: return screen_tiles_vnni<2>(packed, t0, t1, N, act, r0, out, out_stride);
-      case 3: return screen_tiles_vnni<3>(packed, t0, t1, N, act, r0, out, out_stride);
-      default: return screen_tiles_vnni<4>(packed, t0, t1, N, act, r0, out, out_stride);
-    }
+    return dispatch_rows<4>(rows, [&](auto mr) { screen_tiles_vnni<decltype(mr)::value>(packed, t0, t1, N, act, r0, out, out_stride); });
   }
 #endif
 #ifdef KVSERVE_SCREEN_AVX2
   if (!g_portable) {
-    switch (rows) {
-      case 1: return screen_tiles_avx2<1>(packed, t0, t1, N, act, r0, out, out_stride);
-      case 2: return screen_tiles_avx2<2>(packed, t0, t1, N, act, r0, out, out_stride);
-      case 3: return screen_tiles_avx2<3>(packed, t0, t1, N, act, r0, out, out_stride);
-      default: return screen_tiles_avx2<4>(packed, t0, t1, N, act, r0, out, out_stride);
-    }
+    return dispatch_rows<4>(rows, [&](auto mr) { screen_tiles_avx2<decltype(mr)::value>(packed, t0, t1, N, act, r0, out, out_stride); });
   }
 #endif
   screen_tiles_portable(packed, t0, t1, N, act, r0, rows, out, out_stride);
