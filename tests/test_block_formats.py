@@ -51,6 +51,23 @@ def test_unpacked_values_equal_gguf_dequantize(quant_type):
     assert torch.equal(layer.dequantized(), reference_weights(quant_type, data, n, k))
 
 
+def check_every_row_blocking(layer, k: int, portable: bool, check_rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer(x) against its plain-torch reference for every row count the kernels block
+    differently (1-4 rows together, then the rest), on the vector kernels or the portable loops;
+    then check_rows(x, y) for each. Returns the last input and its reference."""
+    ext = ops.load_extension()
+    ext.set_portable_quant_kernels(portable)
+    try:
+        for rows in (1, 2, 3, 4, 5, 17):
+            x = torch.randn(rows, k)
+            y, ref = layer(x), layer.forward_reference(x)
+            assert (y - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
+            check_rows(x, y)
+    finally:
+        ext.set_portable_quant_kernels(False)
+    return x, ref
+
+
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("quant_type,k", [(T.Q4_1, 64), (T.Q4_1, 96), (T.Q4_1, 576), (T.Q5_0, 96), (T.Q5_0, 640),
                                           (T.Q4_K, 512), (T.Q6_K, 512), (T.Q8_0, 640)])
@@ -59,23 +76,18 @@ def test_kernel_matches_plain_torch(quant_type, k, portable):
     bias; the portable loops (machines without AVX512-BF16) against the same reference. K = 96
     and 576: a row ends in half of the kernel's 128-weight block (96: an odd number of groups,
     padded to 128)."""
-    ext = ops.load_extension()
     torch.manual_seed(k)
     n = 40  # not a multiple of the 16 rows per task
     data = random_blocks(quant_type, n, k, seed=k)
     layer = gguf_linear([QuantizedTensor(quant_type, data, (n, k))], torch.randn(n))
     w = reference_weights(quant_type, data, n, k)
-    ext.set_portable_quant_kernels(portable)
-    try:
-        for rows in (1, 2, 3, 4, 5, 17):
-            x = torch.randn(rows, k)
-            ref = layer.forward_reference(x)
-            assert (layer(x) - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
-            exact = x.double() @ w.double().T + layer.bias.double()
-            rel = (layer(x).double() - exact).norm() / exact.norm()
-            assert rel < (1e-6 if isinstance(layer, Q8Linear) else 1e-2), rows  # bf16 activations, but Q8
-    finally:
-        ext.set_portable_quant_kernels(False)
+
+    def near_exact(x: torch.Tensor, y: torch.Tensor) -> None:
+        exact = x.double() @ w.double().T + layer.bias.double()
+        rel = (y.double() - exact).norm() / exact.norm()
+        assert rel < (1e-6 if isinstance(layer, Q8Linear) else 1e-2), len(x)  # bf16 activations, but Q8
+
+    x, ref = check_every_row_blocking(layer, k, portable, near_exact)
     with ops.use_kernels(False):
         assert (layer(x) - layer.forward_reference(x)).abs().max() <= 1e-5 * ref.abs().max()
 
@@ -85,21 +97,16 @@ def test_kernel_matches_plain_torch(quant_type, k, portable):
 def test_q5_kernel_matches_plain_torch_on_every_machine(k, portable):
     """The 5-bit kernel itself, built directly (gguf_linear reads Q5_0 as Q8_0 where the AVX2
     kernels run): every row-count blocking, bias, against the plain-torch reference."""
-    ext = ops.load_extension()
     torch.manual_seed(k)
     n = 40
     data = random_blocks(T.Q5_0, n, k, seed=k)
     layer = Q5Linear(block_formats.unpack("Q5_0", data, (n, k)), k, torch.randn(n))
     assert torch.equal(layer.dequantized(), reference_weights(T.Q5_0, data, n, k))
-    ext.set_portable_quant_kernels(portable)
-    try:
-        for rows in (1, 2, 3, 4, 5, 17):
-            x = torch.randn(rows, k)
-            ref = layer.forward_reference(x)
-            assert (layer(x) - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
-            assert torch.equal(layer(x[:1]), layer(x)[:1])
-    finally:
-        ext.set_portable_quant_kernels(False)
+
+    def first_row_alone_is_the_same(x: torch.Tensor, y: torch.Tensor) -> None:
+        assert torch.equal(layer(x[:1]), y[:1])
+
+    check_every_row_blocking(layer, k, portable, first_row_alone_is_the_same)
 
 
 def test_row_results_do_not_depend_on_the_rows_beside_them():
