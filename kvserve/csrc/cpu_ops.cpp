@@ -14,6 +14,7 @@
 #include "dense_linear.h"
 #include "quant_linear.h"
 #include "screen_linear.h"
+#include "row_dispatch.h"
 
 #include <sys/mman.h>
 #if defined(__F16C__) || defined(__AVX512BW__) || defined(__FMA__) || defined(__AVX512F__)
@@ -626,28 +627,24 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
     };
     auto rows_over_chunk = [&](const auto* K, int64_t k_stride, const auto* V) {
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-        switch (std::min(kRowBlock, rows - r0)) {
-          case 1: row_block(K, k_stride, V, r0, std::integral_constant<int64_t, 1>{}); break;
-          case 2: row_block(K, k_stride, V, r0, std::integral_constant<int64_t, 2>{}); break;
-          case 3: row_block(K, k_stride, V, r0, std::integral_constant<int64_t, 3>{}); break;
-          default: row_block(K, k_stride, V, r0, std::integral_constant<int64_t, kRowBlock>{}); break;
-        }
+        dispatch_rows<kRowBlock>(rows - r0, [&](auto nr) { row_block(K, k_stride, V, r0, nr); });
       }
     };
     if (n_keys == kKeyChunk && few_rows) {
       rows_over_chunk(kb, BS, vb);
-    } else if (n_keys == kKeyChunk) {  // (the masked loop below compiled to scalar code)
-      for (int64_t d = 0; d < D; ++d) store_vec16(kt + d * kKeyChunk, widen16(kb + d * BS));
-      for (int64_t i = 0; i < kKeyChunk * D; i += kKeyChunk) store_vec16(vc + i, widen16(vb + i));
-      rows_over_chunk(static_cast<const float*>(kt), kKeyChunk, static_cast<const float*>(vc));
     } else {
-      for (int64_t d = 0; d < D; ++d) {
+      if (n_keys == kKeyChunk) {  // (the masked loops below compile to scalar code)
+        for (int64_t d = 0; d < D; ++d) store_vec16(kt + d * kKeyChunk, widen16(kb + d * BS));
+        for (int64_t i = 0; i < kKeyChunk * D; i += kKeyChunk) store_vec16(vc + i, widen16(vb + i));
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
 #pragma omp simd
-        for (int64_t t = 0; t < kKeyChunk; ++t) kt[d * kKeyChunk + t] = t < n_keys ? to_float(kb[d * BS + t]) : 0.f;
-      }
-      for (int64_t t = 0; t < kKeyChunk; ++t) {
+          for (int64_t t = 0; t < kKeyChunk; ++t) kt[d * kKeyChunk + t] = t < n_keys ? to_float(kb[d * BS + t]) : 0.f;
+        }
+        for (int64_t t = 0; t < kKeyChunk; ++t) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) vc[t * D + d] = t < n_keys ? to_float(vb[t * D + d]) : 0.f;
+          for (int64_t d = 0; d < D; ++d) vc[t * D + d] = t < n_keys ? to_float(vb[t * D + d]) : 0.f;
+        }
       }
       rows_over_chunk(static_cast<const float*>(kt), kKeyChunk, static_cast<const float*>(vc));
     }
