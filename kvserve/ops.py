@@ -88,6 +88,23 @@ def nibble_kernel_isa() -> str:
     return "none" if ext is None else ext.quant_kernel_isa()
 
 
+def nibble_kernel_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32 [rows, K]) as the nibble-format kernels (Q4_1, Q4_K, Q5_0) read it here:
+    rounded to bf16 (AVX512-BF16, the portable loops, and the plain-torch path), or on AVX2
+    per group of 32 inputs to 16-bit integers times the group's scale ``max|x| / 32767``
+    (csrc/quant_linear.cpp's Int16Activations, the same fp32 operations and rounding)."""
+    ext = cpu_extension()
+    if ext is None or ext.nibble_activation_format() != "int16":
+        return x.to(torch.bfloat16).float()
+    rows, k = x.shape
+    groups = torch.nn.functional.pad(x, (0, -k % 32)).view(rows, -1, 32)
+    largest = groups.abs().amax(-1, keepdim=True)
+    finite = (largest > 0) & torch.isfinite(largest)
+    inverse = torch.where(finite, 32767.0 / torch.where(finite, largest, 1.0), 0.0)
+    q = torch.round(groups * inverse)  # ties to even, as vcvtps2dq
+    return (q * (largest / 32767.0)).view(rows, -1)[:, :k]
+
+
 def enabled_for(x: torch.Tensor) -> bool:
     """Whether the fused kernels handle this activation tensor (fp32 on the CPU)."""
     return _kernels_on and x.dtype == torch.float32 and x.device.type == "cpu" and load_extension() is not None

@@ -1347,6 +1347,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
   m.def("quant_kernel_isa", &quant_kernel_isa);
+  m.def("nibble_activation_format", &nibble_activation_format);
   m.def("q4_screen_linear", &q4_screen_linear);
   m.def("set_portable_screen_kernel", &set_portable_screen_kernel);
   m.def("bf16_linear", &bf16_linear);

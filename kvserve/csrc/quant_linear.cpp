@@ -181,7 +181,7 @@ struct Q4Format {
     return {byte & 15, byte >> 4};
   }
 #ifdef KVSERVE_QUANT_AVX2
-  void avx2_group(int64_t n, int64_t g, __m256 (&w)[4], float& d, float& m) const;
+  void avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4], __m128& scales) const;
 #endif
 #ifdef KVSERVE_Q4_AVX512
   // Output row n's weights, read block by block (the kernel's inner loop: pointers, so that it
@@ -224,7 +224,7 @@ inline __m512 Q4Format<float>::load_scales(const float* p, bool full) {
 struct Q5Format {
   static constexpr bool kOffset = false;
 #ifdef KVSERVE_QUANT_AVX2
-  void avx2_group(int64_t n, int64_t g, __m256 (&w)[4], float& d, float& m) const;
+  void avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4], __m128& scales) const;
 #endif
   const uint8_t* qs;   // as Q4_1's
   const uint32_t* qh;  // per 128-weight block, 4 masks: bit i of mask p = fifth bit of plane p's word i
@@ -374,106 +374,159 @@ void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t
 #endif
 
 #ifdef KVSERVE_QUANT_AVX2
-// The activations of a Q4_1 call for the AVX2 kernel: rounded to bf16 (as the other paths),
-// held as fp32 in input order, zero past K, and each group's sum of its rounded inputs.
-struct RoundedActivations {
-  int64_t groups;
-  float* x;     // [M][Kp]
-  float* sums;  // [M][groups]
+// The activations of a nibble-format call for the AVX2 kernel, in 16-bit integers: per row and
+// group of 32 inputs, q = round(x * 32767 / a) with a the group's largest |x| and the scale
+// s = a / 32767, so that x = s * q within s / 2 (2^-16 of the group's largest input, where a
+// bf16 rounding is 2^-9 of each input). Integer products then need no conversion of the
+// weights to float: vpmaddwd sums pairs of 16-bit products into 32-bit lanes, exactly (a
+// group's sum stays below 2^25). Per 64-input chunk the kernel multiplies the weights'
+// (d, d', m, m') by (s, s', s * sum(q), s' * sum(q')) in one vector.
+struct Int16Activations {
+  int64_t chunks;
+  int16_t* q;      // [M][Kp], zero past K
+  float* scales;   // [M][chunks][4]
 
-  RoundedActivations(const float* src, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : groups(Kp / kGroup) {
-    thread_local std::vector<float> x_scratch, sums_scratch;
-    x = grown(x_scratch, M * Kp);
-    sums = grown(sums_scratch, M * groups);
+  // In the calling thread's scratch memory, as NibblePlanes.
+  Int16Activations(const float* src, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : chunks(Kp / kChunk) {
+    thread_local std::vector<int16_t> q_scratch;
+    thread_local std::vector<float> scales_scratch;
+    q = grown(q_scratch, M * Kp);
+    scales = grown(scales_scratch, M * chunks * 4);
     for (int64_t r = 0; r < M; ++r) {
-      float* xr = x + r * Kp;
-      for (int64_t k = 0; k < Kp; ++k) xr[k] = k < K ? bf16_to_float(float_to_bf16_rne(src[r * x_stride + k])) : 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.f;
-        for (int64_t j = 0; j < kGroup; ++j) sum += xr[g * kGroup + j];
-        sums[r * groups + g] = sum;
+      const float* xr = src + r * x_stride;
+      int16_t* qr = q + r * Kp;
+      float* sr = scales + r * chunks * 4;
+      for (int64_t g = 0; g < 2 * chunks; ++g) {
+        const int64_t k0 = g * kGroup, n = std::max<int64_t>(0, std::min(kGroup, K - k0));
+        float group[kGroup] = {};
+        std::memcpy(group, xr + k0, n * sizeof(float));
+        __m256 v[4], amax = _mm256_setzero_ps();
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_loadu_ps(group + 8 * i);
+          amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        // A group of zeros (or past K) is all q = 0; a non-finite input keeps its scale, so that
+        // the row's outputs are not finite either, as a float product would leave them.
+        const __m256 inv = _mm256_set1_ps(a > 0.f && std::isfinite(a) ? 32767.f / a : 0.f);
+        __m256i lanes[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+          lanes[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest, ties to even
+          sum = _mm256_add_epi32(sum, lanes[i]);
+        }
+        // packs interleaves 128-bit halves (0-3 8-11 4-7 12-15): permute back to input order
+        for (int h = 0; h < 2; ++h)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + k0 + 16 * h),
+                              _mm256_permute4x64_epi64(_mm256_packs_epi32(lanes[2 * h], lanes[2 * h + 1]), 0xD8));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        const float s = a / 32767.f;
+        sr[(g / 2) * 4 + g % 2] = s;
+        sr[(g / 2) * 4 + 2 + g % 2] = s * static_cast<float>(_mm_cvtsi128_si32(s4));
       }
     }
   }
 };
 
 // A nibble format (Q4_1 with fp16 or fp32 scales, Q5_0) for MR activation rows, one output row
-// at a time: per group the 32 values widened to fp32 (Format::avx2_group: weights 0-7 and 8-15
-// from the low nibbles, 16-31 from the high), four products per lane summed in a fixed order,
-// times d into the row's accumulator, and the offset m * sum(x) into a scalar. Every output
-// sums its groups in the same order whatever MR.
+// at a time: per 64-weight chunk the weights as 16-bit integers (Format::avx2_chunk: group 2c's
+// weights 0-15 from the low nibbles of its 16 bytes, 16-31 from the high, then group 2c + 1),
+// each group's integer dot product (vpmaddwd, 8 lanes of 4 products) converted to fp32 and
+// times d * s into the row's accumulator for that group's half of the chunk, and m * s * sum(q)
+// into an offset lane. Every output sums its groups in the same order whatever MR.
 template <typename Format, int MR>
-void nibble_rows_avx2(const Format& f, int64_t n_begin, int64_t n_end, const RoundedActivations& act, int64_t r0,
+void nibble_rows_avx2(const Format& f, int64_t n_begin, int64_t n_end, const Int16Activations& act, int64_t r0,
                       float* out, int64_t out_stride, const float* bias) {
-  const int64_t groups = act.groups, Kp = groups * kGroup;
+  const int64_t chunks = act.chunks, Kp = chunks * kChunk;
   for (int64_t n = n_begin; n < n_end; ++n) {
-    __m256 acc[MR];
-    float offset[MR];
+    __m256 acc[MR][2];
+    __m128 offset[MR];
     for (int r = 0; r < MR; ++r) {
-      acc[r] = _mm256_setzero_ps();
-      offset[r] = 0.f;
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      offset[r] = _mm_setzero_ps();
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 w[4];
-      float d, m;
-      f.avx2_group(n, g, w, d, m);
-      const __m256 dv = _mm256_set1_ps(d);
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256i w[4];
+      __m128 weight_scales;  // d, d', m, m'
+      f.avx2_chunk(n, c, w, weight_scales);
       for (int r = 0; r < MR; ++r) {
-        const float* xr = act.x + (r0 + r) * Kp + g * kGroup;
-        __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-        for (int i = 1; i < 4; ++i) t = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), t);
-        acc[r] = _mm256_fmadd_ps(t, dv, acc[r]);
-        offset[r] = std::fma(m, act.sums[(r0 + r) * groups + g], offset[r]);
+        const int16_t* xr = act.q + (r0 + r) * Kp + c * kChunk;
+        // (d s, d' s', m s sum(q), m' s' sum(q'))
+        const __m128 sc = _mm_mul_ps(weight_scales, _mm_loadu_ps(act.scales + ((r0 + r) * chunks + c) * 4));
+        offset[r] = _mm_add_ps(offset[r], sc);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i dot = _mm256_add_epi32(
+              _mm256_madd_epi16(w[2 * h], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * h))),
+              _mm256_madd_epi16(w[2 * h + 1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * h + 16))));
+          const __m256 ds = _mm256_broadcastss_ps(h ? _mm_movehdup_ps(sc) : sc);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[r][h]);
+        }
       }
     }
-    for (int r = 0; r < MR; ++r)
-      out[(r0 + r) * out_stride + n] = horizontal_sum(acc[r]) + offset[r] + (bias ? bias[n] : 0.f);
+    for (int r = 0; r < MR; ++r) {
+      const __m128 o = offset[r];
+      const float offsets = _mm_cvtss_f32(_mm_add_ss(_mm_movehl_ps(o, o), _mm_shuffle_ps(o, o, 3)));  // lanes 2 + 3
+      out[(r0 + r) * out_stride + n] =
+          horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1])) + offsets + (bias ? bias[n] : 0.f);
+    }
   }
 }
 
-// Group g's 16 bytes of nibbles as four vectors of 32-bit lanes: weights 0-7, 8-15 (low
-// nibbles of bytes 0-7, 8-15), 16-23, 24-31 (their high nibbles).
-__attribute__((always_inline)) inline void nibble_lanes(const uint8_t* p, __m256i (&v)[4]) {
+// Chunk c's 32 bytes of nibbles as four vectors of 16-bit lanes: group 2c's weights 0-15 (low
+// nibbles of bytes 0-15) and 16-31 (their high nibbles), then group 2c + 1's.
+__attribute__((always_inline)) inline void nibble_words(const uint8_t* p, __m256i (&w)[4]) {
   _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-  const __m256i low4 = _mm256_set1_epi32(0xF);
-  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  v[0] = _mm256_and_si256(b0, low4);
-  v[1] = _mm256_and_si256(b1, low4);
-  v[2] = _mm256_srli_epi32(b0, 4);
-  v[3] = _mm256_srli_epi32(b1, 4);
+  const __m256i low4 = _mm256_set1_epi16(0xF);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+    w[2 * h] = _mm256_and_si256(bytes, low4);
+    w[2 * h + 1] = _mm256_srli_epi16(bytes, 4);
+  }
 }
 
-template <typename Scale>
-__attribute__((always_inline)) inline void Q4Format<Scale>::avx2_group(int64_t n, int64_t g, __m256 (&w)[4], float& d, float& m) const {
-  __m256i v[4];
-  nibble_lanes(qs + (n * chunks * 2 + g) * 16, v);
-  for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtepi32_ps(v[i]);
-  d = portable_scale(n, g / 2, static_cast<int>(g % 2));
-  m = portable_offset(n, g / 2, static_cast<int>(g % 2));
+template <>
+__attribute__((always_inline)) inline void Q4Format<uint16_t>::avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4],
+                                                                          __m128& scales) const {
+  nibble_words(qs + (n * chunks + c) * 32, w);
+  scales = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm + (n * chunks + c) * 4)));
 }
 
-// Q5_0: the fifth bits come from the block's four plane masks (fifth_bit: weight j of group g
-// is bit (g % 4) * 8 + (j % 16) / 2 of mask (j >= 16) + 2 (j % 2)), shifted per lane into
-// bit 4 of the nibble's lane; w = d * (q - 16) is d * q with the offset -16 d * sum(x).
-__attribute__((always_inline)) inline void Q5Format::avx2_group(int64_t n, int64_t g, __m256 (&w)[4], float& dg,
-                                                                 float& m) const {
-  __m256i v[4];
-  nibble_lanes(qs + (n * chunks * 2 + g) * 16, v);
-  const uint32_t* masks = qh + (n * ((chunks + 1) / 2) + g / 4) * 4;
-  const __m256i four = _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(masks)));
-  const __m256i even_j = _mm256_permutevar8x32_epi32(four, _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2));  // j < 16
-  const __m256i odd_half = _mm256_permutevar8x32_epi32(four, _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3));  // j >= 16
-  const __m256i base = _mm256_set1_epi32(static_cast<int>((g % 4) * 8));
-  const __m256i first = _mm256_add_epi32(base, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(4));
-  const __m256i one = _mm256_set1_epi32(1);
-  const __m256i bits[4] = {_mm256_srlv_epi32(even_j, first), _mm256_srlv_epi32(even_j, second),
-                           _mm256_srlv_epi32(odd_half, first), _mm256_srlv_epi32(odd_half, second)};
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm256_cvtepi32_ps(_mm256_or_si256(v[i], _mm256_slli_epi32(_mm256_and_si256(bits[i], one), 4)));
-  dg = half_to_float(d[n * chunks * 2 + g]);
-  m = -16.f * dg;
+template <>
+__attribute__((always_inline)) inline void Q4Format<float>::avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4],
+                                                                       __m128& scales) const {
+  nibble_words(qs + (n * chunks + c) * 32, w);
+  scales = _mm_loadu_ps(dm + (n * chunks + c) * 4);
+}
+
+// Q5_0: v = q + 16 in 0..31, its fifth bit from the block's four plane masks (fifth_bit: weight
+// j of group g is bit (g % 4) * 8 + (j % 16) / 2 of mask (j >= 16) + 2 (j % 2)): per 16 lanes
+// the two masks' bytes for the group side by side in every lane, one lane's bit picked by
+// compare; w = d * (v - 16) is d * v with the offset -16 d * sum(x).
+__attribute__((always_inline)) inline void Q5Format::avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4],
+                                                                 __m128& scales) const {
+  nibble_words(qs + (n * chunks + c) * 32, w);
+  const uint32_t* masks = qh + (n * ((chunks + 1) / 2) + c / 2) * 4;
+  // lane j: bit j / 2 of the even-j mask's byte (low byte), of the odd-j mask's (high byte)
+  const __m256i select = _mm256_setr_epi16(0x0001, 0x0100, 0x0002, 0x0200, 0x0004, 0x0400, 0x0008, 0x0800, 0x0010,
+                                           0x1000, 0x0020, 0x2000, 0x0040, 0x4000, 0x0080, static_cast<int16_t>(0x8000));
+  const __m256i sixteen = _mm256_set1_epi16(16);
+  for (int h = 0; h < 2; ++h) {
+    const int shift = static_cast<int>(((2 * c + h) % 4) * 8);
+    for (int side = 0; side < 2; ++side) {  // weights 0-15 (masks 0, 2), 16-31 (masks 1, 3)
+      const uint32_t pair = ((masks[side] >> shift) & 0xFF) | (((masks[side + 2] >> shift) & 0xFF) << 8);
+      const __m256i bits = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(pair)), select);
+      const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi16(bits, select), sixteen);
+      w[2 * h + side] = _mm256_or_si256(w[2 * h + side], fifth);
+    }
+  }
+  int32_t two_scales;
+  std::memcpy(&two_scales, d + (n * chunks + c) * 2, sizeof(two_scales));
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(two_scales));
+  scales = _mm_movelh_ps(dd, _mm_mul_ps(dd, _mm_set1_ps(-16.f)));
 }
 #endif
 
@@ -551,7 +604,7 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
 #endif
 #ifdef KVSERVE_QUANT_AVX2
   if (!g_portable) {
-    const RoundedActivations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+    const Int16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
     over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
       dispatch_rows<4>(rows, [&](auto mr) { nibble_rows_avx2<Format, decltype(mr)::value>(f, n0, n1, act, r0, o, o_stride, b); });
     });
@@ -585,6 +638,13 @@ std::string quant_kernel_isa() {
 #else
   return "portable";
 #endif
+}
+
+std::string nibble_activation_format() {
+#ifdef KVSERVE_QUANT_AVX2
+  if (!g_portable) return "int16";
+#endif
+  return "bf16";
 }
 
 void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor dm,

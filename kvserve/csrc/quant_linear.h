@@ -32,3 +32,6 @@ void set_portable_quant_kernels(bool portable);
 
 // The route these kernels were built with for this CPU: "avx512", "avx2" or "portable".
 std::string quant_kernel_isa();
+// How the nibble-format kernels round their activations here: "int16" (the AVX2 kernel, per
+// group of 32) or "bf16" (AVX512-BF16 and the portable loops).
+std::string nibble_activation_format();
