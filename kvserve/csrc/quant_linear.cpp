@@ -503,24 +503,34 @@ __attribute__((always_inline)) inline void Q4Format<float>::avx2_chunk(int64_t n
 }
 
 // Q5_0: v = q + 16 in 0..31, its fifth bit from the block's four plane masks (fifth_bit: weight
-// j of group g is bit (g % 4) * 8 + (j % 16) / 2 of mask (j >= 16) + 2 (j % 2)): per 16 lanes
-// the two masks' bytes for the group side by side in every lane, one lane's bit picked by
-// compare; w = d * (v - 16) is d * v with the offset -16 d * sum(x).
+// j of group g is bit (g % 4) * 8 + (j % 16) / 2 of mask (j >= 16) + 2 (j % 2)). The block's 16
+// bytes of masks sit in both halves of a vector; per 16 lanes one vpshufb puts in lane j's low
+// byte the byte of its mask for the group (kFifthBitBytes), and a compare with the lane's bit
+// (j / 2) gives 16 or 0 to OR into the nibble. w = d * (v - 16) is d * v with the offset
+// -16 d * sum(x).
+// Per side (weights 0-15: masks 0 and 2; 16-31: masks 1 and 3) the shuffle control for byte 0 of
+// the masks; byte b of each is b more. High bytes 0x80: zero.
+alignas(32) constexpr int8_t kFifthBitBytes[2][32] = {
+    {0, -128, 8, -128, 0, -128, 8, -128, 0, -128, 8, -128, 0, -128, 8, -128,
+     0, -128, 8, -128, 0, -128, 8, -128, 0, -128, 8, -128, 0, -128, 8, -128},
+    {4, -128, 12, -128, 4, -128, 12, -128, 4, -128, 12, -128, 4, -128, 12, -128,
+     4, -128, 12, -128, 4, -128, 12, -128, 4, -128, 12, -128, 4, -128, 12, -128}};
+
 __attribute__((always_inline)) inline void Q5Format::avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4],
                                                                  __m128& scales) const {
   nibble_words(qs + (n * chunks + c) * 32, w);
-  const uint32_t* masks = qh + (n * ((chunks + 1) / 2) + c / 2) * 4;
-  // lane j: bit j / 2 of the even-j mask's byte (low byte), of the odd-j mask's (high byte)
-  const __m256i select = _mm256_setr_epi16(0x0001, 0x0100, 0x0002, 0x0200, 0x0004, 0x0400, 0x0008, 0x0800, 0x0010,
-                                           0x1000, 0x0020, 0x2000, 0x0040, 0x4000, 0x0080, static_cast<int16_t>(0x8000));
+  const __m256i masks = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + (n * ((chunks + 1) / 2) + c / 2) * 4)));
+  // lane j's bit: j / 2 of its byte (lanes 8-15 in the upper half: bits 4-7)
+  const __m256i select = _mm256_setr_epi16(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, 128, 128);
   const __m256i sixteen = _mm256_set1_epi16(16);
   for (int h = 0; h < 2; ++h) {
-    const int shift = static_cast<int>(((2 * c + h) % 4) * 8);
-    for (int side = 0; side < 2; ++side) {  // weights 0-15 (masks 0, 2), 16-31 (masks 1, 3)
-      const uint32_t pair = ((masks[side] >> shift) & 0xFF) | (((masks[side + 2] >> shift) & 0xFF) << 8);
-      const __m256i bits = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(pair)), select);
-      const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi16(bits, select), sixteen);
-      w[2 * h + side] = _mm256_or_si256(w[2 * h + side], fifth);
+    const __m256i byte = _mm256_set1_epi16(static_cast<int16_t>((2 * c + h) % 4));  // the group's byte of each mask
+    for (int side = 0; side < 2; ++side) {
+      const __m256i control =
+          _mm256_add_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kFifthBitBytes[side])), byte);
+      const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(masks, control), select);
+      w[2 * h + side] = _mm256_or_si256(w[2 * h + side], _mm256_and_si256(_mm256_cmpeq_epi16(bits, select), sixteen));
     }
   }
   int32_t two_scales;
