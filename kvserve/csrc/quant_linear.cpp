@@ -19,9 +19,10 @@
 //
 // Every output row is computed in the same order whatever the number of activation rows, so
 // results do not depend on batch composition. Without AVX512-BF16, CPUs with AVX2 and FMA
-// (Zen 2/3) widen the 4-, 5- and 8-bit values to fp32 in 8-lane vectors (the same products, an
-// fp32 FMA chain per lane; the Q4/Q5 inputs rounded to bf16 as above), and a portable loop
-// computes the same sums elsewhere (each path in its own fixed order).
+// (Zen 2/3) widen the 8-bit values to fp32 in 8-lane vectors (the same products, an fp32 FMA
+// chain per lane) and multiply the 4- and 5-bit ones as integers against activations rounded to
+// int16 per group of 32 (Int16Activations: finer than bf16; vpmaddwd, exact sums per group);
+// a portable loop computes the bf16 sums elsewhere (each path in its own fixed order).
 #include "quant_linear.h"
 #include "row_dispatch.h"
 
@@ -43,8 +44,8 @@
 #include <immintrin.h>
 #define KVSERVE_Q4_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Zen 2/3 and other CPUs without AVX512-BF16: the Q4_1 and Q8 kernels in 8-lane fp32 (the
-// 4-bit values widened to fp32, products with the same bf16-rounded inputs, fp32 sums).
+// Zen 2/3 and other CPUs without AVX512-BF16: the nibble kernels on int16 activations and
+// vpmaddwd, the Q8 kernels in 8-lane fp32.
 #include <immintrin.h>
 #define KVSERVE_QUANT_AVX2 1
 #endif
