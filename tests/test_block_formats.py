@@ -85,7 +85,7 @@ def test_kernel_matches_plain_torch(quant_type, k, portable):
     def near_exact(x: torch.Tensor, y: torch.Tensor) -> None:
         exact = x.double() @ w.double().T + layer.bias.double()
         rel = (y.double() - exact).norm() / exact.norm()
-        assert rel < (1e-6 if isinstance(layer, Q8Linear) else 1e-2), len(x)  # bf16 activations, but Q8
+        assert rel < (1e-6 if isinstance(layer, Q8Linear) else 1e-2), len(x)  # rounded activations (bf16 or int16), but Q8
 
     x, ref = check_every_row_blocking(layer, k, portable, near_exact)
     with ops.use_kernels(False):

@@ -489,18 +489,15 @@ __attribute__((always_inline)) inline void nibble_words(const uint8_t* p, __m256
   }
 }
 
-template <>
-__attribute__((always_inline)) inline void Q4Format<uint16_t>::avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4],
-                                                                          __m128& scales) const {
-  nibble_words(qs + (n * chunks + c) * 32, w);
-  scales = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm + (n * chunks + c) * 4)));
-}
+// A chunk's four scales (d, d', m, m') as stored: fp16 bits or fp32.
+inline __m128 scale_vector(const uint16_t* p) { return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m128 scale_vector(const float* p) { return _mm_loadu_ps(p); }
 
-template <>
-__attribute__((always_inline)) inline void Q4Format<float>::avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4],
+template <typename Scale>
+__attribute__((always_inline)) inline void Q4Format<Scale>::avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4],
                                                                        __m128& scales) const {
   nibble_words(qs + (n * chunks + c) * 32, w);
-  scales = _mm_loadu_ps(dm + (n * chunks + c) * 4);
+  scales = scale_vector(dm + (n * chunks + c) * 4);
 }
 
 // Q5_0: v = q + 16 in 0..31, its fifth bit from the block's four plane masks (fifth_bit: weight
