@@ -49,7 +49,9 @@ def load_extension() -> Optional[Any]:
             sources=[str(path) for path in _SOURCES],
             # Reassociation lets the vectorised dot products reduce their lanes as a tree;
             # without it GCC adds the 16 lanes one by one (measured 3x slower attention).
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd",
+            # KVSERVE_CPU_MARCH (e.g. znver3, x86-64-v2) builds another CPU's route on this one, to
+            # test it (with TORCH_EXTENSIONS_DIR set to a directory of its own).
+            extra_cflags=["-O3", f"-march={os.environ.get('KVSERVE_CPU_MARCH', 'native')}", "-fopenmp", "-fopenmp-simd",
                           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -88,11 +90,14 @@ def nibble_kernel_isa() -> str:
     return "none" if ext is None else ext.quant_kernel_isa()
 
 
+ACTIVATION_LEVELS = 32639.0  # csrc/quant_linear.cpp's kActivationLevels (127 * 256 + 127)
+
+
 def nibble_kernel_activations(x: torch.Tensor) -> torch.Tensor:
     """``x`` (fp32 [rows, K]) as the nibble-format kernels (Q4_1, Q4_K, Q5_0) read it here:
-    rounded to bf16 (AVX512-BF16, the portable loops, and the plain-torch path), or on AVX2
-    per group of 32 inputs to 16-bit integers times the group's scale ``max|x| / 32767``
-    (csrc/quant_linear.cpp's Int16Activations, the same fp32 operations and rounding)."""
+    on AVX512 and AVX2 per group of 32 inputs to 16-bit integers times the group's scale
+    ``max|x| / 32639`` (csrc/quant_linear.cpp's kActivationLevels, the same fp32 operations and
+    rounding); rounded to bf16 by the portable loops and the plain-torch path."""
     ext = cpu_extension()
     if ext is None or ext.nibble_activation_format() != "int16":
         return x.to(torch.bfloat16).float()
@@ -100,9 +105,9 @@ def nibble_kernel_activations(x: torch.Tensor) -> torch.Tensor:
     groups = torch.nn.functional.pad(x, (0, -k % 32)).view(rows, -1, 32)
     largest = groups.abs().amax(-1, keepdim=True)
     finite = (largest > 0) & torch.isfinite(largest)
-    inverse = torch.where(finite, 32767.0 / torch.where(finite, largest, 1.0), 0.0)
+    inverse = torch.where(finite, ACTIVATION_LEVELS / torch.where(finite, largest, 1.0), 0.0)
     q = torch.round(groups * inverse)  # ties to even, as vcvtps2dq
-    return (q * (largest / 32767.0)).view(rows, -1)[:, :k]
+    return (q * (largest / ACTIVATION_LEVELS)).view(rows, -1)[:, :k]
 
 
 def enabled_for(x: torch.Tensor) -> bool:

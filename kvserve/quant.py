@@ -227,7 +227,7 @@ class DecodeFormatLinear(nn.Module):
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel's sums in plain torch: the activations rounded as the kernel rounds them
-        here (``ops.nibble_kernel_activations``: bf16, or 16-bit groups on AVX2) times the
+        here (``ops.nibble_kernel_activations``: 16-bit groups on AVX512/AVX2, else bf16) times the
         weights, in fp32 (another summation order: equal to rounding, not bit for bit). Slow:
         for machines without the extension."""
         y = ops.nibble_kernel_activations(x.float()) @ self._reference_weight().T
@@ -250,11 +250,11 @@ class Int4Linear(DecodeFormatLinear):
     against the file's 18), or a float checkpoint quantized min/max per group (as Q4_1).
 
     ``y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g)``: the kernel streams the blocks once for all
-    rows of the call, with the activations rounded to bf16, as every bf16 matmul does, bf16
-    products of the 4-bit values (exact in bf16) and fp32 sums: ``bf16(x) @ w.T`` with the
-    weights exact. Without AVX512-BF16 (AVX2 + FMA) the activations are instead rounded to
-    16-bit integers per group of 32 (``ops.nibble_kernel_activations``: finer than bf16) and
-    multiplied as integers, which needs no conversion of the weights to float (2x faster).
+    rows of the call, with the activations rounded to 16-bit integers per group of 32
+    (``ops.nibble_kernel_activations``: finer than bf16) and multiplied as integers, exact per
+    group (AVX512: vpdpbusd on the weights' bytes and each activation's two bytes; AVX2:
+    vpmaddwd), which needs no conversion of the weights to float (2x faster than bf16 products
+    on both). The portable loops round the activations to bf16 instead: ``bf16(x) @ w.T``.
 
     Buffers: ``qs`` uint8 ``[N, Kp / 2]`` (``Kp`` = K rounded up to 64 with zero groups; per
     group 16 bytes: weight j in the low nibble of byte j, j + 16 in its high nibble); ``dm``

@@ -5,13 +5,15 @@
 // and do the arithmetic as they go, one pass over the weights for all rows of the step.
 //
 //   Q4_1 (kvserve int4): groups of 32 weights w = d * q + m, q in 0..15, d and m fp16.
-//     y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g), with x rounded to bf16 once, as every bf16
-//     matmul does: bf16 products (vdpbf16ps; q is exact in bf16), fp32 sums.
+//     y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g), with x rounded once per group of 32 to
+//     16-bit integers times a scale (2^-16 of the group's largest |x|: finer than bf16), so that
+//     q_g . x_g is an exact integer dot product (AVX512: vpdpbusd on the weights' bytes and
+//     each activation's two bytes; AVX2: vpmaddwd on 16-bit words), scaled once per group.
 //   Q4_K (Gemma 3's file): super-blocks of 256 with 6-bit sub-scales, w = d * sc * q - dmin * mn
 //     per group of 32. Loaded into the Q4_1 layout with the group's d * sc and -dmin * mn as
 //     fp32 (both exact in fp32, not in fp16): the same kernel with fp32 scales.
 //   Q5_0 (Gemma 3's file): groups of 32, w = d * (q - 16), q in 0..31: the 4 low bits as in
-//     Q4_1, the fifth bits (GGUF's qh) regrouped for the kernel. Same bf16 products as Q4_1.
+//     Q4_1, the fifth bits (GGUF's qh) regrouped for the kernel. Same integer products as Q4_1.
 //   Q8_0 (the int4 mode's LM head, as llama.cpp stores it): groups of 32, w = d * q,
 //     q in -127..127. fp32 products. Q6_K (Gemma 3's file): groups of 16, w = d * sc * (q - 32),
 //     loaded as int8 q - 32 with the group's d * sc in fp32 (exact): the Q8_0 kernel with
@@ -20,9 +22,8 @@
 // Every output row is computed in the same order whatever the number of activation rows, so
 // results do not depend on batch composition. Without AVX512-BF16, CPUs with AVX2 and FMA
 // (Zen 2/3) widen the 8-bit values to fp32 in 8-lane vectors (the same products, an fp32 FMA
-// chain per lane) and multiply the 4- and 5-bit ones as integers against activations rounded to
-// int16 per group of 32 (Int16Activations: finer than bf16; vpmaddwd, exact sums per group);
-// a portable loop computes the bf16 sums elsewhere (each path in its own fixed order).
+// chain per lane); a portable loop computes the nibble formats on bf16 activations elsewhere
+// (each path in its own fixed order).
 #include "quant_linear.h"
 #include "row_dispatch.h"
 
@@ -32,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -40,7 +42,9 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && \
+    defined(__BMI2__) && defined(__F16C__)
+// Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4) has VNNI and BMI2.
 #include <immintrin.h>
 #define KVSERVE_Q4_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -63,6 +67,10 @@ constexpr int64_t kInputRowBlock = 4;  // input rows sharing one decode of the w
 // row per pass for the same reason: in a test kernel two rows' interleaved streams (faster
 // from cache) read 8.4 GB/s from DRAM with the same prefetch where one row read 12.8.
 constexpr int64_t kPrefetchBytes = 2048;
+// The nibble formats' activations as integers, per group of 32 inputs: q = round(x * L / a),
+// a the group's largest |x|, on AVX2 and AVX512 alike. L = 127 * 256 + 127 rather than 32767,
+// so that on AVX512 q splits into two signed bytes (see SplitInt16Activations).
+constexpr float kActivationLevels = 32639.f;
 
 bool g_portable = false;
 
@@ -140,28 +148,22 @@ struct Q4Activations {
 };
 
 // The nibble formats (Q4_1, Q4_K loaded as Q4_1 with fp32 scales, Q5_0). The portable loop reads
-// them per 64-weight chunk with Q4Activations; the AVX512 kernel per 128-weight block (4 groups,
-// 64 bytes of GGUF's nibbles, the last block of a row possibly half of one) without a single
-// shuffle on the weights: each 16-bit word of the 64 bytes holds 4 nibbles, and four shifts
-// and masks put each nibble in its own word, already as a bf16 number (the "planes": plane p
-// holds nibble p of every word). A nibble v becomes bf16(16 + v) by OR-ing its bits into the
-// mantissa of 16.0 (bf16 0x4180: 16 + v for v < 16 is exact), a Q5_0 value v < 32 bf16(32 + v)
-// (0x4200); the kernel then takes the offset back out with the group's activation sum:
-// d * sum((base + v) * x) + (m - base * d) * sum(x). The activations are laid out to match
-// (NibblePlanes): lane l of a block's products belongs to group l / 4.
+// them per 64-weight chunk with Q4Activations; the AVX512 kernel per 128-weight block (4 groups
+// A-D, 64 bytes of GGUF's nibbles, the last block of a row possibly half of one) as two vectors
+// of unsigned bytes without a shuffle: `low` the low nibbles (each group's weights 0-15, byte
+// 16 g + j of the block holding weight j of group g), `high` the high nibbles (weights 16-31),
+// so that vpdpbusd's lane l (4 adjacent bytes) holds products of group l / 4 only.
 #ifdef KVSERVE_Q4_AVX512
-// Block b's 64 bytes of nibbles at q (32 for a row's last, half block; the rest zero), each
-// 16-bit word's 4 nibbles v in 4 planes as the bf16 number base + v: v shifted into the
-// mantissa bits of `base` (bf16 bits `base_bits`) from kShift up, OR-ed in with one vpternlogd.
-template <int kShift>
-inline void nibble_planes(const uint8_t* q, bool full, uint16_t base_bits, __m512i (&planes)[4]) {
+inline void nibble_bytes(const uint8_t* q, bool full, __m512i& low, __m512i& high) {
   const __m512i w = full ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q);
-  const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0xF << kShift));
-  const __m512i base = _mm512_set1_epi16(static_cast<int16_t>(base_bits));
-  planes[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w, kShift), mask, base, 0xEA);  // (a & b) | c
-  planes[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4 - kShift), mask, base, 0xEA);
-  planes[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8 - kShift), mask, base, 0xEA);
-  planes[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 12 - kShift), mask, base, 0xEA);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  low = _mm512_and_si512(w, nibble);
+  high = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+}
+
+// Lane l of the result: scale[group_index[l / 4]], for the four groups of a block.
+inline __m512 group_lanes(__m512 scales, int a, int b, int c, int d) {
+  return _mm512_permutexvar_ps(_mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a), scales);
 }
 #endif
 
@@ -190,14 +192,13 @@ struct Q4Format {
   struct Row {
     const uint8_t* q;
     const Scale* s;
-    // Block b (chunks 2b and 2b + 1; `full`: both exist): the four planes as bf16(16 + v), and
-    // per lane the group's scale d and offset m - 16 d.
-    void load(int64_t b, bool full, __m512i (&planes)[4], __m512& d, __m512& m) const {
-      nibble_planes<3>(q + b * 64, full, 0x4180, planes);  // bf16 16.0: bits 3-6 hold v
+    // Block b (chunks 2b and 2b + 1; `full`: both exist): its values v as bytes, and per lane
+    // the group's scale d and offset m (w = d v + m).
+    void load(int64_t b, bool full, __m512i& low, __m512i& high, __m512& d, __m512& m) const {
+      nibble_bytes(q + b * 64, full, low, high);
       const __m512 sc = load_scales(s + b * 8, full);  // dA dB mA mB dC dD mC mD
-      d = _mm512_permutexvar_ps(_mm512_set_epi32(5, 5, 5, 5, 4, 4, 4, 4, 1, 1, 1, 1, 0, 0, 0, 0), sc);
-      m = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d,
-                           _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 3, 3, 3, 3, 2, 2, 2, 2), sc));
+      d = group_lanes(sc, 0, 1, 4, 5);
+      m = group_lanes(sc, 2, 3, 6, 7);
     }
     // The weights kPrefetchBytes further on in the stream (rows follow each other), and their scales.
     void prefetch(int64_t b) const {
@@ -234,8 +235,9 @@ struct Q5Format {
 
   float portable_scale(int64_t n, int64_t c, int half) const { return half_to_float(d[(n * chunks + c) * 2 + half]); }
   float portable_offset(int64_t, int64_t, int) const { return 0.f; }
-  // The fifth bit of weight j of group g of row n (see the planes above: word i of a block holds
-  // weights 2 (i % 8) and + 1 of group i / 8 in its bytes, each with a low and a high nibble).
+  // The fifth bit of weight j of group g of row n. The masks number a block's 64 bytes of
+  // nibbles as 32 16-bit words, 4 nibbles each: word i holds weights 2 (i % 8) and + 1 of group
+  // i / 8 in its bytes, each with a low and a high nibble; mask p holds nibble p of every word.
   int fifth_bit(int64_t n, int64_t g, int j) const {
     const int plane = (j >= 16) + 2 * (j & 1), word = (g % 4) * 8 + ((j & 15) >> 1);
     return (qh[(n * ((chunks + 1) / 2) + g / 4) * 4 + plane] >> word) & 1;
@@ -251,16 +253,24 @@ struct Q5Format {
     const uint8_t* q;
     const uint32_t* h;  // 4 masks per block
     const uint16_t* d;  // 4 scales per block
-    void load(int64_t b, bool full, __m512i (&planes)[4], __m512& dv, __m512& mv) const {
-      nibble_planes<2>(q + b * 64, full, 0x4200, planes);  // bf16 32.0: bits 2-5 hold v
-      const __m512i fifth = _mm512_set1_epi16(0x40);  // bit 6: 16 more
-      for (int p = 0; p < 4; ++p)
-        planes[p] = _mm512_mask_add_epi16(planes[p], _cvtu32_mask32(h[b * 4 + p]), planes[p], fifth);
+    // As Q4_1's, with v = q + 16 in 0..31: the fifth bits are 16 added to the bytes their masks
+    // name. Mask p bit i belongs to word i's nibble p: the low nibble of byte 2i (p = 0), its high
+    // nibble (1), the low (2) and high (3) nibbles of byte 2i + 1, so the low bytes' mask
+    // interleaves masks 0 and 2 (pdep), the high bytes' masks 1 and 3. w = d (v - 16).
+    void load(int64_t b, bool full, __m512i& low, __m512i& high, __m512& dv, __m512& mv) const {
+      nibble_bytes(q + b * 64, full, low, high);
+      constexpr uint64_t kEven = 0x5555555555555555ull, kOdd = 0xAAAAAAAAAAAAAAAAull;
+      const uint32_t* mk = h + b * 4;
+      const uint64_t present = full ? ~0ull : 0xFFFFFFFFull;
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      low = _mm512_mask_add_epi8(low, _cvtu64_mask64((_pdep_u64(mk[0], kEven) | _pdep_u64(mk[2], kOdd)) & present),
+                                 low, sixteen);
+      high = _mm512_mask_add_epi8(high, _cvtu64_mask64((_pdep_u64(mk[1], kEven) | _pdep_u64(mk[3], kOdd)) & present),
+                                  high, sixteen);
       const uint16_t* s = d + b * 4;
       const __m128i h4 = full ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)) : _mm_maskz_loadu_epi16(0x03, s);
-      dv = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                 _mm512_castps128_ps512(_mm_cvtph_ps(h4)));
-      mv = _mm512_mul_ps(_mm512_set1_ps(-48.f), dv);  // bf16(32 + v) stands for q = v - 16
+      dv = group_lanes(_mm512_castps128_ps512(_mm_cvtph_ps(h4)), 0, 1, 2, 3);
+      mv = _mm512_mul_ps(_mm512_set1_ps(-16.f), dv);
     }
     void prefetch(int64_t b) const {
       _mm_prefetch(reinterpret_cast<const char*>(q + b * 64) + kPrefetchBytes, _MM_HINT_T0);
@@ -273,78 +283,84 @@ struct Q5Format {
 };
 
 #ifdef KVSERVE_Q4_AVX512
-// The activations of one call in the planes' order: per row and 128-input block, plane p's
-// word i pairs with input (i / 8) * 32 + 2 (i % 8) + (p & 1) * 16 + (p >> 1) of the block,
-// and lane l of the group sums holds the sum of group l / 4's bf16 inputs divided by 4 (exact).
-struct NibblePlanes {
+// The activations of a nibble-format call for the AVX512 kernel: per group of 32 inputs the same
+// 16-bit integers as on AVX2 (Int16Activations: q = round(x * L / a), scale s = a / L), each
+// split into two signed bytes q = 256 h + l (h = floor((q + 128) / 256) in -127..127, l in
+// -128..127: L = 32639 keeps h a byte), so that vpdpbusd multiplies the weights' unsigned bytes
+// by each half; 256 dot(v, h) + dot(v, l) is the exact integer dot product per lane (below
+// 2^24: exact in fp32 as well). Per row and 128-input block, in the weights' byte order
+// (nibble_bytes): bytes 0-63 h of each group's inputs 0-15 (group g at 16 g), 64-127 h of inputs
+// 16-31, 128-255 l likewise; and 32 lanes: s of lane l's group (l / 4), then s * sum(q) / 4.
+struct SplitInt16Activations {
   int64_t blocks;
-  uint16_t* xb;  // [M][blocks][4][32]
-  float* sums;   // [M][blocks][16]
+  int8_t* bytes;  // [M][blocks][256]
+  float* lanes;   // [M][blocks][32]
 
   // In the calling thread's scratch memory, reused by its next call: a decode step makes a few
   // hundred calls, and fresh zero-filled vectors per call (allocation, fill, free) were ~4 % of
   // a SmolLM2 int4 step's main thread. Read by the call's workers while the caller waits.
-  NibblePlanes(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : blocks((Kp + 127) / 128) {
-    static const std::vector<int> source = [] {
-      std::vector<int> s(128);
-      for (int p = 0; p < 4; ++p)
-        for (int i = 0; i < 32; ++i) s[p * 32 + i] = (i / 8) * 32 + 2 * (i % 8) + (p & 1) * 16 + (p >> 1);
-      return s;
-    }();
-    thread_local std::vector<uint16_t> xb_scratch, row_scratch;
-    thread_local std::vector<float> sums_scratch;
-    xb = grown(xb_scratch, M * blocks * 128);
-    sums = grown(sums_scratch, M * blocks * 16);
-    std::fill(sums, sums + M * blocks * 16, 0.f);  // groups past K sum to zero
-    uint16_t* row = grown(row_scratch, blocks * 128);
-    std::fill(row + K, row + blocks * 128, uint16_t{0});  // inputs past K are zero (bf16 +0)
+  SplitInt16Activations(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : blocks((Kp + 127) / 128) {
+    thread_local std::vector<int8_t> bytes_scratch;
+    thread_local std::vector<float> lanes_scratch;
+    bytes = grown(bytes_scratch, M * blocks * 256);
+    lanes = grown(lanes_scratch, M * blocks * 32);
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * x_stride;
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
-        const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k));
-        _mm512_storeu_si512(row + k, words);
-        // The sum of the rounded inputs: the offsets below take back exactly what the bf16
-        // products added.
-        const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-        const __m512 c = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c)) * 0.25f;
-        float* lanes = sums + (r * blocks + k / 128) * 16 + (k % 128) / 32 * 4;
-        for (int l = 0; l < 4; ++l) lanes[l] = sum;
-      }
-      for (; k < K; k += 32) {  // a last partial group (K not a multiple of 32)
-        float sum = 0.f;
-        for (int64_t j = k; j < std::min(K, k + 32); ++j) {
-          row[j] = float_to_bf16_rne(xr[j]);
-          sum += bf16_to_float(row[j]);
+      for (int64_t g = 0; g < blocks * 4; ++g) {  // groups past K (a half block's C and D) are zeros
+        const int64_t k0 = g * kGroup, n = std::max<int64_t>(0, std::min(kGroup, K - k0));
+        const __m512 v0 = _mm512_maskz_loadu_ps(_cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1), xr + k0);
+        const __m512 v1 = _mm512_maskz_loadu_ps(_cvtu32_mask16(n <= 16 ? 0u : n >= 32 ? 0xFFFFu : (1u << (n - 16)) - 1),
+                                                xr + k0 + 16);
+        float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
+        // A non-finite input keeps a non-finite scale, so that the row's outputs are not finite
+        // either, as a float product would leave them (vmaxps alone may drop a NaN).
+        if (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q))
+          a = std::numeric_limits<float>::quiet_NaN();
+        const __m512 inv = _mm512_set1_ps(a > 0.f && std::isfinite(a) ? kActivationLevels / a : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        const __m512i bias = _mm512_set1_epi32(128);
+        const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, bias), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, bias), 8);
+        const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8)), l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8));
+        int8_t* dst = bytes + (r * blocks + g / 4) * 256 + (g % 4) * 16;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(h0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 64), _mm512_cvtepi32_epi8(h1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_cvtepi32_epi8(l0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 192), _mm512_cvtepi32_epi8(l1));
+        const float s = a / kActivationLevels;
+        const float offset = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))) * 0.25f;
+        float* lane = lanes + (r * blocks + g / 4) * 32 + (g % 4) * 4;
+        for (int l = 0; l < 4; ++l) {
+          lane[l] = s;
+          lane[16 + l] = offset;
         }
-        float* lanes = sums + (r * blocks + k / 128) * 16 + (k % 128) / 32 * 4;
-        for (int l = 0; l < 4; ++l) lanes[l] = sum * 0.25f;
       }
-      uint16_t* dst = xb + r * blocks * 128;
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int j = 0; j < 128; ++j) dst[b * 128 + j] = row[b * 128 + source[j]];
     }
   }
 };
 
-template <typename Format>
-inline __m512 block_term(const __m512i (&planes)[4], __m512 d, __m512 m, const uint16_t* x, const float* sums) {
-  __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)planes[0], (__m512bh)_mm512_loadu_si512(x));
-  t = _mm512_dpbf16_ps(t, (__m512bh)planes[1], (__m512bh)_mm512_loadu_si512(x + 32));
-  t = _mm512_dpbf16_ps(t, (__m512bh)planes[2], (__m512bh)_mm512_loadu_si512(x + 64));
-  t = _mm512_dpbf16_ps(t, (__m512bh)planes[3], (__m512bh)_mm512_loadu_si512(x + 96));
-  return _mm512_fmadd_ps(t, d, _mm512_mul_ps(m, _mm512_loadu_ps(sums)));
+// A block's contribution for one activation row, added to acc: per lane the exact integer dot
+// product of its 8 weights and inputs, times d s, plus the offset m s sum(q) / 4.
+inline __m512 block_term(__m512i low, __m512i high, __m512 d, __m512 m, const int8_t* x, const float* lanes,
+                         __m512 acc) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, _mm512_loadu_si512(x)), high,
+                                        _mm512_loadu_si512(x + 64));
+  const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, _mm512_loadu_si512(x + 128)), high,
+                                        _mm512_loadu_si512(x + 192));
+  const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l));
+  return _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_loadu_ps(lanes)),
+                         _mm512_fmadd_ps(m, _mm512_loadu_ps(lanes + 16), acc));
 }
 
 // One output row at a time (one weight stream: see kPrefetchBytes), MR activation rows sharing
-// each decoded block. Every output sums its blocks in the same order whatever MR.
+// each loaded block. Every output sums its blocks in the same order whatever MR.
 template <typename Format, int MR>
-void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t Kp, const NibblePlanes& act,
+void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t Kp, const SplitInt16Activations& act,
                         int64_t r0, float* out, int64_t out_stride, const float* bias) {
   const int64_t blocks = act.blocks, full_blocks = Kp / 128;
-  const uint16_t* x = act.xb + r0 * blocks * 128;
-  const float* sums = act.sums + r0 * blocks * 16;
+  const int8_t* x = act.bytes + r0 * blocks * 256;
+  const float* lanes = act.lanes + r0 * blocks * 32;
   for (int64_t n = n_begin; n < n_end; ++n) {
     // Even and odd blocks in two accumulators (two dependency chains), named rather than
     // indexed by b & 1, which would keep them in memory instead of registers.
@@ -352,13 +368,12 @@ void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t
     for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     const typename Format::Row w = f.row(n);
     auto block = [&](int64_t b, bool full, __m512 (&acc)[MR]) {
-      __m512i planes[4];
+      __m512i low, high;
       __m512 d, m;
       w.prefetch(b);
-      w.load(b, full, planes, d, m);
+      w.load(b, full, low, high, d, m);
       for (int r = 0; r < MR; ++r)
-        acc[r] = _mm512_add_ps(acc[r], block_term<Format>(planes, d, m, x + r * blocks * 128 + b * 128,
-                                                           sums + r * blocks * 16 + b * 16));
+        acc[r] = block_term(low, high, d, m, x + (r * blocks + b) * 256, lanes + (r * blocks + b) * 32, acc[r]);
     };
     // Block b into `even` or `odd` by its parity; only the last block may be half.
     int64_t b = 0;
@@ -376,8 +391,8 @@ void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t
 
 #ifdef KVSERVE_QUANT_AVX2
 // The activations of a nibble-format call for the AVX2 kernel, in 16-bit integers: per row and
-// group of 32 inputs, q = round(x * 32767 / a) with a the group's largest |x| and the scale
-// s = a / 32767, so that x = s * q within s / 2 (2^-16 of the group's largest input, where a
+// group of 32 inputs, q = round(x * L / a) with a the group's largest |x| and the scale
+// s = a / L (L = kActivationLevels), so that x = s * q within s / 2 (2^-16 of the group's largest input, where a
 // bf16 rounding is 2^-9 of each input). Integer products then need no conversion of the
 // weights to float: vpmaddwd sums pairs of 16-bit products into 32-bit lanes, exactly (a
 // group's sum stays below 2^25). Per 64-input chunk the kernel multiplies the weights'
@@ -387,7 +402,7 @@ struct Int16Activations {
   int16_t* q;      // [M][Kp], zero past K
   float* scales;   // [M][chunks][4]
 
-  // In the calling thread's scratch memory, as NibblePlanes.
+  // In the calling thread's scratch memory, as SplitInt16Activations.
   Int16Activations(const float* src, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : chunks(Kp / kChunk) {
     thread_local std::vector<int16_t> q_scratch;
     thread_local std::vector<float> scales_scratch;
@@ -412,7 +427,7 @@ struct Int16Activations {
         const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
         // A group of zeros (or past K) is all q = 0; a non-finite input keeps its scale, so that
         // the row's outputs are not finite either, as a float product would leave them.
-        const __m256 inv = _mm256_set1_ps(a > 0.f && std::isfinite(a) ? 32767.f / a : 0.f);
+        const __m256 inv = _mm256_set1_ps(a > 0.f && std::isfinite(a) ? kActivationLevels / a : 0.f);
         __m256i lanes[4], sum = _mm256_setzero_si256();
         for (int i = 0; i < 4; ++i) {
           lanes[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest, ties to even
@@ -425,7 +440,7 @@ struct Int16Activations {
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        const float s = a / 32767.f;
+        const float s = a / kActivationLevels;
         sr[(g / 2) * 4 + g % 2] = s;
         sr[(g / 2) * 4 + 2 + g % 2] = s * static_cast<float>(_mm_cvtsi128_si32(s4));
       }
@@ -603,7 +618,7 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
   const float* b = bias_ptr(bias, N);
 #ifdef KVSERVE_Q4_AVX512
   if (!g_portable) {
-    const NibblePlanes act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+    const SplitInt16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
     over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
       dispatch_rows<4>(rows, [&](auto mr) { nibble_rows_avx512<Format, decltype(mr)::value>(f, n0, n1, Kp, act, r0, o, o_stride, b); });
     });
@@ -649,7 +664,7 @@ std::string quant_kernel_isa() {
 }
 
 std::string nibble_activation_format() {
-#ifdef KVSERVE_QUANT_AVX2
+#if defined(KVSERVE_Q4_AVX512) || defined(KVSERVE_QUANT_AVX2)
   if (!g_portable) return "int16";
 #endif
   return "bf16";
