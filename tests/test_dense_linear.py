@@ -18,12 +18,37 @@ pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 13, 33, 97, 200)
 
 
-@pytest.fixture(params=[False, True], ids=["vector", "portable"])
+def _other_bf16_route(ext) -> str | None:
+    """The AVX512 bf16 route this CPU does not take by default, where the build has both."""
+    route = ext.bf16_kernel_route()
+    other = {"dot": "widened512", "widened512": "dot"}.get(route)
+    if other is None:
+        return None
+    try:
+        ext.set_bf16_kernel_route(other)  # the dot route needs AVX512-BF16
+    except RuntimeError:
+        return None
+    finally:
+        ext.set_bf16_kernel_route(route)
+    return other
+
+
+# "other route": on an AVX512-BF16 machine, the bf16 route this CPU does not take by default
+# (vdpbf16ps on Intel, the widened FMAs on AMD), so that both are checked on either.
+@pytest.fixture(params=["vector", "other route", "portable"])
 def portable(request):
     ext = ops.load_extension()
-    ext.set_portable_dense_kernels(request.param)
-    ext.set_portable_quant_kernels(request.param)
-    yield request.param
+    default_route = ext.bf16_kernel_route()
+    if request.param == "other route":
+        other = _other_bf16_route(ext)
+        if other is None:
+            pytest.skip("one bf16 route on this CPU")
+        ext.set_bf16_kernel_route(other)
+    is_portable = request.param == "portable"
+    ext.set_portable_dense_kernels(is_portable)
+    ext.set_portable_quant_kernels(is_portable)
+    yield is_portable
+    ext.set_bf16_kernel_route(default_route)
     ext.set_portable_dense_kernels(False)
     ext.set_portable_quant_kernels(False)
 

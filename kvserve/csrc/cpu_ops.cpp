@@ -1354,5 +1354,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_linear", &fp32_linear);
   m.def("gathered_rows_dot", &gathered_rows_dot);
   m.def("set_portable_dense_kernels", &set_portable_dense_kernels);
+  m.def("bf16_kernel_route", &bf16_kernel_route);
+  m.def("set_bf16_kernel_route", &set_bf16_kernel_route);
   register_fused_decoder(m);
 }

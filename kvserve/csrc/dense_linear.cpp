@@ -16,7 +16,11 @@
 //     ascending k, then the same horizontal sum (_mm512_reduce_add_ps) for every output.
 //
 // With AVX2 and FMA but no AVX512-BF16, the bf16 panels are widened to fp32 in registers
-// (bf16_panels_avx2). Without either, a portable loop computes each output in its own fixed
+// (bf16_panels_avx2). Intel's cores with AVX512-BF16 (Sapphire Rapids, Emerald Rapids) run
+// vdpbf16ps at a quarter of the rate of 16-lane FMAs (measured on a 2-core Xeon: 0.91 vs 0.22
+// ns per instruction, 12 independent chains), half their multiply-adds per second: there the
+// same widening runs in 16 lanes (bf16_panels_widened512, chosen at run time; the same bits as
+// the AVX2 route). Without either, a portable loop computes each output in its own fixed
 // order (not the same bits as the vector kernels, equally batch invariant).
 #include "dense_linear.h"
 #include "row_dispatch.h"
@@ -25,6 +29,7 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -48,6 +53,22 @@ constexpr int64_t kRowBlock = 96;  // activation rows kept in cache while a thre
 constexpr int64_t kSmallWork = 1 << 18;  // multiply-adds below which one thread does the whole call
 
 bool g_portable = false;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Whether bf16 weights are widened to fp32 for FMAs rather than multiplied with vdpbf16ps: on
+// Intel's cores (see above) and wherever the CPU has no AVX512-BF16. Fixed for the process,
+// so every call on a machine takes the same route (KVSERVE_BF16_ROUTE=dot|widened overrides).
+bool g_widen_bf16 = [] {
+  const char* route = std::getenv("KVSERVE_BF16_ROUTE");
+  if (route && std::strcmp(route, "dot") == 0) return false;
+  if (route && std::strcmp(route, "widened") == 0) return true;
+#if defined(__AVX512BF16__)
+  return __builtin_cpu_is("intel") != 0;
+#else
+  return true;
+#endif
+}();
+#endif
 
 inline uint32_t bf16_bits_rne(float f) {
   uint32_t bits;
@@ -202,12 +223,13 @@ void bf16_panels_avx512(const Bf16Call& c, int64_t M, int64_t pb, int64_t pe) {
 }
 #endif
 
-#ifdef KVSERVE_DENSE_AVX2
-// AVX2 has no bf16 dot product: each 32-bit word of a panel (one column's k pair) becomes two
-// fp32 weights in registers, the first by shifting it left 16 bits, the second by clearing its
-// low half, and each takes one FMA against its broadcast input, first then second: every
-// output is one accumulator over ascending k, whatever the tile shape (batch invariant). The
-// inputs are the bf16-rounded activations as fp32 (bf16_pairs' words, widened once per call).
+#if defined(KVSERVE_DENSE_AVX2) || defined(KVSERVE_DENSE_AVX512)
+// The widened routes (no bf16 dot product, or a slow one): each 32-bit word of a panel (one
+// column's k pair) becomes two fp32 weights in registers, the first by shifting it left 16
+// bits, the second by clearing its low half, and each takes one FMA against its broadcast
+// input, first then second: every output is one accumulator over ascending k, whatever the
+// tile shape (batch invariant), in 8 lanes or 16 alike. The inputs are the bf16-rounded
+// activations as fp32 (bf16_pairs' words, widened once per call).
 const float* widened_pairs(const uint32_t* pairs, int64_t M, int64_t Kh) {
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < M * Kh * 2) scratch.resize(M * Kh * 2);
@@ -218,7 +240,9 @@ const float* widened_pairs(const uint32_t* pairs, int64_t M, int64_t Kh) {
   }
   return xf;
 }
+#endif
 
+#ifdef KVSERVE_DENSE_AVX2
 // Writes 8 sums (columns col..col+7, those < N) of one output row, plus the bias: masked
 // stores, no array on the stack (through one, GCC kept a tile's accumulators in memory and
 // stored every one of them at every k of the loop).
@@ -376,6 +400,117 @@ void bf16_panels_avx2(const Bf16Call& c, const float* xf, int64_t M, int64_t pb,
 }
 #endif
 
+#ifdef KVSERVE_DENSE_AVX512
+// The widened route in 16 lanes (the AVX2 route's arithmetic, see widened_pairs).
+__attribute__((always_inline)) inline void store16(const Bf16Call& c, float* o, int64_t col, __m512 sum) {
+  if (col >= c.N) return;
+  const __mmask16 keep = col + 16 <= c.N ? 0xFFFF : static_cast<__mmask16>((1u << (c.N - col)) - 1);
+  if (c.bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(keep, c.bias + col));
+  _mm512_mask_storeu_ps(o + col, keep, sum);
+}
+
+// Few rows (decode): MR rows x NV vectors of 16 columns from col0 (a multiple of 16; the
+// vectors may run into the next panel), the weights widened as they are read.
+template <int MR, int NV>
+void widening_tile512(const Bf16Call& c, const float* xf, int64_t m0, int64_t col0) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint16_t* w[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = col0 + 16 * v;
+    w[v] = c.w + (col / kPanel) * c.Kh * 2 * kPanel + (col % kPanel) * 2;
+  }
+  const float* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = xf + (m0 + r) * c.Kh * 2;
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t kk = 0; kk < c.Kh; ++kk) {
+    for (int v = 0; v < NV; ++v) {
+      const __m512i words = _mm512_loadu_si512(w[v] + kk * 2 * kPanel);
+      const __m512 first = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+      const __m512 second = _mm512_castsi512_ps(_mm512_and_si512(words, high_half));
+      for (int r = 0; r < MR; ++r) {
+        acc[r][v] = _mm512_fmadd_ps(first, _mm512_set1_ps(x[r][2 * kk]), acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(second, _mm512_set1_ps(x[r][2 * kk + 1]), acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) store16(c, c.out + (m0 + r) * c.out_stride, col0 + 16 * v, acc[r][v]);
+}
+
+// Many rows (prefill): a panel widened once into fp32 [K2][32] (thread scratch) and MR rows x
+// its 32 columns at a time over it: 2 MR chains, weights and broadcasts from L1/L2.
+template <int MR>
+void widened_tile512(const Bf16Call& c, const float* panel, int64_t K2, const float* xf, int64_t m0, int64_t col0) {
+  __m512 acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const float* __restrict x = xf + m0 * K2;
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512 w0 = _mm512_load_ps(panel + k * kPanel), w1 = _mm512_load_ps(panel + k * kPanel + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * K2 + k]);
+      acc0[r] = _mm512_fmadd_ps(w0, xv, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(w1, xv, acc1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    store16(c, c.out + (m0 + r) * c.out_stride, col0, acc0[r]);
+    store16(c, c.out + (m0 + r) * c.out_stride, col0 + 16, acc1[r]);
+  }
+}
+
+constexpr int64_t kDirectRows512 = 4;
+constexpr int64_t kWidenedRows512 = 12;  // 24 accumulators, 2 weight vectors and a broadcast of the 32 registers
+void bf16_panels_widened512(const Bf16Call& c, const float* xf, int64_t M, int64_t pb, int64_t pe) {
+  const int64_t end = pe * kPanel;
+  if (M <= kDirectRows512) {
+    const int64_t cols = M == 1 ? 128 : M == 2 ? 64 : 32;
+    for (int64_t col = pb * kPanel; col < end; col += cols) {
+      const int64_t vectors = std::min(cols, end - col) / 16;  // whole panels: 2, 4, 6 or 8
+      if (M == 1) {
+        switch (vectors) {
+          case 8: widening_tile512<1, 8>(c, xf, 0, col); break;
+          case 6: widening_tile512<1, 6>(c, xf, 0, col); break;
+          case 4: widening_tile512<1, 4>(c, xf, 0, col); break;
+          default: widening_tile512<1, 2>(c, xf, 0, col); break;
+        }
+      } else if (M == 2) {
+        if (vectors == 4) widening_tile512<2, 4>(c, xf, 0, col);
+        else widening_tile512<2, 2>(c, xf, 0, col);
+      } else if (M == 3) {
+        widening_tile512<3, 2>(c, xf, 0, col);
+      } else {
+        widening_tile512<4, 2>(c, xf, 0, col);
+      }
+    }
+    return;
+  }
+  const int64_t K2 = c.Kh * 2;
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < K2 * kPanel + 16) scratch.resize(K2 * kPanel + 16);
+  float* const panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = pb; p < pe; ++p) {
+    const uint16_t* w = c.w + p * c.Kh * 2 * kPanel;
+    for (int64_t kk = 0; kk < c.Kh; ++kk) {
+      for (int v = 0; v < 2; ++v) {  // columns 16 v .. 16 v + 15
+        const __m512i words = _mm512_loadu_si512(w + kk * 2 * kPanel + 32 * v);
+        float* dst = panel + 2 * kk * kPanel + 16 * v;
+        _mm512_store_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)));
+        _mm512_store_ps(dst + kPanel, _mm512_castsi512_ps(_mm512_and_si512(words, high_half)));
+      }
+    }
+    const int64_t col = p * kPanel;
+    for (int64_t m = 0; m < M; m += kWidenedRows512) {
+      const int64_t rows = std::min(kWidenedRows512, M - m);
+      dispatch_rows<kWidenedRows512>(rows, [&](auto mr) { widened_tile512<decltype(mr)::value>(c, panel, K2, xf, m, col); });
+    }
+  }
+}
+#endif
+
 // The portable loop: per output, k pairs in ascending order, each pair's two products added
 // one after the other.
 void bf16_panels_portable(const Bf16Call& c, int64_t M, int64_t pb, int64_t pe) {
@@ -520,6 +655,29 @@ void fp32_block(const float* x, int64_t x_stride, const float* w, int64_t w_stri
 
 void set_portable_dense_kernels(bool portable) { g_portable = portable; }
 
+std::string bf16_kernel_route() {
+#if defined(KVSERVE_DENSE_AVX512) && !defined(KVSERVE_DENSE_AVX2)
+  return g_widen_bf16 ? "widened512" : "dot";
+#elif defined(KVSERVE_DENSE_AVX2)
+  return "widened256";
+#else
+  return "portable";
+#endif
+}
+
+void set_bf16_kernel_route(const std::string& route) {
+#if defined(KVSERVE_DENSE_AVX512) && !defined(KVSERVE_DENSE_AVX2)
+#if defined(KVSERVE_DENSE_BF16)
+  TORCH_CHECK(route == "dot" || route == "widened512", "bf16 route must be dot or widened512 here");
+#else
+  TORCH_CHECK(route == "widened512", "bf16 route must be widened512 here (no AVX512-BF16)");
+#endif
+  g_widen_bf16 = route == "widened512";
+#else
+  TORCH_CHECK(route == bf16_kernel_route(), "this build has only the ", bf16_kernel_route(), " bf16 route");
+#endif
+}
+
 void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
   RECORD_FUNCTION("kvserve::bf16_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
@@ -535,11 +693,19 @@ void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::
                       out.data_ptr<float>(), out.stride(0), optional_bias(bias, N)};
 #ifdef KVSERVE_DENSE_AVX2
   const float* xf = widened_pairs(pairs, M, Kh);  // the caller's scratch, read by every worker
+#elif defined(KVSERVE_DENSE_AVX512)
+  const float* xf = g_widen_bf16 ? widened_pairs(pairs, M, Kh) : nullptr;
 #endif
   over_column_ranges(P, std::min(P, threads_for(M * N * K)), [&](int64_t pb, int64_t pe) {
 #ifdef KVSERVE_DENSE_BF16
-    if (!g_portable) {
+    if (!g_portable && !g_widen_bf16) {
       bf16_panels_avx512(call, M, pb, pe);
+      return;
+    }
+#endif
+#if defined(KVSERVE_DENSE_AVX512) && !defined(KVSERVE_DENSE_AVX2)
+    if (!g_portable && g_widen_bf16) {
+      bf16_panels_widened512(call, xf, M, pb, pe);
       return;
     }
 #endif

@@ -2,6 +2,8 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
 // y = x @ W^T + bias with bf16 weights packed by kvserve.quant.pack_bf16_weight: wp int16
 // [Np / 32, Kp / 2, 32, 2] (Np = N rounded up to 32, Kp = K rounded up to 2, zero padding),
 // x fp32 [M, K] rounded to bf16, fp32 sums. Every output is reduced over K in one fixed order
@@ -20,3 +22,9 @@ torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor 
 
 // Tests: force the portable loops on a machine that has the AVX512 ones.
 void set_portable_dense_kernels(bool portable);
+
+// The bf16 kernel's route here: "dot" (vdpbf16ps), "widened512" (the weights widened to fp32 for
+// 16-lane FMAs: Intel's cores, where vdpbf16ps is slow), "widened256" (AVX2) or "portable".
+std::string bf16_kernel_route();
+// Tests: take the other AVX512 route ("dot" or "widened512") where the build has both.
+void set_bf16_kernel_route(const std::string& route);
