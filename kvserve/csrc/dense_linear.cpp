@@ -461,7 +461,38 @@ void widened_tile512(const Bf16Call& c, const float* panel, int64_t K2, const fl
   }
 }
 
+// Two panels (64 columns) at a time: MR rows x 4 vectors, 4 weight loads and MR broadcasts
+// per k for 4 MR FMAs (a single panel's tile needs 2 + MR loads for 2 MR).
+template <int MR>
+void widened_pair_tile512(const Bf16Call& c, const float* panels, int64_t K2, const float* xf, int64_t m0,
+                          int64_t col0) {
+  __m512 acc0[MR], acc1[MR], acc2[MR], acc3[MR];
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = acc2[r] = acc3[r] = _mm512_setzero_ps();
+  const float* __restrict x = xf + m0 * K2;
+  const float* __restrict second = panels + K2 * kPanel;
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512 w0 = _mm512_load_ps(panels + k * kPanel), w1 = _mm512_load_ps(panels + k * kPanel + 16);
+    const __m512 w2 = _mm512_load_ps(second + k * kPanel), w3 = _mm512_load_ps(second + k * kPanel + 16);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * K2 + k]);
+      acc0[r] = _mm512_fmadd_ps(w0, xv, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(w1, xv, acc1[r]);
+      acc2[r] = _mm512_fmadd_ps(w2, xv, acc2[r]);
+      acc3[r] = _mm512_fmadd_ps(w3, xv, acc3[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* o = c.out + (m0 + r) * c.out_stride;
+    store16(c, o, col0, acc0[r]);
+    store16(c, o, col0 + 16, acc1[r]);
+    store16(c, o, col0 + 32, acc2[r]);
+    store16(c, o, col0 + 48, acc3[r]);
+  }
+}
+
 constexpr int64_t kDirectRows512 = 4;
+constexpr int64_t kPairRows512 = 6;  // 24 accumulators
 constexpr int64_t kWidenedRows512 = 12;  // 24 accumulators, 2 weight vectors and a broadcast of the 32 registers
 void bf16_panels_widened512(const Bf16Call& c, const float* xf, int64_t M, int64_t pb, int64_t pe) {
   const int64_t end = pe * kPanel;
@@ -489,23 +520,34 @@ void bf16_panels_widened512(const Bf16Call& c, const float* xf, int64_t M, int64
   }
   const int64_t K2 = c.Kh * 2;
   thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < K2 * kPanel + 16) scratch.resize(K2 * kPanel + 16);
-  float* const panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  if (static_cast<int64_t>(scratch.size()) < 2 * K2 * kPanel + 16) scratch.resize(2 * K2 * kPanel + 16);
+  float* const panels = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t p = pb; p < pe; ++p) {
-    const uint16_t* w = c.w + p * c.Kh * 2 * kPanel;
-    for (int64_t kk = 0; kk < c.Kh; ++kk) {
-      for (int v = 0; v < 2; ++v) {  // columns 16 v .. 16 v + 15
-        const __m512i words = _mm512_loadu_si512(w + kk * 2 * kPanel + 32 * v);
-        float* dst = panel + 2 * kk * kPanel + 16 * v;
-        _mm512_store_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)));
-        _mm512_store_ps(dst + kPanel, _mm512_castsi512_ps(_mm512_and_si512(words, high_half)));
+  for (int64_t p = pb; p < pe; p += 2) {
+    const int64_t np = std::min<int64_t>(2, pe - p);
+    for (int64_t i = 0; i < np; ++i) {  // panel p + i into [K2][32] at panels + i K2 32
+      const uint16_t* w = c.w + (p + i) * c.Kh * 2 * kPanel;
+      float* panel = panels + i * K2 * kPanel;
+      for (int64_t kk = 0; kk < c.Kh; ++kk) {
+        for (int v = 0; v < 2; ++v) {  // columns 16 v .. 16 v + 15
+          const __m512i words = _mm512_loadu_si512(w + kk * 2 * kPanel + 32 * v);
+          float* dst = panel + 2 * kk * kPanel + 16 * v;
+          _mm512_store_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)));
+          _mm512_store_ps(dst + kPanel, _mm512_castsi512_ps(_mm512_and_si512(words, high_half)));
+        }
       }
     }
     const int64_t col = p * kPanel;
-    for (int64_t m = 0; m < M; m += kWidenedRows512) {
-      const int64_t rows = std::min(kWidenedRows512, M - m);
-      dispatch_rows<kWidenedRows512>(rows, [&](auto mr) { widened_tile512<decltype(mr)::value>(c, panel, K2, xf, m, col); });
+    if (np == 2) {
+      for (int64_t m = 0; m < M; m += kPairRows512) {
+        const int64_t rows = std::min(kPairRows512, M - m);
+        dispatch_rows<kPairRows512>(rows, [&](auto mr) { widened_pair_tile512<decltype(mr)::value>(c, panels, K2, xf, m, col); });
+      }
+    } else {
+      for (int64_t m = 0; m < M; m += kWidenedRows512) {
+        const int64_t rows = std::min(kWidenedRows512, M - m);
+        dispatch_rows<kWidenedRows512>(rows, [&](auto mr) { widened_tile512<decltype(mr)::value>(c, panels, K2, xf, m, col); });
+      }
     }
   }
 }
