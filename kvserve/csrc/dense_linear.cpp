@@ -54,19 +54,15 @@ constexpr int64_t kSmallWork = 1 << 18;  // multiply-adds below which one thread
 
 bool g_portable = false;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// Whether bf16 weights are widened to fp32 for FMAs rather than multiplied with vdpbf16ps: on
-// Intel's cores (see above) and wherever the CPU has no AVX512-BF16. Fixed for the process,
-// so every call on a machine takes the same route (KVSERVE_BF16_ROUTE=dot|widened overrides).
+#ifdef KVSERVE_DENSE_BF16
+// Whether bf16 weights are widened to fp32 for 16-lane FMAs rather than multiplied with
+// vdpbf16ps: on Intel's cores (see above). Fixed for the process, so every call on a machine
+// takes the same route (KVSERVE_BF16_ROUTE=dot|widened overrides).
 bool g_widen_bf16 = [] {
   const char* route = std::getenv("KVSERVE_BF16_ROUTE");
   if (route && std::strcmp(route, "dot") == 0) return false;
   if (route && std::strcmp(route, "widened") == 0) return true;
-#if defined(__AVX512BF16__)
   return __builtin_cpu_is("intel") != 0;
-#else
-  return true;
-#endif
 }();
 #endif
 
@@ -223,7 +219,7 @@ void bf16_panels_avx512(const Bf16Call& c, int64_t M, int64_t pb, int64_t pe) {
 }
 #endif
 
-#if defined(KVSERVE_DENSE_AVX2) || defined(KVSERVE_DENSE_AVX512)
+#if defined(KVSERVE_DENSE_AVX2) || defined(KVSERVE_DENSE_BF16)
 // The widened routes (no bf16 dot product, or a slow one): each 32-bit word of a panel (one
 // column's k pair) becomes two fp32 weights in registers, the first by shifting it left 16
 // bits, the second by clearing its low half, and each takes one FMA against its broadcast
@@ -400,7 +396,7 @@ void bf16_panels_avx2(const Bf16Call& c, const float* xf, int64_t M, int64_t pb,
 }
 #endif
 
-#ifdef KVSERVE_DENSE_AVX512
+#ifdef KVSERVE_DENSE_BF16
 // The widened route in 16 lanes (the AVX2 route's arithmetic, see widened_pairs).
 __attribute__((always_inline)) inline void store16(const Bf16Call& c, float* o, int64_t col, __m512 sum) {
   if (col >= c.N) return;
@@ -698,7 +694,7 @@ void fp32_block(const float* x, int64_t x_stride, const float* w, int64_t w_stri
 void set_portable_dense_kernels(bool portable) { g_portable = portable; }
 
 std::string bf16_kernel_route() {
-#if defined(KVSERVE_DENSE_AVX512) && !defined(KVSERVE_DENSE_AVX2)
+#if defined(KVSERVE_DENSE_BF16)
   return g_widen_bf16 ? "widened512" : "dot";
 #elif defined(KVSERVE_DENSE_AVX2)
   return "widened256";
@@ -708,12 +704,8 @@ std::string bf16_kernel_route() {
 }
 
 void set_bf16_kernel_route(const std::string& route) {
-#if defined(KVSERVE_DENSE_AVX512) && !defined(KVSERVE_DENSE_AVX2)
 #if defined(KVSERVE_DENSE_BF16)
   TORCH_CHECK(route == "dot" || route == "widened512", "bf16 route must be dot or widened512 here");
-#else
-  TORCH_CHECK(route == "widened512", "bf16 route must be widened512 here (no AVX512-BF16)");
-#endif
   g_widen_bf16 = route == "widened512";
 #else
   TORCH_CHECK(route == bf16_kernel_route(), "this build has only the ", bf16_kernel_route(), " bf16 route");
@@ -735,19 +727,14 @@ void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::
                       out.data_ptr<float>(), out.stride(0), optional_bias(bias, N)};
 #ifdef KVSERVE_DENSE_AVX2
   const float* xf = widened_pairs(pairs, M, Kh);  // the caller's scratch, read by every worker
-#elif defined(KVSERVE_DENSE_AVX512)
+#elif defined(KVSERVE_DENSE_BF16)
   const float* xf = g_widen_bf16 ? widened_pairs(pairs, M, Kh) : nullptr;
 #endif
   over_column_ranges(P, std::min(P, threads_for(M * N * K)), [&](int64_t pb, int64_t pe) {
 #ifdef KVSERVE_DENSE_BF16
-    if (!g_portable && !g_widen_bf16) {
-      bf16_panels_avx512(call, M, pb, pe);
-      return;
-    }
-#endif
-#if defined(KVSERVE_DENSE_AVX512) && !defined(KVSERVE_DENSE_AVX2)
-    if (!g_portable && g_widen_bf16) {
-      bf16_panels_widened512(call, xf, M, pb, pe);
+    if (!g_portable) {
+      if (g_widen_bf16) bf16_panels_widened512(call, xf, M, pb, pe);
+      else bf16_panels_avx512(call, M, pb, pe);
       return;
     }
 #endif

@@ -26,5 +26,5 @@ void set_portable_dense_kernels(bool portable);
 // The bf16 kernel's route here: "dot" (vdpbf16ps), "widened512" (the weights widened to fp32 for
 // 16-lane FMAs: Intel's cores, where vdpbf16ps is slow), "widened256" (AVX2) or "portable".
 std::string bf16_kernel_route();
-// Tests: take the other AVX512 route ("dot" or "widened512") where the build has both.
+// Tests: take the other AVX512-BF16 route ("dot" or "widened512"); elsewhere only the one route.
 void set_bf16_kernel_route(const std::string& route);
