@@ -192,13 +192,17 @@ struct Q4Format {
   struct Row {
     const uint8_t* q;
     const Scale* s;
-    // Block b (chunks 2b and 2b + 1; `full`: both exist): its values v as bytes, and per lane
-    // the group's scale d and offset m (w = d v + m).
-    void load(int64_t b, bool full, __m512i& low, __m512i& high, __m512& d, __m512& m) const {
-      nibble_bytes(q + b * 64, full, low, high);
-      const __m512 sc = load_scales(s + b * 8, full);  // dA dB mA mB dC dD mC mD
-      d = group_lanes(sc, 0, 1, 4, 5);
-      m = group_lanes(sc, 2, 3, 6, 7);
+    // Block b (chunks 2b and 2b + 1; `full`: both exist): its values v as bytes (w = d v + m).
+    void load(int64_t b, bool full, __m512i& low, __m512i& high) const { nibble_bytes(q + b * 64, full, low, high); }
+    // Superblock sb's scales d and offsets m in its group sums' lanes (superblock_lane_order):
+    // chunk c holds (d, d', m, m') of groups 2c and 2c + 1; `groups` (even) of its 16 exist.
+    void superblock_scales(int64_t sb, int64_t groups, __m512& d, __m512& m) const {
+      __m512 first, second;  // the superblock's values 0-15 (chunks 0-3) and 16-31 (chunks 4-7)
+      load_scales(s + sb * 32, 2 * groups, first, second);
+      // Lane 4g + i (group g of block i) <- value (2i + g / 2) * 4 + g % 2 (d), that + 2 (m).
+      const __m512i d_index = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 4, 12, 20, 28, 5, 13, 21, 29);
+      d = _mm512_permutex2var_ps(first, d_index, second);
+      m = _mm512_permutex2var_ps(first, _mm512_add_epi32(d_index, _mm512_set1_epi32(2)), second);
     }
     // The weights kPrefetchBytes further on in the stream (rows follow each other), and their scales.
     void prefetch(int64_t b) const {
@@ -207,19 +211,23 @@ struct Q4Format {
     }
   };
   Row row(int64_t n) const { return {qs + n * chunks * 32, dm + n * chunks * 4}; }
-  static __m512 load_scales(const Scale* p, bool full);
+  // The first n (a multiple of 4, <= 32) of 32 scales as two 16-lane vectors, zeros past n.
+  static void load_scales(const Scale* p, int64_t n, __m512& first, __m512& second);
 #endif
 };
 
 #ifdef KVSERVE_Q4_AVX512
 template <>
-inline __m512 Q4Format<uint16_t>::load_scales(const uint16_t* p, bool full) {
-  const __m128i h = full ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi16(0x0F, p);
-  return _mm512_castps256_ps512(_mm256_cvtph_ps(h));
+inline void Q4Format<uint16_t>::load_scales(const uint16_t* p, int64_t n, __m512& first, __m512& second) {
+  const __m512i h = n == 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(_cvtu32_mask32((1u << n) - 1), p);
+  first = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  second = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 template <>
-inline __m512 Q4Format<float>::load_scales(const float* p, bool full) {
-  return _mm512_castps256_ps512(full ? _mm256_loadu_ps(p) : _mm256_maskz_loadu_ps(0x0F, p));
+inline void Q4Format<float>::load_scales(const float* p, int64_t n, __m512& first, __m512& second) {
+  const uint32_t present = n == 32 ? 0xFFFFFFFFu : (1u << n) - 1;
+  first = _mm512_maskz_loadu_ps(_cvtu32_mask16(present & 0xFFFF), p);
+  second = _mm512_maskz_loadu_ps(_cvtu32_mask16(present >> 16), p + 16);
 }
 #endif
 
@@ -257,7 +265,7 @@ struct Q5Format {
     // name. Mask p bit i belongs to word i's nibble p: the low nibble of byte 2i (p = 0), its high
     // nibble (1), the low (2) and high (3) nibbles of byte 2i + 1, so the low bytes' mask
     // interleaves masks 0 and 2 (pdep), the high bytes' masks 1 and 3. w = d (v - 16).
-    void load(int64_t b, bool full, __m512i& low, __m512i& high, __m512& dv, __m512& mv) const {
+    void load(int64_t b, bool full, __m512i& low, __m512i& high) const {
       nibble_bytes(q + b * 64, full, low, high);
       constexpr uint64_t kEven = 0x5555555555555555ull, kOdd = 0xAAAAAAAAAAAAAAAAull;
       const uint32_t* mk = h + b * 4;
@@ -267,9 +275,11 @@ struct Q5Format {
                                  low, sixteen);
       high = _mm512_mask_add_epi8(high, _cvtu64_mask64((_pdep_u64(mk[1], kEven) | _pdep_u64(mk[3], kOdd)) & present),
                                   high, sixteen);
-      const uint16_t* s = d + b * 4;
-      const __m128i h4 = full ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)) : _mm_maskz_loadu_epi16(0x03, s);
-      dv = group_lanes(_mm512_castps128_ps512(_mm_cvtph_ps(h4)), 0, 1, 2, 3);
+    }
+    // As Q4_1's: the superblock's 16 scales d (4 per block: value 4i + g to lane 4g + i) and m = -16 d.
+    void superblock_scales(int64_t sb, int64_t groups, __m512& dv, __m512& mv) const {
+      const __m256i h16 = _mm256_maskz_loadu_epi16(_cvtu32_mask16(groups == 16 ? 0xFFFFu : (1u << groups) - 1), d + sb * 16);
+      dv = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), _mm512_cvtph_ps(h16));
       mv = _mm512_mul_ps(_mm512_set1_ps(-16.f), dv);
     }
     void prefetch(int64_t b) const {
@@ -283,27 +293,35 @@ struct Q5Format {
 };
 
 #ifdef KVSERVE_Q4_AVX512
+// The AVX512 kernel sums a row's products per group as integers and scales them 16 groups at a
+// time: a superblock of 4 blocks (512 weights), whose block dot products (lane l: group l / 4 of
+// the block) fold into one vector of group sums, lane 4g + i = group g of block i.
+constexpr int64_t kSuperblockBlocks = 4;
+
 // The activations of a nibble-format call for the AVX512 kernel: per group of 32 inputs the same
 // 16-bit integers as on AVX2 (Int16Activations: q = round(x * L / a), scale s = a / L), each
 // split into two signed bytes q = 256 h + l (h = floor((q + 128) / 256) in -127..127, l in
 // -128..127: L = 32639 keeps h a byte), so that vpdpbusd multiplies the weights' unsigned bytes
-// by each half; 256 dot(v, h) + dot(v, l) is the exact integer dot product per lane (below
-// 2^24: exact in fp32 as well). Per row and 128-input block, in the weights' byte order
-// (nibble_bytes): bytes 0-63 h of each group's inputs 0-15 (group g at 16 g), 64-127 h of inputs
-// 16-31, 128-255 l likewise; and 32 lanes: s of lane l's group (l / 4), then s * sum(q) / 4.
+// by each half; 256 dot(v, h) + dot(v, l) is the exact integer dot product. Per row and
+// 128-input block, in the weights' byte order (nibble_bytes): bytes 0-63 h of each group's
+// inputs 0-15 (group g at 16 g), 64-127 h of inputs 16-31, 128-255 l likewise. Per row and
+// superblock, 32 lanes in its group sums' order (lane 4g + i: group g of block i; zeros for
+// groups past K): the scale s, then s * sum(q).
 struct SplitInt16Activations {
-  int64_t blocks;
+  int64_t blocks, superblocks;
   int8_t* bytes;  // [M][blocks][256]
-  float* lanes;   // [M][blocks][32]
+  float* lanes;   // [M][superblocks][32]
 
   // In the calling thread's scratch memory, reused by its next call: a decode step makes a few
   // hundred calls, and fresh zero-filled vectors per call (allocation, fill, free) were ~4 % of
   // a SmolLM2 int4 step's main thread. Read by the call's workers while the caller waits.
-  SplitInt16Activations(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : blocks((Kp + 127) / 128) {
+  SplitInt16Activations(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp)
+      : blocks((Kp + 127) / 128), superblocks((blocks + kSuperblockBlocks - 1) / kSuperblockBlocks) {
     thread_local std::vector<int8_t> bytes_scratch;
     thread_local std::vector<float> lanes_scratch;
     bytes = grown(bytes_scratch, M * blocks * 256);
-    lanes = grown(lanes_scratch, M * blocks * 32);
+    lanes = grown(lanes_scratch, M * superblocks * 32);
+    std::fill(lanes, lanes + M * superblocks * 32, 0.f);
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * x_stride;
@@ -328,63 +346,82 @@ struct SplitInt16Activations {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_cvtepi32_epi8(l0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 192), _mm512_cvtepi32_epi8(l1));
         const float s = a / kActivationLevels;
-        const float offset = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))) * 0.25f;
-        float* lane = lanes + (r * blocks + g / 4) * 32 + (g % 4) * 4;
-        for (int l = 0; l < 4; ++l) {
-          lane[l] = s;
-          lane[16 + l] = offset;
-        }
+        const int64_t block = g / 4, lane = 4 * (g % 4) + block % kSuperblockBlocks;
+        float* sb_lanes = lanes + (r * superblocks + block / kSuperblockBlocks) * 32;
+        sb_lanes[lane] = s;
+        sb_lanes[16 + lane] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
       }
     }
   }
 };
 
-// A block's contribution for one activation row, added to acc: per lane the exact integer dot
-// product of its 8 weights and inputs, times d s, plus the offset m s sum(q) / 4.
-inline __m512 block_term(__m512i low, __m512i high, __m512 d, __m512 m, const int8_t* x, const float* lanes,
-                         __m512 acc) {
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, _mm512_loadu_si512(x)), high,
+// A block's exact integer dot products for one activation row, per lane (its 8 weights and
+// inputs; lane l: group l / 4): 256 dot(v, h) + dot(v, l), the l products accumulated onto the
+// shifted h sum (below 2^31: 8 products of at most 31 * 32639).
+inline __m512i block_dot(__m512i low, __m512i high, const int8_t* x) {
+  const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(x)), high,
                                         _mm512_loadu_si512(x + 64));
-  const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, _mm512_loadu_si512(x + 128)), high,
-                                        _mm512_loadu_si512(x + 192));
-  const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l));
-  return _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_loadu_ps(lanes)),
-                         _mm512_fmadd_ps(m, _mm512_loadu_ps(lanes + 16), acc));
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), low, _mm512_loadu_si512(x + 128)), high,
+                             _mm512_loadu_si512(x + 192));
+}
+
+// Two blocks' dot products a, b folded pairwise within each group's 4 lanes: per 128-bit lane
+// (a0 + a2, b0 + b2, a1 + a3, b1 + b3).
+inline __m512i fold_pair(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+
+// Four blocks' group sums from fold_pair(0, 1) and fold_pair(2, 3): lane 4g + i = group g of
+// block i (the superblock lane order).
+inline __m512i group_sums(__m512i blocks01, __m512i blocks23) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(blocks01, blocks23), _mm512_unpackhi_epi64(blocks01, blocks23));
 }
 
 // One output row at a time (one weight stream: see kPrefetchBytes), MR activation rows sharing
-// each loaded block. Every output sums its blocks in the same order whatever MR.
+// each loaded block. Per superblock and activation row, the 16 group sums (at most
+// 32 * 31 * 32639 < 2^25: exact in fp32 but for Q5_0's largest, rounded to 2^-24) scaled by
+// d s and offset by m s sum(q) in one fp32 accumulator. Every output sums its superblocks in
+// the same order whatever MR.
 template <typename Format, int MR>
 void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t Kp, const SplitInt16Activations& act,
                         int64_t r0, float* out, int64_t out_stride, const float* bias) {
-  const int64_t blocks = act.blocks, full_blocks = Kp / 128;
+  const int64_t blocks = act.blocks, full_blocks = Kp / 128, groups = Kp / kGroup;
   const int8_t* x = act.bytes + r0 * blocks * 256;
-  const float* lanes = act.lanes + r0 * blocks * 32;
+  const float* lanes = act.lanes + r0 * act.superblocks * 32;
   for (int64_t n = n_begin; n < n_end; ++n) {
-    // Even and odd blocks in two accumulators (two dependency chains), named rather than
-    // indexed by b & 1, which would keep them in memory instead of registers.
-    __m512 even[MR], odd[MR];
-    for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     const typename Format::Row w = f.row(n);
-    auto block = [&](int64_t b, bool full, __m512 (&acc)[MR]) {
+    // Block b's dot products for every row into dot[r], or zeros past the row's last block.
+    auto block = [&](int64_t b, __m512i (&dot)[MR]) {
+      if (b >= blocks) {
+        for (int r = 0; r < MR; ++r) dot[r] = _mm512_setzero_si512();
+        return;
+      }
       __m512i low, high;
-      __m512 d, m;
       w.prefetch(b);
-      w.load(b, full, low, high, d, m);
-      for (int r = 0; r < MR; ++r)
-        acc[r] = block_term(low, high, d, m, x + (r * blocks + b) * 256, lanes + (r * blocks + b) * 32, acc[r]);
+      w.load(b, b < full_blocks, low, high);
+      for (int r = 0; r < MR; ++r) dot[r] = block_dot(low, high, x + (r * blocks + b) * 256);
     };
-    // Block b into `even` or `odd` by its parity; only the last block may be half.
-    int64_t b = 0;
-    for (; b + 1 < full_blocks; b += 2) {
-      block(b, true, even);
-      block(b + 1, true, odd);
+    for (int64_t sb = 0; sb * kSuperblockBlocks < blocks; ++sb) {
+      const int64_t b0 = sb * kSuperblockBlocks;
+      __m512i first[MR], second[MR], pairs01[MR];
+      block(b0, first);
+      block(b0 + 1, second);
+      for (int r = 0; r < MR; ++r) pairs01[r] = fold_pair(first[r], second[r]);
+      block(b0 + 2, first);
+      block(b0 + 3, second);
+      __m512 d, m;
+      w.superblock_scales(sb, std::min<int64_t>(16, groups - b0 * 4), d, m);
+      for (int r = 0; r < MR; ++r) {
+        const float* sb_lanes = lanes + (r * act.superblocks + sb) * 32;
+        const __m512 sums = _mm512_cvtepi32_ps(group_sums(pairs01[r], fold_pair(first[r], second[r])));
+        acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_loadu_ps(sb_lanes)),
+                                 _mm512_fmadd_ps(m, _mm512_loadu_ps(sb_lanes + 16), acc[r]));
+      }
     }
-    if (b < blocks) block(b, b < full_blocks, even);
-    if (b + 1 < blocks) block(b + 1, false, odd);  // b + 1 == full_blocks: the half block
     for (int r = 0; r < MR; ++r)
-      out[(r0 + r) * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + (bias ? bias[n] : 0.f);
+      out[(r0 + r) * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[n] : 0.f);
   }
 }
 #endif
