@@ -160,11 +160,6 @@ inline void nibble_bytes(const uint8_t* q, bool full, __m512i& low, __m512i& hig
   low = _mm512_and_si512(w, nibble);
   high = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
 }
-
-// Lane l of the result: scale[group_index[l / 4]], for the four groups of a block.
-inline __m512 group_lanes(__m512 scales, int a, int b, int c, int d) {
-  return _mm512_permutexvar_ps(_mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a), scales);
-}
 #endif
 
 template <typename Scale>
@@ -194,8 +189,8 @@ struct Q4Format {
     const Scale* s;
     // Block b (chunks 2b and 2b + 1; `full`: both exist): its values v as bytes (w = d v + m).
     void load(int64_t b, bool full, __m512i& low, __m512i& high) const { nibble_bytes(q + b * 64, full, low, high); }
-    // Superblock sb's scales d and offsets m in its group sums' lanes (superblock_lane_order):
-    // chunk c holds (d, d', m, m') of groups 2c and 2c + 1; `groups` (even) of its 16 exist.
+    // Superblock sb's scales d and offsets m in its group sums' lanes (lane 4g + i: group g of
+    // block i; see kSuperblockBlocks). Chunk c holds (d, d', m, m') of groups 2c and 2c + 1; `groups` (even) of its 16 exist.
     void superblock_scales(int64_t sb, int64_t groups, __m512& d, __m512& m) const {
       __m512 first, second;  // the superblock's values 0-15 (chunks 0-3) and 16-31 (chunks 4-7)
       load_scales(s + sb * 32, 2 * groups, first, second);
