@@ -243,6 +243,72 @@ def _fp32_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if bias is None else bias.detach().float().contiguous()
 
 
+NIBBLE_TILE_ROWS = 16  # csrc/quant_linear.cpp's kTileRows
+
+
+def tiled_nibble_kernels() -> bool:
+    """Whether this machine's nibble kernel (Q4_1, Q4_K, Q5_0) reads the tiled layout
+    (``tile_nibbles``): the AVX512 route does; the AVX2 kernel and the portable loop read rows."""
+    return ops.nibble_kernel_isa() == "avx512"
+
+
+def tile_nibbles(values: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor],
+                 fp32_scales: bool = False) -> torch.Tensor:
+    """Nibble-format weights in the AVX512 kernel's tiled layout (csrc/quant_linear.cpp): uint8
+    ``[ceil(N / 16), groups, 320 | 384 | 352]``. Per tile of 16 output rows and group of 32
+    inputs: 256 bytes of nibbles (byte ``64 i + 4 r + c``: row r's value ``4 i + c`` in its low
+    nibble, ``16 + 4 i + c`` in its high one), then for Q4 (``m`` given) the rows' ``d`` and ``m``
+    (fp16, or fp32 with ``fp32_scales``), for Q5_0 (``m`` None, values ``q + 16`` in 0..31) 8
+    masks of the fifth bits (uint64, bit ``4 r + c`` of mask ``4 half + i``) then ``d`` (fp16).
+
+    ``values`` ``[N, groups * 32]`` integers, ``d`` and ``m`` ``[N, groups]``; rows past N are zeros.
+    The same bytes per weight as the row layout; the same nibbles as the LM-head screen's tiles."""
+    n, k = values.shape
+    groups, tiles, rows = k // INT4_GROUP_SIZE, -(-n // NIBBLE_TILE_ROWS), NIBBLE_TILE_ROWS
+    v = torch.zeros(tiles * rows, k, dtype=torch.int32)
+    v[:n] = values.to(torch.int32)
+    v = v.view(tiles, rows, groups, 2, 4, 4)  # (tile, row, group, half, i, c): value 16 half + 4 i + c
+    low = v & 15
+    nibbles = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+    parts = [nibbles.to(torch.uint8)]
+    if m is None:
+        bits = ((v >> 4) & 1).permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, 64, 8)  # (mask byte, bit)
+        parts.append((bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8))
+
+    def per_row(scale: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(tiles * rows, groups)
+        padded[:n] = scale.float()
+        padded = padded.view(tiles, rows, groups).permute(0, 2, 1)
+        return padded.to(torch.float32 if fp32_scales else torch.float16).contiguous().view(torch.uint8)
+
+    parts += [per_row(d)] + ([] if m is None else [per_row(m)])
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def untile_nibbles(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``tile_nibbles``' inverse: (values int32 ``[N, groups * 32]``, d, m fp32 ``[N, groups]``;
+    m None for Q5_0)."""
+    tiles, groups, group_bytes = packed.shape
+    rows, q5 = NIBBLE_TILE_ROWS, group_bytes == 352
+    nib = packed[:, :, :256].reshape(tiles, groups, 4, rows, 4).to(torch.int32)  # (tile, group, i, row, c)
+    v = torch.stack([nib & 15, nib >> 4], dim=2)  # (tile, group, half, i, row, c)
+    offset = 256
+    if q5:
+        masks = packed[:, :, 256:320].to(torch.int32).reshape(tiles, groups, 64, 1)
+        bits = (masks >> torch.arange(8, dtype=torch.int32)) & 1
+        v = v | (bits.reshape(tiles, groups, 2, 4, rows, 4) << 4)
+        offset = 320
+    values = v.permute(0, 4, 1, 2, 3, 5).reshape(tiles * rows, groups * INT4_GROUP_SIZE)[:n]
+    scale_dtype = torch.float32 if group_bytes == 384 else torch.float16
+    width = rows * torch.finfo(scale_dtype).bits // 8
+
+    def per_row(start: int) -> torch.Tensor:
+        scale = packed[:, :, start:start + width].contiguous().view(scale_dtype).float()  # (tile, group, row)
+        return scale.permute(0, 2, 1).reshape(tiles * rows, groups)[:n]
+
+    return values, per_row(offset), None if q5 else per_row(offset + width)
+
+
 class Int4Linear(DecodeFormatLinear):
     """4-bit weights: per group of 32 input weights ``w = d * q + m``, ``q`` in 0..15, in GGUF
     Q4_1's byte layout: Q4_1 as stored (``d``, ``m`` fp16: 20 bytes per 32 weights), Q4_K with
@@ -256,35 +322,55 @@ class Int4Linear(DecodeFormatLinear):
     vpmaddwd), which needs no conversion of the weights to float (2x faster than bf16 products
     on both). The portable loops round the activations to bf16 instead: ``bf16(x) @ w.T``.
 
-    Buffers: ``qs`` uint8 ``[N, Kp / 2]`` (``Kp`` = K rounded up to 64 with zero groups; per
-    group 16 bytes: weight j in the low nibble of byte j, j + 16 in its high nibble); ``dm``
-    ``[N, Kp / 64, 4]`` = (d, d', m, m') of a chunk's two groups, as fp16 bits (int16) or fp32.
+    Buffers, where the AVX512 kernel runs: ``packed`` (``tile_nibbles``: 16 output rows per
+    32-bit lane group, so that no row needs a horizontal sum). Elsewhere the row layout: ``qs``
+    uint8 ``[N, Kp / 2]`` (``Kp`` = K rounded up to 64 with zero groups; per group 16 bytes:
+    weight j in the low nibble of byte j, j + 16 in its high nibble); ``dm`` ``[N, Kp / 64, 4]``
+    = (d, d', m, m') of a chunk's two groups, as fp16 bits (int16) or fp32.
     """
 
     def __init__(self, qs: torch.Tensor, dm: torch.Tensor, in_features: int, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
         self.out_features, self.in_features = qs.shape[0], in_features
-        self.register_buffer("qs", qs.contiguous())
-        self.register_buffer("dm", dm.contiguous())
+        self.fp32_scales = dm.dtype == torch.float32
         self.register_buffer("bias", _fp32_bias(bias))
+        tiled = tiled_nibble_kernels()  # the same weights, in the AVX512 kernel's layout only
+        self.register_buffer("packed", tile_nibbles(self._row_values(qs).view(qs.shape[0], -1),
+                                                    *self._row_scales(qs, dm), self.fp32_scales) if tiled else None)
+        self.register_buffer("qs", None if tiled else qs.contiguous())
+        self.register_buffer("dm", None if tiled else dm.contiguous())
+
+    @staticmethod
+    def _row_scales(qs: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, kp = qs.shape[0], qs.shape[1] * 2
+        dm = (dm.view(torch.float16) if dm.dtype == torch.int16 else dm).float().view(n, kp // 64, 2, 2)
+        return dm[:, :, 0].reshape(n, kp // 32), dm[:, :, 1].reshape(n, kp // 32)
+
+    @staticmethod
+    def _row_values(qs: torch.Tensor) -> torch.Tensor:
+        n, kp = qs.shape[0], qs.shape[1] * 2
+        groups = qs.view(n, kp // 32, 16)
+        return torch.cat([groups & 15, groups >> 4], dim=-1)  # weights 0-15, then 16-31
 
     def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(d, m) as fp32 ``[N, Kp / 32]``."""
-        n, kp = self.qs.shape[0], self.qs.shape[1] * 2
-        dm = (self.dm.view(torch.float16) if self.dm.dtype == torch.int16 else self.dm).float()
-        dm = dm.view(n, kp // 64, 2, 2)
-        return dm[:, :, 0].reshape(n, kp // 32), dm[:, :, 1].reshape(n, kp // 32)
+        if self.packed is not None:
+            _, d, m = untile_nibbles(self.packed, self.out_features)
+            return d, m
+        return self._row_scales(self.qs, self.dm)
 
     def _values(self) -> torch.Tensor:
-        n, kp = self.qs.shape[0], self.qs.shape[1] * 2
-        groups = self.qs.view(n, kp // 32, 16)
-        return torch.cat([groups & 15, groups >> 4], dim=-1).float()  # weights 0-15, then 16-31
+        """q as fp32 ``[N, Kp / 32, 32]``."""
+        if self.packed is not None:
+            values = untile_nibbles(self.packed, self.out_features)[0]
+            return values.view(self.out_features, -1, INT4_GROUP_SIZE).float()
+        return self._row_values(self.qs).float()
 
     def dequantized(self) -> torch.Tensor:
         """The weights ``d * q + m`` as fp32 ``[N, K]`` (computed afresh: not kept)."""
-        n, kp = self.qs.shape[0], self.qs.shape[1] * 2
         d, m = self._scales()
-        return (self._values() * d[..., None] + m[..., None]).view(n, kp)[:, :self.in_features]
+        values = self._values()
+        return (values * d[..., None] + m[..., None]).view(self.out_features, -1)[:, :self.in_features]
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: Optional[torch.Tensor],
@@ -319,31 +405,49 @@ class Int4Linear(DecodeFormatLinear):
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Every row through the 4-bit blocks."""
+        if self.packed is not None:
+            return _block_quantized_forward(
+                self, x, lambda ext, rows: ext.tiled_nibble_linear(rows, self.packed, self.out_features, self.bias))
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q4_linear(rows, self.qs, self.dm, self.bias))
 
 
 class Q5Linear(DecodeFormatLinear):
-    """GGUF Q5_0 weights as stored (22 bytes per 32): ``w = d * (q - 16)``, ``q`` in 0..31, its
-    low 4 bits in Q4_1's nibble layout, the fifth bits (a 32-bit word per group in the file)
-    regrouped per 128 weights as the kernel reads them (``block_formats.q5_plane_masks``); ``d``
-    fp16. The kernel is the 4-bit one's with the fifth bit added to each value: bf16 products of
-    the bf16-rounded activations, fp32 sums."""
+    """GGUF Q5_0 weights as stored (22 bytes per 32): ``w = d * (q - 16)``, ``q`` in 0..31, ``d``
+    fp16. The kernel is the 4-bit one's with the fifth bit added to each value. Where the AVX512
+    kernel runs, ``packed`` (``tile_nibbles``, the fifth bits as one mask per 64 bytes of
+    nibbles); elsewhere the low 4 bits in Q4_1's nibble layout and the fifth bits (a 32-bit word
+    per group in the file) regrouped per 128 weights (``block_formats.q5_plane_masks``)."""
 
     def __init__(self, blocks: block_formats.Q5Blocks, in_features: int, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
         self.out_features, self.in_features = blocks.qs.shape[0], in_features
+        self.register_buffer("bias", _fp32_bias(bias))
+        if tiled_nibble_kernels():  # the AVX512 kernel's layout only: v = q + 16 in 0..31
+            values = torch.from_numpy(block_formats.q5_codes(blocks) + 16).view(self.out_features, -1)
+            d = torch.from_numpy(blocks.d.view(np.float16).astype(np.float32))
+            self.register_buffer("packed", tile_nibbles(values, d, None))
+            for name in ("qs", "qh", "d"):
+                self.register_buffer(name, None)
+            return
+        self.register_buffer("packed", None)
         self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(blocks.qs)))
-        # The fifth bits regrouped for the kernel's 128-weight blocks (same bits, other order).
+        # The fifth bits regrouped per 128 weights, as the portable loop reads them (same bits, other order).
         self.register_buffer("qh", torch.from_numpy(np.ascontiguousarray(block_formats.q5_plane_masks(blocks.qh))))
         self.register_buffer("d", torch.from_numpy(np.ascontiguousarray(blocks.d)))
-        self.register_buffer("bias", _fp32_bias(bias))
 
     def dequantized(self) -> torch.Tensor:
+        if self.packed is not None:
+            values, d, _ = untile_nibbles(self.packed, self.out_features)
+            w = (values.view(self.out_features, -1, INT4_GROUP_SIZE) - 16).float() * d[..., None]
+            return w.view(self.out_features, -1)[:, :self.in_features]
         qh = block_formats.q5_fifth_bits(self.qh.numpy(), self.d.shape[1])
         blocks = block_formats.Q5Blocks(self.qs.numpy(), qh, self.d.numpy())
         return torch.from_numpy(block_formats.q5_values(blocks, self.in_features))
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return _block_quantized_forward(
+                self, x, lambda ext, rows: ext.tiled_nibble_linear(rows, self.packed, self.out_features, self.bias))
         return _block_quantized_forward(
             self, x, lambda ext, rows: ext.q5_linear(rows, self.qs, self.qh, self.d, self.bias))
 
@@ -646,13 +750,15 @@ def has_prefill_copies(model: nn.Module) -> bool:
 
 # The buffers each format streams per token, in the order a step reads them. (oneDNN's
 # pre-packed bf16 weights are opaque tensors that cannot be placed.)
-_STREAMED_BUFFERS = {Int4Linear: ("qs", "dm"), Q5Linear: ("qs", "qh", "d"), Q8Linear: ("qs", "d")}
+# (None where the layer holds the other layout.)
+_STREAMED_BUFFERS = {Int4Linear: ("packed", "qs", "dm"), Q5Linear: ("packed", "qs", "qh", "d"), Q8Linear: ("qs", "d")}
 
 
 def _weights_to_huge_pages(model: nn.Module) -> None:
     """Move the block-quantized weights, in module (= reading) order, into one huge-page
     buffer (see ops.copy_to_huge_pages)."""
-    slots = [(module, name) for module in model.modules() for name in _STREAMED_BUFFERS.get(type(module), ())]
+    slots = [(module, name) for module in model.modules() for name in _STREAMED_BUFFERS.get(type(module), ())
+             if getattr(module, name) is not None]
     copies = ops.copy_to_huge_pages([getattr(module, name) for module, name in slots])
     for (module, name), copy in zip(slots, copies):
         setattr(module, name, copy)

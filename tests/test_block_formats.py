@@ -10,7 +10,8 @@ from gguf.quants import dequantize
 
 from kvserve import block_formats, ops
 from kvserve.loader.gguf import QuantizedTensor
-from kvserve.quant import DecodeFormatLinear, Int4Linear, Q5Linear, Q8Linear, SegmentedLinear, gguf_linear
+from kvserve.quant import (DecodeFormatLinear, Int4Linear, Q5Linear, Q8Linear, SegmentedLinear, gguf_linear,
+                           tile_nibbles, untile_nibbles)
 
 BLOCK = {T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
 
@@ -145,8 +146,41 @@ def test_same_type_parts_merge_into_one_layer():
     k = 512
     parts = [QuantizedTensor(T.Q4_K, random_blocks(T.Q4_K, 32, k, s), (32, k)) for s in range(2)]
     layer = gguf_linear(parts, None)
-    assert isinstance(layer, Int4Linear) and layer.dm.dtype == torch.float32
+    assert isinstance(layer, Int4Linear) and layer.fp32_scales
     assert layer.out_features == 64
+
+
+@pytest.mark.parametrize("quant_type,k", [(T.Q4_1, 576), (T.Q4_K, 512), (T.Q5_0, 640)])
+def test_tiled_layout_puts_each_weight_where_the_avx512_kernel_reads_it(quant_type, k):
+    """tile_nibbles (the AVX512 kernel's layout): row r's value 4 i + c of group g in the low
+    nibble of byte 64 i + 4 r % 16 + c of tile r // 16's group g, value 16 + 4 i + c in its
+    high nibble; Q5_0's fifth bits at bit 4 (r % 16) + c of mask i (low) or 4 + i (high); then
+    the rows' scales. untile_nibbles gives back the same values and scales."""
+    n = 37  # the last tile holds 5 rows and 11 of zeros
+    blocks = block_formats.unpack(quant_type.name, random_blocks(quant_type, n, k), (n, k))
+    if isinstance(blocks, block_formats.Q5Blocks):
+        values = torch.from_numpy(block_formats.q5_codes(blocks) + 16).view(n, -1)
+        d, m, fp32 = torch.from_numpy(blocks.d.view(np.float16).astype(np.float32)), None, False
+    else:
+        values, fp32 = torch.from_numpy(blocks.q.astype(np.int32)), blocks.fp32_scales
+        d, m = torch.from_numpy(blocks.d), torch.from_numpy(blocks.m)
+    packed = tile_nibbles(values, d, m, fp32)
+    group_bytes = {T.Q4_1: 320, T.Q4_K: 384, T.Q5_0: 352}[quant_type]
+    assert packed.shape == (3, k // 32, group_bytes) and packed.dtype == torch.uint8
+    rng = np.random.default_rng(0)
+    for r, g, i, c in zip(rng.integers(0, n, 50), rng.integers(0, k // 32, 50), rng.integers(0, 4, 50),
+                          rng.integers(0, 4, 50)):
+        byte = int(packed[r // 16, g, 64 * i + 4 * (r % 16) + c])
+        low, high = int(values[r, 32 * g + 4 * i + c]), int(values[r, 32 * g + 16 + 4 * i + c])
+        assert (byte & 15, byte >> 4) == (low & 15, high & 15)
+        if quant_type == T.Q5_0:
+            masks = packed[r // 16, g, 256:320].numpy().view("<u8")
+            bit = int(4 * (r % 16) + c)
+            assert (int(masks[i]) >> bit & 1, int(masks[4 + i]) >> bit & 1) == (low >> 4, high >> 4)
+    assert not packed[2].reshape(k // 32, -1)[:, :256].reshape(-1, 4, 16, 4)[:, :, 5:].any()  # rows past N
+    back, d_back, m_back = untile_nibbles(packed, n)
+    assert torch.equal(back, values.int())
+    assert torch.equal(d_back, d.float()) and (m_back is None if m is None else torch.equal(m_back, m.float()))
 
 
 def test_types_without_a_kernel_are_refused():

@@ -1344,6 +1344,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask);
   m.def("q4_linear", &q4_linear);
   m.def("q5_linear", &q5_linear);
+  m.def("tiled_nibble_linear", &tiled_nibble_linear);
   m.def("q8_linear", &q8_linear);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
   m.def("quant_kernel_isa", &quant_kernel_isa);

@@ -46,9 +46,9 @@ std::pair<int64_t, int64_t> row_run(const torch::Tensor& rows) {
 
 // One linear layer, as kvserve.quant / torch store it (see kvserve/models/fused.py).
 struct Linear {
-  enum class Kind { kQ4, kQ5, kQ8, kBf16, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
+  enum class Kind { kQ4, kQ5, kTiles, kQ8, kBf16, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
   Kind kind = Kind::kDense;
-  // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); Q8: qs, d; int8: weight, scales; bf16: packed;
+  // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); tiles: packed (out_features given); Q8: qs, d; int8: weight, scales; bf16: packed;
   // fp32 / oneDNN / dense: weight
   torch::Tensor weight, scales, extra;
   // kSegments (kvserve.quant.SegmentedLinear): consecutive output rows in their own formats.
@@ -85,6 +85,7 @@ struct Linear {
     switch (kind) {
       case Kind::kQ4: q4_linear_out(out, x, weight, scales, bias); return;
       case Kind::kQ5: q5_linear_out(out, x, weight, extra, scales, bias); return;
+      case Kind::kTiles: tiled_nibble_linear_out(out, x, weight, bias); return;  // Int4Linear / Q5Linear on AVX512
       case Kind::kQ8: q8_linear_out(out, x, weight, scales, bias); return;
       case Kind::kBf16: bf16_linear_out(out, x, weight, bias); return;  // kvserve.quant.Bf16Linear, packed for kvserve's kernel
       case Kind::kFp32: fp32_linear_out(out, x, weight, bias); return;  // kvserve.quant.Fp32Linear
@@ -103,7 +104,7 @@ struct Linear {
  private:
   // The kinds whose kernels write into a given output; the others return a tensor of their own.
   bool writes_in_place() const {
-    return kind == Kind::kQ4 || kind == Kind::kQ5 || kind == Kind::kQ8 || kind == Kind::kBf16 ||
+    return kind == Kind::kQ4 || kind == Kind::kQ5 || kind == Kind::kTiles || kind == Kind::kQ8 || kind == Kind::kBf16 ||
            kind == Kind::kFp32 || kind == Kind::kSegments;
   }
 
@@ -145,6 +146,7 @@ Linear make_linear(const pybind11::tuple& spec) {
     for (const auto& part : spec[7].cast<pybind11::list>()) linear.segments.push_back(make_linear(part.cast<pybind11::tuple>()));
   if (kind == "q4") linear.kind = Linear::Kind::kQ4;
   else if (kind == "q5") linear.kind = Linear::Kind::kQ5;
+  else if (kind == "tiles") linear.kind = Linear::Kind::kTiles;
   else if (kind == "segments") linear.kind = Linear::Kind::kSegments;
   else if (kind == "bf16") linear.kind = Linear::Kind::kBf16;
   else if (kind == "fp32") linear.kind = Linear::Kind::kFp32;

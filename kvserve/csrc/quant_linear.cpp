@@ -67,6 +67,10 @@ constexpr int64_t kInputRowBlock = 4;  // input rows sharing one decode of the w
 // row per pass for the same reason: in a test kernel two rows' interleaved streams (faster
 // from cache) read 8.4 GB/s from DRAM with the same prefetch where one row read 12.8.
 constexpr int64_t kPrefetchBytes = 2048;
+// The tiled AVX512 kernel reads its one stream per thread ~2x faster than the row kernels did,
+// and fetches further ahead: 8 KiB took 13-25 % off a SmolLM2 step's 120 calls on one thread of
+// a 2-core Xeon (weights from memory; 1-3 % on two), 16 and 32 KiB no more.
+constexpr int64_t kTilePrefetchBytes = 8192;
 // The nibble formats' activations as integers, per group of 32 inputs: q = round(x * L / a),
 // a the group's largest |x|, on AVX2 and AVX512 alike. L = 127 * 256 + 127 rather than 32767,
 // so that on AVX512 q splits into two signed bytes (see SplitInt16Activations).
@@ -147,21 +151,6 @@ struct Q4Activations {
   }
 };
 
-// The nibble formats (Q4_1, Q4_K loaded as Q4_1 with fp32 scales, Q5_0). The portable loop reads
-// them per 64-weight chunk with Q4Activations; the AVX512 kernel per 128-weight block (4 groups
-// A-D, 64 bytes of GGUF's nibbles, the last block of a row possibly half of one) as two vectors
-// of unsigned bytes without a shuffle: `low` the low nibbles (each group's weights 0-15, byte
-// 16 g + j of the block holding weight j of group g), `high` the high nibbles (weights 16-31),
-// so that vpdpbusd's lane l (4 adjacent bytes) holds products of group l / 4 only.
-#ifdef KVSERVE_Q4_AVX512
-inline void nibble_bytes(const uint8_t* q, bool full, __m512i& low, __m512i& high) {
-  const __m512i w = full ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q);
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  low = _mm512_and_si512(w, nibble);
-  high = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-}
-#endif
-
 template <typename Scale>
 struct Q4Format {
   static constexpr bool kOffset = true;
@@ -181,50 +170,7 @@ struct Q4Format {
 #ifdef KVSERVE_QUANT_AVX2
   void avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4], __m128& scales) const;
 #endif
-#ifdef KVSERVE_Q4_AVX512
-  // Output row n's weights, read block by block (the kernel's inner loop: pointers, so that it
-  // does no index arithmetic per block).
-  struct Row {
-    const uint8_t* q;
-    const Scale* s;
-    // Block b (chunks 2b and 2b + 1; `full`: both exist): its values v as bytes (w = d v + m).
-    void load(int64_t b, bool full, __m512i& low, __m512i& high) const { nibble_bytes(q + b * 64, full, low, high); }
-    // Superblock sb's scales d and offsets m in its group sums' lanes (lane 4g + i: group g of
-    // block i; see kSuperblockBlocks). Chunk c holds (d, d', m, m') of groups 2c and 2c + 1; `groups` (even) of its 16 exist.
-    void superblock_scales(int64_t sb, int64_t groups, __m512& d, __m512& m) const {
-      __m512 first, second;  // the superblock's values 0-15 (chunks 0-3) and 16-31 (chunks 4-7)
-      load_scales(s + sb * 32, 2 * groups, first, second);
-      // Lane 4g + i (group g of block i) <- value (2i + g / 2) * 4 + g % 2 (d), that + 2 (m).
-      const __m512i d_index = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 4, 12, 20, 28, 5, 13, 21, 29);
-      d = _mm512_permutex2var_ps(first, d_index, second);
-      m = _mm512_permutex2var_ps(first, _mm512_add_epi32(d_index, _mm512_set1_epi32(2)), second);
-    }
-    // The weights kPrefetchBytes further on in the stream (rows follow each other), and their scales.
-    void prefetch(int64_t b) const {
-      _mm_prefetch(reinterpret_cast<const char*>(q + b * 64) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(s + b * 8) + kPrefetchBytes * sizeof(Scale) / 8, _MM_HINT_T0);
-    }
-  };
-  Row row(int64_t n) const { return {qs + n * chunks * 32, dm + n * chunks * 4}; }
-  // The first n (a multiple of 4, <= 32) of 32 scales as two 16-lane vectors, zeros past n.
-  static void load_scales(const Scale* p, int64_t n, __m512& first, __m512& second);
-#endif
 };
-
-#ifdef KVSERVE_Q4_AVX512
-template <>
-inline void Q4Format<uint16_t>::load_scales(const uint16_t* p, int64_t n, __m512& first, __m512& second) {
-  const __m512i h = n == 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(_cvtu32_mask32((1u << n) - 1), p);
-  first = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-  second = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-}
-template <>
-inline void Q4Format<float>::load_scales(const float* p, int64_t n, __m512& first, __m512& second) {
-  const uint32_t present = n == 32 ? 0xFFFFFFFFu : (1u << n) - 1;
-  first = _mm512_maskz_loadu_ps(_cvtu32_mask16(present & 0xFFFF), p);
-  second = _mm512_maskz_loadu_ps(_cvtu32_mask16(present >> 16), p + 16);
-}
-#endif
 
 struct Q5Format {
   static constexpr bool kOffset = false;
@@ -251,76 +197,127 @@ struct Q5Format {
     return {static_cast<int>((byte & 15) | (fifth_bit(n, g, j) << 4)) - 16,
             static_cast<int>((byte >> 4) | (fifth_bit(n, g, j + 16) << 4)) - 16};
   }
+};
+
+// The tiled nibble layout, which the AVX512 kernel reads (kvserve.quant.tile_nibbles writes it).
+// Per tile of 16 output rows and group of 32 inputs: 256 bytes of nibbles, byte 64 i + 4 r + c
+// holding row r's weight 4 i + c in its low nibble and weight 16 + 4 i + c in its high nibble,
+// so that each 32-bit lane of a 64-byte vector is one output row (llama.cpp's repacked layouts
+// and kvserve's LM-head screen do the same): one vpdpbusd adds four products to each of 16 rows
+// against one broadcast word of activations, the rows' scales are a plain vector load, and no
+// row needs a horizontal sum, nor a row's last half-filled block of a wider unit (K = 576 is 18
+// groups). Then per format:
+//   Q4 (Q4_1, or Q4_K with fp32 scales): the 16 rows' d, then their m (fp16: 320 bytes a tile
+//     group, as the row layout's 20 per 32 weights; fp32: 384);
+//   Q5_0: 8 masks of the fifth bits (uint64; mask i < 4: bit 4 r + c is the fifth bit of the low
+//     nibble of byte 64 i + 4 r + c, mask 4 + i of its high nibble), then the rows' d (fp16: 352).
+// Rows past N (the last tile's) and groups past K are zeros.
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileNibbleBytes = 256;
+
+// Row r's byte of tile-group p holding weight j (low nibble) and j + 16 (high nibble), j < 16.
+inline uint8_t tile_byte(const uint8_t* p, int64_t r, int j) { return p[64 * (j / 4) + 4 * r + j % 4]; }
+
+template <typename Scale>
+struct Q4Tiles {
+  static constexpr bool kOffset = true;
+  static constexpr int64_t kGroupBytes = kTileNibbleBytes + 2 * kTileRows * sizeof(Scale);
+  const uint8_t* packed;
+  int64_t groups, chunks;  // chunks: the portable loop's 64-input units (groups / 2)
+
+  const uint8_t* group(int64_t tile, int64_t g) const { return packed + (tile * groups + g) * kGroupBytes; }
+  const Scale* scales(int64_t n, int64_t g) const {
+    return reinterpret_cast<const Scale*>(group(n / kTileRows, g) + kTileNibbleBytes);
+  }
+  float portable_scale(int64_t n, int64_t c, int half) const { return scale_value(scales(n, 2 * c + half)[n % kTileRows]); }
+  float portable_offset(int64_t n, int64_t c, int half) const {
+    return scale_value(scales(n, 2 * c + half)[kTileRows + n % kTileRows]);
+  }
+  std::pair<int, int> portable_values(int64_t n, int64_t c, int half, int j) const {
+    const uint8_t byte = tile_byte(group(n / kTileRows, 2 * c + half), n % kTileRows, j);
+    return {byte & 15, byte >> 4};
+  }
 #ifdef KVSERVE_Q4_AVX512
-  struct Row {
-    const uint8_t* q;
-    const uint32_t* h;  // 4 masks per block
-    const uint16_t* d;  // 4 scales per block
-    // As Q4_1's, with v = q + 16 in 0..31: the fifth bits are 16 added to the bytes their masks
-    // name. Mask p bit i belongs to word i's nibble p: the low nibble of byte 2i (p = 0), its high
-    // nibble (1), the low (2) and high (3) nibbles of byte 2i + 1, so the low bytes' mask
-    // interleaves masks 0 and 2 (pdep), the high bytes' masks 1 and 3. w = d (v - 16).
-    void load(int64_t b, bool full, __m512i& low, __m512i& high) const {
-      nibble_bytes(q + b * 64, full, low, high);
-      constexpr uint64_t kEven = 0x5555555555555555ull, kOdd = 0xAAAAAAAAAAAAAAAAull;
-      const uint32_t* mk = h + b * 4;
-      const uint64_t present = full ? ~0ull : 0xFFFFFFFFull;
-      const __m512i sixteen = _mm512_set1_epi8(16);
-      low = _mm512_mask_add_epi8(low, _cvtu64_mask64((_pdep_u64(mk[0], kEven) | _pdep_u64(mk[2], kOdd)) & present),
-                                 low, sixteen);
-      high = _mm512_mask_add_epi8(high, _cvtu64_mask64((_pdep_u64(mk[1], kEven) | _pdep_u64(mk[3], kOdd)) & present),
-                                  high, sixteen);
+  // A tile-group's values (w = d v + m) and its rows' d and m.
+  static void values(const uint8_t*, __m512i (&)[4], __m512i (&)[4]) {}
+  static void scales(const uint8_t* p, __m512& d, __m512& m);
+#endif
+};
+
+struct Q5Tiles {
+  static constexpr bool kOffset = false;
+  static constexpr int64_t kGroupBytes = kTileNibbleBytes + 64 + kTileRows * 2;
+  const uint8_t* packed;
+  int64_t groups, chunks;
+
+  const uint8_t* group(int64_t tile, int64_t g) const { return packed + (tile * groups + g) * kGroupBytes; }
+  float portable_scale(int64_t n, int64_t c, int half) const {
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(group(n / kTileRows, 2 * c + half) + kTileNibbleBytes + 64);
+    return half_to_float(d[n % kTileRows]);
+  }
+  float portable_offset(int64_t, int64_t, int) const { return 0.f; }
+  std::pair<int, int> portable_values(int64_t n, int64_t c, int half, int j) const {
+    const uint8_t* p = group(n / kTileRows, 2 * c + half);
+    const int64_t r = n % kTileRows;
+    uint64_t low_mask, high_mask;
+    std::memcpy(&low_mask, p + kTileNibbleBytes + 8 * (j / 4), 8);
+    std::memcpy(&high_mask, p + kTileNibbleBytes + 8 * (4 + j / 4), 8);
+    const int bit = 4 * r + j % 4, byte = tile_byte(p, r, j);
+    return {static_cast<int>((byte & 15) | ((low_mask >> bit) & 1) << 4) - 16,
+            static_cast<int>((byte >> 4) | ((high_mask >> bit) & 1) << 4) - 16};
+  }
+#ifdef KVSERVE_Q4_AVX512
+  // v = q + 16 in 0..31 (w = d (v - 16)): the fifth bits add 16 to the bytes their masks name.
+  static void values(const uint8_t* p, __m512i (&low)[4], __m512i (&high)[4]) {
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    const uint64_t* masks = reinterpret_cast<const uint64_t*>(p + kTileNibbleBytes);
+    for (int i = 0; i < 4; ++i) {
+      low[i] = _mm512_mask_add_epi8(low[i], _cvtu64_mask64(masks[i]), low[i], sixteen);
+      high[i] = _mm512_mask_add_epi8(high[i], _cvtu64_mask64(masks[4 + i]), high[i], sixteen);
     }
-    // As Q4_1's: the superblock's 16 scales d (4 per block: value 4i + g to lane 4g + i) and m = -16 d.
-    void superblock_scales(int64_t sb, int64_t groups, __m512& dv, __m512& mv) const {
-      const __m256i h16 = _mm256_maskz_loadu_epi16(_cvtu32_mask16(groups == 16 ? 0xFFFFu : (1u << groups) - 1), d + sb * 16);
-      dv = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), _mm512_cvtph_ps(h16));
-      mv = _mm512_mul_ps(_mm512_set1_ps(-16.f), dv);
-    }
-    void prefetch(int64_t b) const {
-      _mm_prefetch(reinterpret_cast<const char*>(q + b * 64) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(h + b * 4) + kPrefetchBytes / 4, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(d + b * 4) + kPrefetchBytes / 8, _MM_HINT_T0);
-    }
-  };
-  Row row(int64_t n) const { return {qs + n * chunks * 32, qh + n * ((chunks + 1) / 2) * 4, d + n * chunks * 2}; }
+  }
+  static void scales(const uint8_t* p, __m512& d, __m512& m) {
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kTileNibbleBytes + 64)));
+    m = _mm512_mul_ps(_mm512_set1_ps(-16.f), d);
+  }
 #endif
 };
 
 #ifdef KVSERVE_Q4_AVX512
-// The AVX512 kernel sums a row's products per group as integers and scales them 16 groups at a
-// time: a superblock of 4 blocks (512 weights), whose block dot products (lane l: group l / 4 of
-// the block) fold into one vector of group sums, lane 4g + i = group g of block i.
-constexpr int64_t kSuperblockBlocks = 4;
+template <>
+inline void Q4Tiles<uint16_t>::scales(const uint8_t* p, __m512& d, __m512& m) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kTileNibbleBytes)));
+  m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kTileNibbleBytes + 32)));
+}
+template <>
+inline void Q4Tiles<float>::scales(const uint8_t* p, __m512& d, __m512& m) {
+  d = _mm512_loadu_ps(p + kTileNibbleBytes);
+  m = _mm512_loadu_ps(p + kTileNibbleBytes + 64);
+}
 
 // The activations of a nibble-format call for the AVX512 kernel: per group of 32 inputs the same
 // 16-bit integers as on AVX2 (Int16Activations: q = round(x * L / a), scale s = a / L), each
 // split into two signed bytes q = 256 h + l (h = floor((q + 128) / 256) in -127..127, l in
 // -128..127: L = 32639 keeps h a byte), so that vpdpbusd multiplies the weights' unsigned bytes
-// by each half; 256 dot(v, h) + dot(v, l) is the exact integer dot product. Per row and
-// 128-input block, in the weights' byte order (nibble_bytes): bytes 0-63 h of each group's
-// inputs 0-15 (group g at 16 g), 64-127 h of inputs 16-31, 128-255 l likewise. Per row and
-// superblock, 32 lanes in its group sums' order (lane 4g + i: group g of block i; zeros for
-// groups past K): the scale s, then s * sum(q).
+// by each half; 256 dot(v, h) + dot(v, l) is the exact integer dot product. Per row and group:
+// 64 bytes, h of the 32 inputs in order then l, and two floats, s and s * sum(q).
 struct SplitInt16Activations {
-  int64_t blocks, superblocks;
-  int8_t* bytes;  // [M][blocks][256]
-  float* lanes;   // [M][superblocks][32]
+  int64_t groups;
+  int8_t* bytes;   // [M][groups][64]
+  float* scales;   // [M][groups][2]
 
   // In the calling thread's scratch memory, reused by its next call: a decode step makes a few
-  // hundred calls, and fresh zero-filled vectors per call (allocation, fill, free) were ~4 % of
-  // a SmolLM2 int4 step's main thread. Read by the call's workers while the caller waits.
-  SplitInt16Activations(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp)
-      : blocks((Kp + 127) / 128), superblocks((blocks + kSuperblockBlocks - 1) / kSuperblockBlocks) {
+  // hundred calls, and fresh vectors per call (allocation, fill, free) were ~4 % of a SmolLM2
+  // int4 step's main thread. Read by the call's workers while the caller waits.
+  SplitInt16Activations(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : groups(Kp / kGroup) {
     thread_local std::vector<int8_t> bytes_scratch;
-    thread_local std::vector<float> lanes_scratch;
-    bytes = grown(bytes_scratch, M * blocks * 256);
-    lanes = grown(lanes_scratch, M * superblocks * 32);
-    std::fill(lanes, lanes + M * superblocks * 32, 0.f);
+    thread_local std::vector<float> scales_scratch;
+    bytes = grown(bytes_scratch, M * groups * 64);
+    scales = grown(scales_scratch, M * groups * 2);
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * x_stride;
-      for (int64_t g = 0; g < blocks * 4; ++g) {  // groups past K (a half block's C and D) are zeros
+      for (int64_t g = 0; g < groups; ++g) {  // groups past K are zeros
         const int64_t k0 = g * kGroup, n = std::max<int64_t>(0, std::min(kGroup, K - k0));
         const __m512 v0 = _mm512_maskz_loadu_ps(_cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1), xr + k0);
         const __m512 v1 = _mm512_maskz_loadu_ps(_cvtu32_mask16(n <= 16 ? 0u : n >= 32 ? 0xFFFFu : (1u << (n - 16)) - 1),
@@ -335,88 +332,76 @@ struct SplitInt16Activations {
         const __m512i bias = _mm512_set1_epi32(128);
         const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, bias), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, bias), 8);
         const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8)), l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8));
-        int8_t* dst = bytes + (r * blocks + g / 4) * 256 + (g % 4) * 16;
+        int8_t* dst = bytes + (r * groups + g) * 64;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(h0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 64), _mm512_cvtepi32_epi8(h1));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_cvtepi32_epi8(l0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 192), _mm512_cvtepi32_epi8(l1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(h1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm512_cvtepi32_epi8(l0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtepi32_epi8(l1));
         const float s = a / kActivationLevels;
-        const int64_t block = g / 4, lane = 4 * (g % 4) + block % kSuperblockBlocks;
-        float* sb_lanes = lanes + (r * superblocks + block / kSuperblockBlocks) * 32;
-        sb_lanes[lane] = s;
-        sb_lanes[16 + lane] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+        scales[(r * groups + g) * 2] = s;
+        scales[(r * groups + g) * 2 + 1] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
       }
     }
   }
 };
 
-// A block's exact integer dot products for one activation row, per lane (its 8 weights and
-// inputs; lane l: group l / 4): 256 dot(v, h) + dot(v, l), the l products accumulated onto the
-// shifted h sum (below 2^31: 8 products of at most 31 * 32639).
-inline __m512i block_dot(__m512i low, __m512i high, const int8_t* x) {
-  const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(x)), high,
-                                        _mm512_loadu_si512(x + 64));
-  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), low, _mm512_loadu_si512(x + 128)), high,
-                             _mm512_loadu_si512(x + 192));
+// Word i (inputs 4 i .. 4 i + 3) of 32 activation bytes, in every lane.
+inline __m512i broadcast_word(const int8_t* bytes, int i) {
+  int32_t word;
+  std::memcpy(&word, bytes + 4 * i, sizeof(word));
+  return _mm512_set1_epi32(word);
 }
 
-// Two blocks' dot products a, b folded pairwise within each group's 4 lanes: per 128-bit lane
-// (a0 + a2, b0 + b2, a1 + a3, b1 + b3).
-inline __m512i fold_pair(__m512i a, __m512i b) {
-  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-}
-
-// Four blocks' group sums from fold_pair(0, 1) and fold_pair(2, 3): lane 4g + i = group g of
-// block i (the superblock lane order).
-inline __m512i group_sums(__m512i blocks01, __m512i blocks23) {
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(blocks01, blocks23), _mm512_unpackhi_epi64(blocks01, blocks23));
-}
-
-// One output row at a time (one weight stream: see kPrefetchBytes), MR activation rows sharing
-// each loaded block. Per superblock and activation row, the 16 group sums (at most
-// 32 * 31 * 32639 < 2^25: exact in fp32 but for Q5_0's largest, rounded to 2^-24) scaled by
-// d s and offset by m s sum(q) in one fp32 accumulator. Every output sums its superblocks in
-// the same order whatever MR.
-template <typename Format, int MR>
-void nibble_rows_avx512(const Format& f, int64_t n_begin, int64_t n_end, int64_t Kp, const SplitInt16Activations& act,
-                        int64_t r0, float* out, int64_t out_stride, const float* bias) {
-  const int64_t blocks = act.blocks, full_blocks = Kp / 128, groups = Kp / kGroup;
-  const int8_t* x = act.bytes + r0 * blocks * 256;
-  const float* lanes = act.lanes + r0 * act.superblocks * 32;
-  for (int64_t n = n_begin; n < n_end; ++n) {
+// Tiles [t0, t1) of N output rows for MR activation rows from r0. Per tile-group and activation
+// row, each of the 16 lanes (output rows) gets its group's exact integer dot product
+// 256 dot(v, h) + dot(v, l) (at most 32 * 31 * 32639 < 2^25: exact in fp32 but for Q5_0's
+// largest, rounded to 2^-24), then acc += m * s sum(q) and acc += dot * (d s), in group order:
+// every output the same operations whatever MR and wherever its tile falls in the call.
+template <typename Tiles, int MR>
+void nibble_tiles_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N, const SplitInt16Activations& act,
+                         int64_t r0, float* out, int64_t out_stride, const float* bias) {
+  const int64_t groups = act.groups;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-    const typename Format::Row w = f.row(n);
-    // Block b's dot products for every row into dot[r], or zeros past the row's last block.
-    auto block = [&](int64_t b, __m512i (&dot)[MR]) {
-      if (b >= blocks) {
-        for (int r = 0; r < MR; ++r) dot[r] = _mm512_setzero_si512();
-        return;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = w.group(t, g);
+      for (int64_t line = 0; line < Tiles::kGroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kTilePrefetchBytes + line, _MM_HINT_T0);
+      __m512i low[4], high[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * i);
+        low[i] = _mm512_and_si512(v, nibble);
+        high[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
-      __m512i low, high;
-      w.prefetch(b);
-      w.load(b, b < full_blocks, low, high);
-      for (int r = 0; r < MR; ++r) dot[r] = block_dot(low, high, x + (r * blocks + b) * 256);
-    };
-    for (int64_t sb = 0; sb * kSuperblockBlocks < blocks; ++sb) {
-      const int64_t b0 = sb * kSuperblockBlocks;
-      __m512i first[MR], second[MR], pairs01[MR];
-      block(b0, first);
-      block(b0 + 1, second);
-      for (int r = 0; r < MR; ++r) pairs01[r] = fold_pair(first[r], second[r]);
-      block(b0 + 2, first);
-      block(b0 + 3, second);
+      Tiles::values(p, low, high);
       __m512 d, m;
-      w.superblock_scales(sb, std::min<int64_t>(16, groups - b0 * 4), d, m);
+      Tiles::scales(p, d, m);
       for (int r = 0; r < MR; ++r) {
-        const float* sb_lanes = lanes + (r * act.superblocks + sb) * 32;
-        const __m512 sums = _mm512_cvtepi32_ps(group_sums(pairs01[r], fold_pair(first[r], second[r])));
-        acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_loadu_ps(sb_lanes)),
-                                 _mm512_fmadd_ps(m, _mm512_loadu_ps(sb_lanes + 16), acc[r]));
+        const int64_t ag = (r0 + r) * groups + g;
+        const int8_t* x = act.bytes + ag * 64;
+        // Four independent chains of four (h and l, each with the low and the high nibbles):
+        // one chain of 16 would leave each group's sum ~80 cycles of latency behind (-35 % time
+        // at K = 576 with four). Integer sums: the order does not change the result.
+        __m512i hl = _mm512_setzero_si512(), hh = hl, ll = hl, lh = hl;
+        for (int i = 0; i < 4; ++i) {
+          hl = _mm512_dpbusd_epi32(hl, low[i], broadcast_word(x, i));
+          hh = _mm512_dpbusd_epi32(hh, high[i], broadcast_word(x, 4 + i));
+          ll = _mm512_dpbusd_epi32(ll, low[i], broadcast_word(x, 8 + i));
+          lh = _mm512_dpbusd_epi32(lh, high[i], broadcast_word(x, 12 + i));
+        }
+        const __m512i dot =
+            _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(hl, hh), 8), _mm512_add_epi32(ll, lh));
+        const float* s = act.scales + ag * 2;
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[1]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[0])), acc[r]);
       }
     }
-    for (int r = 0; r < MR; ++r)
-      out[(r0 + r) * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[n] : 0.f);
+    const int64_t n0 = t * kTileRows;
+    const __mmask16 keep = n0 + kTileRows <= N ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * out_stride + n0, keep, _mm512_add_ps(acc[r], b));
   }
 }
 #endif
@@ -639,8 +624,9 @@ const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
   return bias->data_ptr<float>();
 }
 
-// y = x @ W^T + bias for a nibble format: the activations laid out once, then every block of
-// output rows with every block of input rows.
+// y = x @ W^T + bias for a nibble format in the row layout (the AVX2 kernel and the portable
+// loop; the AVX512 kernel reads the tiled layout): the activations laid out once, then every
+// block of output rows with every block of input rows.
 template <typename Format>
 void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor& x, int64_t N,
                        const c10::optional<torch::Tensor>& bias) {
@@ -649,13 +635,7 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
   const int64_t o_stride = out.stride(0);
   const float* b = bias_ptr(bias, N);
 #ifdef KVSERVE_Q4_AVX512
-  if (!g_portable) {
-    const SplitInt16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
-    over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
-      dispatch_rows<4>(rows, [&](auto mr) { nibble_rows_avx512<Format, decltype(mr)::value>(f, n0, n1, Kp, act, r0, o, o_stride, b); });
-    });
-    return;
-  }
+  TORCH_CHECK(g_portable, "this CPU's nibble kernel reads the tiled layout (kvserve.quant.tile_nibbles)");
 #endif
 #ifdef KVSERVE_QUANT_AVX2
   if (!g_portable) {
@@ -669,6 +649,40 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
   const Q4Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
   over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
     nibble_rows_portable(f, n0, n1, act, r0, rows, o, o_stride, b);
+  });
+}
+
+// The same for the tiled layout: the AVX512 kernel, tiles spread over the threads and, per
+// tile, every block of input rows while the tile is in cache; or the portable loop.
+template <typename Tiles>
+void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x, int64_t N,
+                      const c10::optional<torch::Tensor>& bias) {
+  const int64_t Kp = w.groups * kGroup, M = x.size(0), K = x.size(1);
+  float* o = out.data_ptr<float>();
+  const int64_t o_stride = out.stride(0);
+  const float* b = bias_ptr(bias, N);
+#ifdef KVSERVE_Q4_AVX512
+  if (!g_portable) {
+    const SplitInt16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+    const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+    const int64_t grain = M * N * Kp < (1 << 18) ? tiles : 1;
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      if (M <= kInputRowBlock) {
+        dispatch_rows<kInputRowBlock>(M, [&](auto mr) { nibble_tiles_avx512<Tiles, decltype(mr)::value>(w, t0, t1, N, act, 0, o, o_stride, b); });
+        return;
+      }
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock)
+          dispatch_rows<kInputRowBlock>(std::min(kInputRowBlock, M - r0), [&](auto mr) {
+            nibble_tiles_avx512<Tiles, decltype(mr)::value>(w, t, t + 1, N, act, r0, o, o_stride, b);
+          });
+    });
+    return;
+  }
+#endif
+  const Q4Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+  over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
+    nibble_rows_portable(w, n0, n1, act, r0, rows, o, o_stride, b);
   });
 }
 
@@ -744,6 +758,37 @@ torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, tor
                         c10::optional<torch::Tensor> bias) {
   auto out = torch::empty({x.size(0), qs.size(0)}, x.options());
   q5_linear_out(out, x, qs, qh, d, bias);
+  return out;
+}
+
+void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                             c10::optional<torch::Tensor> bias) {
+  const int64_t group_bytes = packed.dim() == 3 ? packed.size(2) : 0;
+  const bool q5 = group_bytes == Q5Tiles::kGroupBytes;
+  // kvserve profile's labels, every caller
+  RECORD_FUNCTION(q5 ? "kvserve::q5_linear" : "kvserve::q4_linear", std::vector<c10::IValue>());
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  (q5 || group_bytes == Q4Tiles<uint16_t>::kGroupBytes || group_bytes == Q4Tiles<float>::kGroupBytes),
+              "packed must be uint8 [ceil(N / 16), Kp / 32, 320 | 384 | 352] (kvserve.quant.tile_nibbles)");
+  const int64_t N = out.size(1), groups = packed.size(1), Kp = groups * kGroup, K = x.size(1);
+  check_weight_rows(x, out, N);
+  TORCH_CHECK(packed.size(0) == (N + kTileRows - 1) / kTileRows, "packed holds ", packed.size(0) * kTileRows,
+              " rows, out ", N);
+  TORCH_CHECK(Kp % kChunk == 0 && K <= Kp && Kp - K < kChunk, "x has ", K, " features, the weights ", Kp);
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const int64_t chunks = Kp / kChunk;
+  if (q5) {
+    nibble_tiles_out(Q5Tiles{p, groups, chunks}, out, x, N, bias);
+  } else if (group_bytes == Q4Tiles<float>::kGroupBytes) {
+    nibble_tiles_out(Q4Tiles<float>{p, groups, chunks}, out, x, N, bias);
+  } else {
+    nibble_tiles_out(Q4Tiles<uint16_t>{p, groups, chunks}, out, x, N, bias);
+  }
+}
+
+torch::Tensor tiled_nibble_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  auto out = torch::empty({x.size(0), N}, x.options());
+  tiled_nibble_linear_out(out, x, packed, bias);
   return out;
 }
 

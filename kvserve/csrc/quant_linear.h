@@ -21,6 +21,13 @@ void q5_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
 torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, torch::Tensor d,
                         c10::optional<torch::Tensor> bias);
 
+// y = x @ W^T + bias for nibble-format weights (Q4_1, Q4_K with fp32 scales, Q5_0) in the tiled
+// layout that the AVX512 kernel reads (see quant_linear.cpp, kvserve.quant.tile_nibbles):
+// packed uint8 [ceil(N / 16), Kp / 32, 320 (Q4, fp16 scales) | 384 (fp32) | 352 (Q5_0)].
+void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                             c10::optional<torch::Tensor> bias);
+torch::Tensor tiled_nibble_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+
 // y = x @ W^T + bias for 8-bit weights: qs int8 [N, K]; d int16 [N, K / 32] holding fp16 scales
 // (Q8_0) or fp32 [N, K / 16] (Q6_K's d * sc, with q - 32 in qs).
 void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d,

@@ -60,6 +60,8 @@ def _linear_spec(layer: nn.Module) -> Optional[tuple]:
 
 def _block_spec(layer: DecodeFormatLinear) -> Optional[tuple]:
     """A block-quantized layer's spec without its prefill copy."""
+    if isinstance(layer, (Int4Linear, Q5Linear)) and layer.packed is not None:
+        return "tiles", layer.packed, None, layer.bias, layer.out_features, None, None, None
     if isinstance(layer, Int4Linear):
         return "q4", layer.qs, layer.dm, layer.bias, None, None, None, None
     if isinstance(layer, Q5Linear):
