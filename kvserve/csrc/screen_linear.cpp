@@ -46,7 +46,10 @@ constexpr int64_t kTileRows = 16;
 constexpr int64_t kNibbleBytes = kTileRows * kGroup / 2;                  // 256
 constexpr int64_t kTileBytes = kNibbleBytes + 2 * kTileRows * 2;        // + d and m as fp16: 320
 constexpr int64_t kInputRowBlock = 4;  // activation rows sharing one decode of a tile's nibbles
-constexpr int64_t kPrefetchBytes = 2048;  // as the other weight-streaming kernels (quant_linear.cpp)
+// How far ahead the tiles are fetched: as quant_linear.cpp's tiled kernel (8 KiB). With the weights
+// evicted from cache between calls, as a decode step leaves them, SmolLM2's head (17.7 MB) took
+// 0.53 ms (median of 15, 2 threads, a 2-core Xeon) against 0.66 with 2 KiB.
+constexpr int64_t kPrefetchBytes = 8192;
 
 bool g_portable = false;
 
