@@ -549,17 +549,10 @@ class Q4Screen(nn.Module):
         if k % INT4_GROUP_SIZE:
             raise ConfigError(f"the 4-bit screen needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
         reference = Int4Linear.from_float(weight, None)  # the same quantization as int4 layers
-        groups, tiles = k // INT4_GROUP_SIZE, -(-n // cls.TILE_ROWS)
-        q = torch.zeros(tiles * cls.TILE_ROWS, k, dtype=torch.uint8)
-        q[:n] = reference._values().view(n, -1)[:, :k].to(torch.uint8)
-        # (tile, row, group, half, i, c): weight 16 * half + 4 i + c of the group
-        q = q.view(tiles, cls.TILE_ROWS, groups, 2, 4, 4)
-        nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
         d, m = reference._scales()
-        scales = torch.zeros(2, tiles * cls.TILE_ROWS, groups, dtype=torch.float16)
-        scales[0, :n], scales[1, :n] = d[:, :groups], m[:, :groups]
-        scales = scales.view(2, tiles, cls.TILE_ROWS, groups).permute(1, 3, 0, 2)  # (tile, group, d|m, row)
-        packed = torch.cat([nibbles, scales.reshape(tiles, groups, -1).view(torch.uint8)], dim=-1)
+        groups = k // INT4_GROUP_SIZE
+        # The nibble kernel's tiles (tile_nibbles): nibbles, then fp16 d and m per tile group.
+        packed = tile_nibbles(reference._values().view(n, -1)[:, :k], d[:, :groups], m[:, :groups])
         return cls(packed, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -571,13 +564,10 @@ class Q4Screen(nn.Module):
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel's arithmetic in plain torch (other summation order)."""
-        tiles, groups, _ = self.packed.shape
-        n, g32 = self.out_features, INT4_GROUP_SIZE
-        nib = self.packed[:, :, :256].reshape(tiles, groups, 4, self.TILE_ROWS, 4)  # (t, g, i, r, c)
-        q = torch.stack([nib & 15, nib >> 4], dim=2)  # (t, g, half, i, r, c)
-        q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * self.TILE_ROWS, groups, g32)[:n].float()
-        scales = self.packed[:, :, 256:].contiguous().view(torch.float16).float()
-        scales = scales.view(tiles, groups, 2, self.TILE_ROWS).permute(2, 0, 3, 1).reshape(2, -1, groups)[:, :n]
+        groups, g32 = self.packed.shape[1], INT4_GROUP_SIZE
+        values, d, m = untile_nibbles(self.packed, self.out_features)
+        q = values.view(self.out_features, groups, g32).float()
+        scales = torch.stack([d, m])
         xg = x.float().view(x.shape[0], groups, g32)
         dx = xg.abs().amax(-1) / 127.0
         xq = torch.round(xg / torch.where(dx > 0, dx, 1.0)[..., None]).clamp(-127, 127)
