@@ -48,8 +48,8 @@ std::pair<int64_t, int64_t> row_run(const torch::Tensor& rows) {
 struct Linear {
   enum class Kind { kQ4, kQ5, kTiles, kQ8, kBf16, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
   Kind kind = Kind::kDense;
-  // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); tiles: packed (out_features given); Q8: qs, d; int8: weight, scales; bf16: packed;
-  // fp32 / oneDNN / dense: weight
+  // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); tiles (Q4 / Q5 on AVX512): packed, out_features
+  // given; Q8: qs, d; int8: weight, scales; bf16: packed; fp32 / oneDNN / dense: weight
   torch::Tensor weight, scales, extra;
   // kSegments (kvserve.quant.SegmentedLinear): consecutive output rows in their own formats.
   std::vector<Linear> segments;
@@ -104,8 +104,8 @@ struct Linear {
  private:
   // The kinds whose kernels write into a given output; the others return a tensor of their own.
   bool writes_in_place() const {
-    return kind == Kind::kQ4 || kind == Kind::kQ5 || kind == Kind::kTiles || kind == Kind::kQ8 || kind == Kind::kBf16 ||
-           kind == Kind::kFp32 || kind == Kind::kSegments;
+    return kind == Kind::kQ4 || kind == Kind::kQ5 || kind == Kind::kTiles || kind == Kind::kQ8 ||
+           kind == Kind::kBf16 || kind == Kind::kFp32 || kind == Kind::kSegments;
   }
 
   torch::Tensor computed(const torch::Tensor& x) const {

@@ -658,6 +658,7 @@ template <typename Tiles>
 void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x, int64_t N,
                       const c10::optional<torch::Tensor>& bias) {
   const int64_t Kp = w.groups * kGroup, M = x.size(0), K = x.size(1);
+  if (M == 0) return;  // (dispatch_rows needs a row)
   float* o = out.data_ptr<float>();
   const int64_t o_stride = out.stride(0);
   const float* b = bias_ptr(bias, N);
@@ -668,7 +669,9 @@ void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x
     const int64_t grain = M * N * Kp < (1 << 18) ? tiles : 1;
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       if (M <= kInputRowBlock) {
-        dispatch_rows<kInputRowBlock>(M, [&](auto mr) { nibble_tiles_avx512<Tiles, decltype(mr)::value>(w, t0, t1, N, act, 0, o, o_stride, b); });
+        dispatch_rows<kInputRowBlock>(M, [&](auto mr) {
+          nibble_tiles_avx512<Tiles, decltype(mr)::value>(w, t0, t1, N, act, 0, o, o_stride, b);
+        });
         return;
       }
       for (int64_t t = t0; t < t1; ++t)
