@@ -265,15 +265,18 @@ def tile_nibbles(values: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor
     The same bytes per weight as the row layout; the same nibbles as the LM-head screen's tiles."""
     n, k = values.shape
     groups, tiles, rows = k // INT4_GROUP_SIZE, -(-n // NIBBLE_TILE_ROWS), NIBBLE_TILE_ROWS
-    v = torch.zeros(tiles * rows, k, dtype=torch.int32)
-    v[:n] = values.to(torch.int32)
+    v = torch.zeros(tiles * rows, k, dtype=torch.uint8)  # (bytes throughout: a model's worth at load)
+    v[:n] = values.to(torch.uint8)
     v = v.view(tiles, rows, groups, 2, 4, 4)  # (tile, row, group, half, i, c): value 16 half + 4 i + c
     low = v & 15
     nibbles = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
-    parts = [nibbles.to(torch.uint8)]
+    parts = [nibbles]
     if m is None:
         bits = ((v >> 4) & 1).permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, 64, 8)  # (mask byte, bit)
-        parts.append((bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8))
+        mask_bytes = torch.zeros(tiles, groups, 64, dtype=torch.uint8)
+        for bit in range(8):
+            mask_bytes |= bits[..., bit] << bit
+        parts.append(mask_bytes)
 
     def per_row(scale: torch.Tensor) -> torch.Tensor:
         padded = torch.zeros(tiles * rows, groups)
@@ -290,15 +293,15 @@ def untile_nibbles(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     m None for Q5_0)."""
     tiles, groups, group_bytes = packed.shape
     rows, q5 = NIBBLE_TILE_ROWS, group_bytes == 352
-    nib = packed[:, :, :256].reshape(tiles, groups, 4, rows, 4).to(torch.int32)  # (tile, group, i, row, c)
+    nib = packed[:, :, :256].reshape(tiles, groups, 4, rows, 4)  # (tile, group, i, row, c)
     v = torch.stack([nib & 15, nib >> 4], dim=2)  # (tile, group, half, i, row, c)
     offset = 256
     if q5:
-        masks = packed[:, :, 256:320].to(torch.int32).reshape(tiles, groups, 64, 1)
-        bits = (masks >> torch.arange(8, dtype=torch.int32)) & 1
+        masks = packed[:, :, 256:320].reshape(tiles, groups, 64, 1)
+        bits = (masks >> torch.arange(8, dtype=torch.uint8)) & 1
         v = v | (bits.reshape(tiles, groups, 2, 4, rows, 4) << 4)
         offset = 320
-    values = v.permute(0, 4, 1, 2, 3, 5).reshape(tiles * rows, groups * INT4_GROUP_SIZE)[:n]
+    values = v.permute(0, 4, 1, 2, 3, 5).reshape(tiles * rows, groups * INT4_GROUP_SIZE)[:n].to(torch.int32)
     scale_dtype = torch.float32 if group_bytes == 384 else torch.float16
     width = rows * torch.finfo(scale_dtype).bits // 8
 
@@ -322,8 +325,8 @@ class Int4Linear(DecodeFormatLinear):
     vpmaddwd), which needs no conversion of the weights to float (2x faster than bf16 products
     on both). The portable loops round the activations to bf16 instead: ``bf16(x) @ w.T``.
 
-    Buffers, where the AVX512 kernel runs: ``packed`` (``tile_nibbles``: 16 output rows per
-    32-bit lane group, so that no row needs a horizontal sum). Elsewhere the row layout: ``qs``
+    Buffers, where the AVX512 kernel runs: ``packed`` (``tile_nibbles``: tiles of 16 output rows,
+    one per 32-bit lane of a vector, so that no row needs a horizontal sum). Elsewhere the row layout: ``qs``
     uint8 ``[N, Kp / 2]`` (``Kp`` = K rounded up to 64 with zero groups; per group 16 bytes:
     weight j in the low nibble of byte j, j + 16 in its high nibble); ``dm`` ``[N, Kp / 64, 4]``
     = (d, d', m, m') of a chunk's two groups, as fp16 bits (int16) or fp32.
