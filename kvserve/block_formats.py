@@ -158,8 +158,8 @@ def _plane_positions() -> tuple[np.ndarray, np.ndarray]:
 
 def q5_plane_masks(qh: np.ndarray) -> np.ndarray:
     """Q5_0's fifth bits, ``qh`` [N, groups] (bit j of a group's word: weight j), regrouped as
-    the portable loop reads them (csrc/quant_linear.cpp Q5Format; the AVX512 kernel reads
-    quant.tile_nibbles): [N, ceil(groups / 4) * 4] int32, four masks per 128-weight
+    the AVX2 kernel and the portable loop read them (csrc/quant_linear.cpp Q5Format; the
+    AVX512 kernel reads quant.tile_nibbles): [N, ceil(groups / 4) * 4] int32, four masks per 128-weight
     block. Same bits, other order (``q5_fifth_bits`` is the inverse)."""
     n, groups = qh.shape
     padded = np.zeros((n, -(-groups // 4) * 4), np.uint32)

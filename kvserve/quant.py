@@ -243,7 +243,7 @@ def _fp32_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if bias is None else bias.detach().float().contiguous()
 
 
-NIBBLE_TILE_ROWS = 16  # csrc/quant_linear.cpp's kTileRows
+NIBBLE_TILE_ROWS = 16  # csrc/nibble_tiles.h kTileRows
 
 
 def tiled_nibble_kernels() -> bool:
@@ -312,6 +312,18 @@ def untile_nibbles(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     return values, per_row(offset), None if q5 else per_row(offset + width)
 
 
+def quantize_min_max(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of each group of 32 input weights (as Q4_1): (q ``[N, K]``
+    in 0..15, d, m ``[N, K / 32]`` fp32 holding fp16 values), ``w ~ d * q + m``."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    d = ((hi - lo) / 15.0).clamp(min=1e-6).half().float()
+    m = lo.half().float()
+    q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15).view(n, k)
+    return q, d, m
+
+
 class Int4Linear(DecodeFormatLinear):
     """4-bit weights: per group of 32 input weights ``w = d * q + m``, ``q`` in 0..15, in GGUF
     Q4_1's byte layout: Q4_1 as stored (``d``, ``m`` fp16: 20 bytes per 32 weights), Q4_K with
@@ -355,24 +367,13 @@ class Int4Linear(DecodeFormatLinear):
         groups = qs.view(n, kp // 32, 16)
         return torch.cat([groups & 15, groups >> 4], dim=-1)  # weights 0-15, then 16-31
 
-    def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(d, m) as fp32 ``[N, Kp / 32]``."""
-        if self.packed is not None:
-            _, d, m = untile_nibbles(self.packed, self.out_features)
-            return d, m
-        return self._row_scales(self.qs, self.dm)
-
-    def _values(self) -> torch.Tensor:
-        """q as fp32 ``[N, Kp / 32, 32]``."""
-        if self.packed is not None:
-            values = untile_nibbles(self.packed, self.out_features)[0]
-            return values.view(self.out_features, -1, INT4_GROUP_SIZE).float()
-        return self._row_values(self.qs).float()
-
     def dequantized(self) -> torch.Tensor:
         """The weights ``d * q + m`` as fp32 ``[N, K]`` (computed afresh: not kept)."""
-        d, m = self._scales()
-        values = self._values()
+        if self.packed is not None:
+            values, d, m = untile_nibbles(self.packed, self.out_features)
+        else:
+            values, (d, m) = self._row_values(self.qs), self._row_scales(self.qs, self.dm)
+        values = values.view(self.out_features, -1, INT4_GROUP_SIZE).float()
         return (values * d[..., None] + m[..., None]).view(self.out_features, -1)[:, :self.in_features]
 
     @classmethod
@@ -398,13 +399,7 @@ class Int4Linear(DecodeFormatLinear):
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
         """Asymmetric min/max quantization of each group of 32 input weights (as Q4_1)."""
-        n, k = weight.shape
-        w = weight.detach().float().view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        d = ((hi - lo) / 15.0).clamp(min=1e-6).half().float()
-        m = lo.half().float()
-        q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15).view(n, k)
-        return cls.from_blocks(q, d, m, bias)
+        return cls.from_blocks(*quantize_min_max(weight), bias)
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Every row through the 4-bit blocks."""
@@ -434,7 +429,7 @@ class Q5Linear(DecodeFormatLinear):
             return
         self.register_buffer("packed", None)
         self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(blocks.qs)))
-        # The fifth bits regrouped per 128 weights, as the portable loop reads them (same bits, other order).
+        # The fifth bits regrouped per 128 weights, as the AVX2 kernel and the portable loop read them.
         self.register_buffer("qh", torch.from_numpy(np.ascontiguousarray(block_formats.q5_plane_masks(blocks.qh))))
         self.register_buffer("d", torch.from_numpy(np.ascontiguousarray(blocks.d)))
 
@@ -539,8 +534,6 @@ class Q4Screen(nn.Module):
     the 16 rows' ``d``, then their ``m``, as fp16.
     """
 
-    TILE_ROWS = 16
-
     def __init__(self, packed: torch.Tensor, out_features: int) -> None:
         super().__init__()
         self.register_buffer("packed", packed.contiguous())
@@ -551,12 +544,8 @@ class Q4Screen(nn.Module):
         n, k = weight.shape
         if k % INT4_GROUP_SIZE:
             raise ConfigError(f"the 4-bit screen needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
-        reference = Int4Linear.from_float(weight, None)  # the same quantization as int4 layers
-        d, m = reference._scales()
-        groups = k // INT4_GROUP_SIZE
-        # The nibble kernel's tiles (tile_nibbles): nibbles, then fp16 d and m per tile group.
-        packed = tile_nibbles(reference._values().view(n, -1)[:, :k], d[:, :groups], m[:, :groups])
-        return cls(packed, n)
+        # The int4 layers' quantization, in the nibble kernel's tiles: nibbles, then fp16 d and m.
+        return cls(tile_nibbles(*quantize_min_max(weight)), n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()

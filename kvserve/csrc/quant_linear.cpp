@@ -25,6 +25,7 @@
 // chain per lane); a portable loop computes the nibble formats on bf16 activations elsewhere
 // (each path in its own fixed order).
 #include "quant_linear.h"
+#include "nibble_tiles.h"
 #include "row_dispatch.h"
 
 #include <ATen/Parallel.h>
@@ -67,10 +68,6 @@ constexpr int64_t kInputRowBlock = 4;  // input rows sharing one decode of the w
 // row per pass for the same reason: in a test kernel two rows' interleaved streams (faster
 // from cache) read 8.4 GB/s from DRAM with the same prefetch where one row read 12.8.
 constexpr int64_t kPrefetchBytes = 2048;
-// The tiled AVX512 kernel reads its one stream per thread ~2x faster than the row kernels did,
-// and fetches further ahead: 8 KiB took 13-25 % off a SmolLM2 step's 120 calls on one thread of
-// a 2-core Xeon (weights from memory; 1-3 % on two), 16 and 32 KiB no more.
-constexpr int64_t kTilePrefetchBytes = 8192;
 // The nibble formats' activations as integers, per group of 32 inputs: q = round(x * L / a),
 // a the group's largest |x|, on AVX2 and AVX512 alike. L = 127 * 256 + 127 rather than 32767,
 // so that on AVX512 q splits into two signed bytes (see SplitInt16Activations).
@@ -199,22 +196,15 @@ struct Q5Format {
   }
 };
 
-// The tiled nibble layout, which the AVX512 kernel reads (kvserve.quant.tile_nibbles writes it).
-// Per tile of 16 output rows and group of 32 inputs: 256 bytes of nibbles, byte 64 i + 4 r + c
-// holding row r's weight 4 i + c in its low nibble and weight 16 + 4 i + c in its high nibble,
-// so that each 32-bit lane of a 64-byte vector is one output row (llama.cpp's repacked layouts
-// and kvserve's LM-head screen do the same): one vpdpbusd adds four products to each of 16 rows
-// against one broadcast word of activations, the rows' scales are a plain vector load, and no
-// row needs a horizontal sum, nor a row's last half-filled block of a wider unit (K = 576 is 18
-// groups). Then per format:
+// The tiled nibble layout (nibble_tiles.h), which the AVX512 kernel reads, as llama.cpp's
+// repacked layouts do: the rows' scales are a plain vector load, and no row needs a horizontal
+// sum, nor a row's last half-filled block of a wider unit (K = 576 is 18 groups). After the
+// nibbles, per format:
 //   Q4 (Q4_1, or Q4_K with fp32 scales): the 16 rows' d, then their m (fp16: 320 bytes a tile
 //     group, as the row layout's 20 per 32 weights; fp32: 384);
 //   Q5_0: 8 masks of the fifth bits (uint64; mask i < 4: bit 4 r + c is the fifth bit of the low
 //     nibble of byte 64 i + 4 r + c, mask 4 + i of its high nibble), then the rows' d (fp16: 352).
 // Rows past N (the last tile's) and groups past K are zeros.
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kTileNibbleBytes = 256;
-
 // Row r's byte of tile-group p holding weight j (low nibble) and j + 16 (high nibble), j < 16.
 inline uint8_t tile_byte(const uint8_t* p, int64_t r, int j) { return p[64 * (j / 4) + 4 * r + j % 4]; }
 
@@ -361,20 +351,13 @@ template <typename Tiles, int MR>
 void nibble_tiles_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N, const SplitInt16Activations& act,
                          int64_t r0, float* out, int64_t out_stride, const float* bias) {
   const int64_t groups = act.groups;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = w.group(t, g);
-      for (int64_t line = 0; line < Tiles::kGroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kTilePrefetchBytes + line, _MM_HINT_T0);
       __m512i low[4], high[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m512i v = _mm512_loadu_si512(p + 64 * i);
-        low[i] = _mm512_and_si512(v, nibble);
-        high[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
+      load_tile_nibbles(p, Tiles::kGroupBytes, low, high);
       Tiles::values(p, low, high);
       __m512 d, m;
       Tiles::scales(p, d, m);

@@ -21,6 +21,7 @@
 // fused multiply-adds per group in the same order: their results are bit-identical, and every
 // row's result is independent of the number of activation rows.
 #include "screen_linear.h"
+#include "nibble_tiles.h"
 #include "row_dispatch.h"
 
 #include <ATen/Parallel.h>
@@ -42,14 +43,8 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kNibbleBytes = kTileRows * kGroup / 2;                  // 256
-constexpr int64_t kTileBytes = kNibbleBytes + 2 * kTileRows * 2;        // + d and m as fp16: 320
+constexpr int64_t kTileBytes = kTileNibbleBytes + 2 * kTileRows * 2;  // + d and m as fp16: 320
 constexpr int64_t kInputRowBlock = 4;  // activation rows sharing one decode of a tile's nibbles
-// How far ahead the tiles are fetched: as quant_linear.cpp's tiled kernel (8 KiB). With the weights
-// evicted from cache between calls, as a decode step leaves them, SmolLM2's head (17.7 MB) took
-// 0.53 ms (median of 15, 2 threads, a 2-core Xeon) against 0.66 with 2 KiB.
-constexpr int64_t kPrefetchBytes = 8192;
 
 bool g_portable = false;
 
@@ -100,23 +95,16 @@ template <int MR>
 void screen_tiles_vnni(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N, const Int8Activations& act,
                        int64_t r0, float* out, int64_t out_stride) {
   const int64_t groups = act.groups;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     const uint8_t* tile = packed + t * groups * kTileBytes;
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = tile + g * kTileBytes;
-      for (int64_t line = 0; line < kTileBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T0);
       __m512i lo[4], hi[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m512i v = _mm512_loadu_si512(p + 64 * i);
-        lo[i] = _mm512_and_si512(v, low_nibbles);
-        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
-      }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kNibbleBytes)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kNibbleBytes + 32)));
+      load_tile_nibbles(p, kTileBytes, lo, hi);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kTileNibbleBytes)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kTileNibbleBytes + 32)));
       for (int r = 0; r < MR; ++r) {
         const int64_t ag = (r0 + r) * groups + g;
         const int8_t* xq = act.q + ag * kGroup;
@@ -158,7 +146,7 @@ void screen_tiles_avx2(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N,
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = tile + g * kTileBytes;
       for (int64_t line = 0; line < kTileBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kTilePrefetchBytes + line, _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {  // rows 8 h .. 8 h + 7
         __m256i lo[4], hi[4];
         for (int i = 0; i < 4; ++i) {
@@ -166,9 +154,9 @@ void screen_tiles_avx2(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N,
           lo[i] = _mm256_and_si256(v, low_nibbles);
           hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kNibbleBytes + 16 * h)));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 16 * h)));
         const __m256 m =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kNibbleBytes + 32 + 16 * h)));
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 32 + 16 * h)));
         for (int r = 0; r < MR; ++r) {
           const int64_t ag = (r0 + r) * groups + g;
           int32_t words[8];
@@ -218,8 +206,8 @@ void screen_tiles_portable(const uint8_t* packed, int64_t t0, int64_t t1, int64_
             }
           }
           uint16_t dh, mh;
-          std::memcpy(&dh, p + kNibbleBytes + 2 * lane, 2);
-          std::memcpy(&mh, p + kNibbleBytes + 32 + 2 * lane, 2);
+          std::memcpy(&dh, p + kTileNibbleBytes + 2 * lane, 2);
+          std::memcpy(&mh, p + kTileNibbleBytes + 32 + 2 * lane, 2);
           const float scale = half_to_float(dh) * act.scale[r * groups + g];
           acc = std::fma(static_cast<float>(dot), scale, acc);
           acc = std::fma(half_to_float(mh), act.sum[r * groups + g], acc);
