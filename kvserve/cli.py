@@ -183,10 +183,15 @@ def _generate_batch(llm, ns: argparse.Namespace, default_params: SamplingParams)
 def cmd_chat(ns: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
+    from kvserve.engine import load_tokenizer
+    from kvserve.loader import resolve_model
+
     params = sampling_params_from(ns)
-    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
-    if not llm.tokenizer.has_chat_template:
+    # Before the weights: a model without a template fails at once, not after loading it (the
+    # engine then reuses this tokenizer load).
+    if not load_tokenizer(resolve_model(ns.model)).has_chat_template:
         raise ConfigError(f"model {ns.model} has no chat template; use `kvserve generate`")
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     messages: list[dict] = []
     if ns.system:
         messages.append({"role": "system", "content": ns.system})
