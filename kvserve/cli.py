@@ -181,9 +181,8 @@ def _generate_batch(llm, ns: argparse.Namespace, default_params: SamplingParams)
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from kvserve.llm import LLM
-
     from kvserve.engine import load_tokenizer
+    from kvserve.llm import LLM
     from kvserve.loader import resolve_model
 
     params = sampling_params_from(ns)

@@ -141,9 +141,7 @@ def _load_hf_dir(directory: Path, **kwargs):
     """The directory's HF tokenizer: a copy of this process's earlier load of the same files
     when there is one (transformers takes 4-6 s over Gemma 3's 262k-token vocabulary, at every
     engine start-up: a draft model beside its target, one engine per test)."""
-    files = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)  # any change loads again
-                         for p in Path(directory).iterdir() if p.is_file()))
-    key = (str(Path(directory).resolve()), files, tuple(sorted(kwargs.items())))
+    key = (str(Path(directory).resolve()), _files_signature(directory), tuple(sorted(kwargs.items())))
     loaded = _LOADED_TOKENIZERS.get(key)
     if loaded is None:
         from transformers import AutoTokenizer
@@ -158,6 +156,12 @@ def _load_hf_dir(directory: Path, **kwargs):
 
 
 _LOADED_TOKENIZERS: dict[tuple, Any] = {}
+
+
+def _files_signature(directory: Path) -> tuple:
+    """(name, size, mtime) of each file in ``directory``: any change to them loads again."""
+    stats = ((p.name, p.stat()) for p in Path(directory).iterdir() if p.is_file())
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
 
 
 def _convert_gguf_tokenizer(gguf_path: Path, target: Path) -> None:

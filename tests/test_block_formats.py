@@ -189,12 +189,13 @@ def test_types_without_a_kernel_are_refused():
     assert gguf_linear([QuantizedTensor(T.Q5_K, np.zeros((1, 176), np.uint8), (1, k))], None) is None
 
 
-
-@pytest.mark.parametrize("quant_type", [T.Q8_0, T.Q4_1, T.Q5_0])
-@pytest.mark.parametrize("n,k", [(6, 512), (3, 32), (70, 96)])
-def test_loader_dequantization_equals_gguf_bit_for_bit(quant_type, n, k):
-    """The loader's torch route for Q8_0, Q4_1 and Q5_0 (fast start-up) gives gguf's own values."""
+@pytest.mark.parametrize("quant_type", list(BLOCK))
+@pytest.mark.parametrize("n,blocks", [(6, 2), (3, 1), (70, 3)])  # Q5_0: 1 and 3 groups padded to 64
+def test_loader_dequantization_equals_gguf_bit_for_bit(quant_type, n, blocks):
+    """The loader's dequantization of the kernels' formats (block_formats + torch, for a fast
+    start-up) gives gguf's own values."""
     from kvserve.loader.gguf import dequantize_tensor
+    k = blocks * BLOCK[quant_type][0]
     data = random_blocks(quant_type, n, k, seed=k + int(quant_type))
     ours = dequantize_tensor(data, quant_type, (n, k))
     assert ours.dtype == np.float32 and ours.shape == (n, k)

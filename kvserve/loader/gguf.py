@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from kvserve import block_formats
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.loader.gguf_reader import GGUFFile
 
@@ -199,36 +200,29 @@ def _row_order(gguf_arch: str, gguf_name: str, config: ModelConfig, n_rows: int)
     return None
 
 
-# Formats dequantized with torch rather than gguf's numpy (one thread, temporaries per step):
-# Gemma 3's Q8_0 token embedding (168 M weights) took 4.5-7 s of its 10-20 s start-up that way,
-# 0.6 s here. The same fp32 operations (fp16 scale widened, times the value, plus the offset),
-# so the same bits as gguf.quants.dequantize (tests/test_block_formats.py).
-_TORCH_DEQUANTIZED = {GGMLQuantizationType.Q8_0: (32, 34), GGMLQuantizationType.Q4_1: (32, 20),
-                      GGMLQuantizationType.Q5_0: (32, 22)}
-
-
 def dequantize_tensor(raw: np.ndarray, quant_type: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    """A GGUF tensor's values as float32 ``shape`` (a view of ``raw`` for F32 tensors)."""
-    layout = _TORCH_DEQUANTIZED.get(quant_type)
-    if layout is None or len(shape) != 2:
+    """A GGUF tensor's values as float32 ``shape`` (a view of ``raw`` for F32 tensors).
+
+    The formats the kernels read are unpacked by kvserve.block_formats and scaled with torch
+    (one output buffer, both threads): gguf's numpy dequantization took 4.5-7 s of Gemma 3's
+    10-20 s start-up for its Q8_0 token embedding alone (168 M weights), ~0.5 s this way. The
+    same fp32 operations (an exact product, then the offset), so the same bits as gguf's
+    (tests/test_block_formats.py); other types go through gguf."""
+    blocks = block_formats.unpack(quant_type.name, raw, shape) if len(shape) == 2 else None
+    if blocks is None:
         return dequantize(raw, quant_type).reshape(shape)
-    group, block_bytes = layout
     n, k = shape
-    blocks = np.ascontiguousarray(raw).reshape(n, k // group, block_bytes)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)).float()  # [n, groups, 1]
-    if quant_type == GGMLQuantizationType.Q8_0:
-        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))
-        return torch.mul(q, d).view(n, k).numpy()
-    nibbles_at = 4 if quant_type == GGMLQuantizationType.Q4_1 else 6
-    qs = torch.from_numpy(blocks[..., nibbles_at:].copy())  # weight j: byte j's low nibble, j + 16: its high
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-    if quant_type == GGMLQuantizationType.Q4_1:
-        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)).float()
+    if isinstance(blocks, block_formats.NibbleBlocks):
+        q = torch.from_numpy(blocks.q).view(n, -1, block_formats.GROUP)
+        d, m = torch.from_numpy(blocks.d)[..., None], torch.from_numpy(blocks.m)[..., None]
         return torch.mul(q, d).add_(m).view(n, k).numpy()
-    # Q5_0: weight j's fifth bit is bit j of the little-endian word after d; w = d * (q - 16)
-    qh = torch.from_numpy(blocks[..., 2:6].copy().view("<i4"))  # [n, groups, 1]
-    fifth = (qh >> torch.arange(32, dtype=torch.int32)) & 1
-    return torch.mul((q.to(torch.int32) | (fifth << 4)) - 16, d).view(n, k).numpy()
+    if isinstance(blocks, block_formats.Q5Blocks):
+        codes = torch.from_numpy(block_formats.q5_codes(blocks))  # [n, groups, 32], padded to 64
+        d = torch.from_numpy(blocks.d.view(np.float16)).float()[..., None]
+        return torch.mul(codes, d).view(n, -1)[:, :k].contiguous().numpy()
+    group = blocks.group
+    d = blocks.d.view(np.float16).astype(np.float32) if blocks.d.dtype == np.int16 else blocks.d
+    return torch.mul(torch.from_numpy(blocks.q).view(n, -1, group), torch.from_numpy(d)[..., None]).view(n, k).numpy()
 
 
 def iter_gguf_weights(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -89,17 +89,11 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        n = self.scalar("<Q")
-        end = self.pos + n
-        if end > len(self.buf):
-            raise struct.error("string runs past the end of the file")
-        raw = self.buf[self.pos:end]
-        self.pos = end
-        return raw.decode("utf-8", errors="surrogateescape")
+        return self.strings(1)[0]
 
-    def _strings(self, count: int) -> list[str]:
-        """``count`` strings in a row: a vocabulary (Gemma 3: 262,144 tokens) in one tight loop,
-        ~5x faster than ``string()`` per item (the header is parsed at every model load)."""
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row, in one tight loop: a vocabulary (Gemma 3: 262,144 tokens)
+        ~5x faster than one call per string (the header is parsed at every model load)."""
         buf, pos, size, length_at = self.buf, self.pos, len(self.buf), _U64.unpack_from
         out = []
         for _ in range(count):
@@ -126,7 +120,7 @@ class _Cursor:
                 self.pos += count * dtype.itemsize
                 return arr
             if item_type == GGUFValueType.STRING:
-                return self._strings(count)
+                return self.strings(count)
             return [self.value(item_type) for _ in range(count)]
         return self.scalar(_SCALAR_FORMATS[vtype])
 
