@@ -61,6 +61,11 @@ class ByteBlocks:
     def group(self) -> int:
         return 16 if self.d.dtype == np.float32 else GROUP
 
+    @property
+    def scales(self) -> np.ndarray:
+        """d as float32 ``[N, K / group]``."""
+        return self.d.view(np.float16).astype(np.float32) if self.d.dtype == np.int16 else self.d
+
 
 def _blocks(data: np.ndarray, shape: tuple[int, ...], weights_per_block: int, block_bytes: int) -> np.ndarray:
     n, k = shape[0], shape[-1]
@@ -213,8 +218,7 @@ def unpack_q6_k(data: np.ndarray, shape: tuple[int, ...]) -> ByteBlocks:
 def byte_values(blocks: ByteBlocks) -> np.ndarray:
     """A ByteBlocks' weights ``[N, K]`` as float32."""
     n, k = blocks.q.shape
-    scales = blocks.d.view(np.float16).astype(np.float32) if blocks.d.dtype == np.int16 else blocks.d
-    return (blocks.q.astype(np.float32).reshape(n, -1, blocks.group) * scales[..., None]).reshape(n, k)
+    return (blocks.q.astype(np.float32).reshape(n, -1, blocks.group) * blocks.scales[..., None]).reshape(n, k)
 
 
 UNPACKERS = {"Q4_1": unpack_q4_1, "Q4_K": unpack_q4_k, "Q5_0": unpack_q5_0, "Q8_0": unpack_q8_0, "Q6_K": unpack_q6_k}

@@ -220,9 +220,8 @@ def dequantize_tensor(raw: np.ndarray, quant_type: GGMLQuantizationType, shape: 
         codes = torch.from_numpy(block_formats.q5_codes(blocks))  # [n, groups, 32], padded to 64
         d = torch.from_numpy(blocks.d.view(np.float16)).float()[..., None]
         return torch.mul(codes, d).view(n, -1)[:, :k].contiguous().numpy()
-    group = blocks.group
-    d = blocks.d.view(np.float16).astype(np.float32) if blocks.d.dtype == np.int16 else blocks.d
-    return torch.mul(torch.from_numpy(blocks.q).view(n, -1, group), torch.from_numpy(d)[..., None]).view(n, k).numpy()
+    q = torch.from_numpy(blocks.q).view(n, -1, blocks.group)
+    return torch.mul(q, torch.from_numpy(blocks.scales)[..., None]).view(n, k).numpy()
 
 
 def iter_gguf_weights(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
