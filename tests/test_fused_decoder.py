@@ -3,6 +3,7 @@ Python model it replaces: same kernels and ops, same order, so the same numbers,
 in every weight format."""
 from __future__ import annotations
 
+import copy
 import os
 from typing import Optional
 
@@ -13,6 +14,7 @@ from kvserve import ops
 from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.loader import load_model, resolve_model
+from kvserve.models.fused import attach_fused_layers
 from kvserve.token_roles import ALL_PROMPT, MIXED, TokenRoles, use_token_roles
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
@@ -88,16 +90,35 @@ def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prom
     assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
 
 
+def _first_layers(model, cfg, n: int):
+    """The model cut to its first ``n`` decoder layers (fused loop re-attached) and its config."""
+    model.model.layers = model.model.layers[:n]
+    short = copy.copy(cfg)
+    short.num_hidden_layers = n
+    if short.layer_types:
+        short.layer_types = short.layer_types[:n]
+    assert attach_fused_layers(model) is not None
+    return model, short
+
+
 def test_fused_layers_match_the_python_model_with_gemma_files_own_blocks():
     """Gemma 3's int4 mode reads its file's Q5_0, Q8_0 (fused with Q5_0 in q/k/v: segments),
     Q4_K and Q6_K blocks: the native loop equals the Python model bit for bit, with and
-    without token roles, and both stay near plain torch."""
+    without token roles, and both stay near plain torch.
+
+    "Near plain torch" is checked on the first three layers (every block format is there):
+    through all 18 the comparison measures the model's sensitivity, not the kernels. With
+    prompt rows through the bf16 copies (bf16-rounded activations by definition), plain torch
+    against itself with 1-ulp noise on the embeddings already differs by 1.3 % of the largest
+    value after 18 layers (measured on this test's tokens), more than the bound; after three
+    layers the kernels are within 0.4 %."""
     from kvserve.quant import Int4Linear, Q5Linear, Q8Linear, SegmentedLinear
 
     model, cfg = load_model(resolve_model("gemma-3-270m"), quantization="int4")
     kinds = {type(m) for m in model.model.layers.modules()}
     # (With the AVX2 kernels Q5_0 is read as Q8_0: the same values, see _gguf_block_linear.)
-    assert {Int4Linear, Q8Linear, SegmentedLinear} | ({Q5Linear} if ops.nibble_kernel_isa() != "avx2" else set()) <= kinds
+    block_kinds = {Int4Linear, Q8Linear, SegmentedLinear} | ({Q5Linear} if ops.nibble_kernel_isa() != "avx2" else set())
+    assert block_kinds <= kinds
     fused = model.model.fused_layers
     assert fused is not None
     for prompt_lens in (None, [100, 5]):
@@ -108,9 +129,13 @@ def test_fused_layers_match_the_python_model_with_gemma_files_own_blocks():
         finally:
             model.model.fused_layers = fused
         assert torch.equal(native, layer_by_layer), prompt_lens
-    with ops.use_kernels(False):
-        plain = _three_steps(model, cfg, prompt_lens=[100, 5])
-    assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
+    model, cfg = _first_layers(model, cfg, 3)
+    assert block_kinds <= {type(m) for m in model.model.layers.modules()}
+    for prompt_lens in (None, [100, 5]):
+        native = _three_steps(model, cfg, n_blocks=24, prompt_lens=prompt_lens)
+        with ops.use_kernels(False):
+            plain = _three_steps(model, cfg, prompt_lens=prompt_lens)
+        assert (native - plain).abs().max() <= 1e-2 * plain.abs().max(), prompt_lens
 
 
 def test_token_roles_kinds():
