@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Optional
 
-from kvserve.config import DEFAULT_MODEL, KV_CACHE_DTYPES, ConfigError, EngineArgs
+from kvserve.config import DEFAULT_MODEL, INT4_PREFILL_MODES, KV_CACHE_DTYPES, ConfigError, EngineArgs
 from kvserve.executor.base import ExecutorError
 from kvserve.spec.config import parse_speculative_config
 from kvserve.request import RequestRejected, SamplingParams
@@ -41,6 +41,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weight format of the linear layers (activations stay in --dtype); "
                         "int4 reuses GGUF Q4_1 blocks; default with --dtype auto on a CPU with "
                         "AVX512-BF16: bf16")
+    g.add_argument("--int4-prefill", default=EngineArgs.int4_prefill, choices=INT4_PREFILL_MODES,
+                   help="int4 mode's prompt tokens: through bf16 copies of the weights (bf16), "
+                        "through the 4-bit blocks (blocks), or per layer whichever this CPU computes "
+                        "faster (auto)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N worker processes (gloo on CPU, NCCL on CUDA)")
@@ -71,7 +75,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching,
         enable_chunked_prefill=not ns.no_chunked_prefill, num_threads=ns.num_threads,
         disable_sliding_window_reclaim=ns.no_sliding_window_reclaim,
-        seed=ns.seed, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
+        seed=ns.seed, quantization=ns.quantization, int4_prefill=ns.int4_prefill, kv_cache_dtype=ns.kv_cache_dtype,
         speculative_config=parse_speculative_config(ns.speculative_config),
         tensor_parallel_size=ns.tensor_parallel_size, pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_timeout_s=ns.distributed_timeout,

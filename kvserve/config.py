@@ -9,6 +9,11 @@ class ConfigError(ValueError):
     """A user-facing configuration problem (bad model path, bad engine argument...)."""
 
 
+# How int4 mode computes prompt tokens (EngineArgs.int4_prefill): through bf16 copies of the
+# block-quantized layers ("bf16"), through the blocks themselves ("blocks"), or per layer
+# whichever this machine computes faster ("auto": kvserve.quant's DecodeFormatLinear.prefill_copy_pays).
+INT4_PREFILL_MODES = ("auto", "bf16", "blocks")
+
 @dataclass
 class ModelConfig:
     """Architecture hyper-parameters, filled from GGUF metadata or an HF ``config.json``.
@@ -120,6 +125,7 @@ class EngineArgs:
     # Linear-layer weight format: None (same as dtype) | "bf16" | "int8" | "int4" (CPU).
     # With dtype "auto" on a CPU with fast bf16: float32 activations and bf16 weights.
     quantization: Optional[str] = None
+    int4_prefill: str = "auto"  # one of INT4_PREFILL_MODES
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4}
     # (a dict or its JSON string); None: off. See kvserve/spec/config.py for every key.
@@ -146,6 +152,8 @@ class EngineArgs:
             raise ConfigError("max_model_len must be >= 2")
         if self.quantization not in (None, "none", "bf16", "int8", "int4"):
             raise ConfigError(f"unknown quantization {self.quantization!r}; use bf16, int8 or int4")
+        if self.int4_prefill not in INT4_PREFILL_MODES:
+            raise ConfigError(f"unknown int4_prefill {self.int4_prefill!r}; use one of {', '.join(INT4_PREFILL_MODES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -150,12 +150,15 @@ class LLMEngine:
                                   f"{self.model_config.num_hidden_layers} layers")
         else:
             self.model, self.model_config = load_model(self.source, dtype=self.dtype, device=self.device,
-                                                       quantization=self.weight_format)
+                                                       quantization=self.weight_format,
+                                                       int4_prefill=args.int4_prefill)
         # int4 layers with bf16 prefill copies compute prompt and generated tokens in different
-        # formats. The workers of a parallel engine hold the layers: assume so for int4 (the
-        # prefix cache then only shares fewer blocks, never wrong ones).
-        self.prefill_copies = (self.weight_format == "int4" if self.model is None
-                               else has_prefill_copies(self.model))
+        # formats. The workers of a parallel engine hold the layers: assume so for int4 unless
+        # told "blocks" (the prefix cache then only shares fewer blocks, never wrong ones).
+        if self.model is None:
+            self.prefill_copies = self.weight_format == "int4" and args.int4_prefill != "blocks"
+        else:
+            self.prefill_copies = has_prefill_copies(self.model)
         self.prefill_copy_bytes = 0 if self.model is None else prefill_copy_bytes(self.model)
         self.tokenizer = load_tokenizer(self.source)
         self.load_time_s = time.perf_counter() - t0
@@ -223,6 +226,7 @@ class LLMEngine:
         self.executor: Executor
         if self.parallel:
             spec = WorkerSpec(model=args.model, dtype=self.dtype, weight_format=self.weight_format,
+                              int4_prefill=args.int4_prefill,
                               kv_dtype=kv_dtype, block_size=cache.block_size, num_blocks=num_blocks,
                               device=args.device, num_threads=args.num_threads or 1,
                               timeout_s=args.distributed_timeout_s,

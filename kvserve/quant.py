@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from kvserve import block_formats, ops
-from kvserve.config import ConfigError
+from kvserve.config import INT4_PREFILL_MODES, ConfigError
 from kvserve.token_roles import current_token_roles
 
 logger = logging.getLogger(__name__)
@@ -192,10 +192,12 @@ class DecodeFormatLinear(nn.Module):
     The block kernels suit decode, whose few rows per step are bound by the bytes read, not
     prefill, where hundreds of rows make the step compute-bound and unpacking small integers
     costs more than the bytes it saves (issue #17: SmolLM2's 256-token TTFT was 481 ms through
-    the 4-bit kernel, 204 ms with bf16 weights). ``add_prefill_copy`` gives the layer a
+    the 4-bit row kernel, 204 ms with bf16 weights). ``add_prefill_copy`` gives the layer a
     ``Bf16Linear`` holding ``bf16(w)``, and the rows of a step's prompt tokens go through it,
     the others through the blocks (kvserve/token_roles.py: by the token's role, never by the
-    batch, so results stay deterministic).
+    batch, so results stay deterministic). Where the blocks' kernel is the faster one at
+    prefill too (``prefill_copy_pays``: the AVX512 4-bit tiles on Intel's cores), the layer
+    keeps no copy under ``int4_prefill="auto"``.
 
     Subclasses define ``dequantized()`` (the fp32 weights) and ``forward_blocks(x)``.
     """
@@ -211,6 +213,13 @@ class DecodeFormatLinear(nn.Module):
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def prefill_copy_pays(self) -> bool:
+        """Whether prompt rows run faster through a bf16 copy than through this layer's blocks
+        here (``int4_prefill="auto"``). Yes but where a subclass measured otherwise: on the AVX2
+        route the bf16 kernel beat every block kernel at 256 rows (1.4-1.7x), and the Q8 kernel
+        (Q8_0, Q6_K: int8 widened to fp32 FMAs) runs at half the bf16 kernel's rate everywhere."""
+        return True
 
     def add_prefill_copy(self) -> int:
         """Give the layer its bf16 prefill weights (see the class); their bytes."""
@@ -244,6 +253,13 @@ def _fp32_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 NIBBLE_TILE_ROWS = 16  # csrc/nibble_tiles.h kTileRows
+
+
+def widened_bf16_kernel() -> bool:
+    """Whether Bf16Linear runs kvserve's kernel on its widened AVX512 route here (bf16 weights
+    widened to fp32 for 16-lane FMAs: Intel's cores), rather than vdpbf16ps, AVX2, oneDNN."""
+    ext = ops.load_extension()
+    return ext is not None and batch_invariant_linears() and ext.bf16_kernel_route() == "widened512"
 
 
 def tiled_nibble_kernels() -> bool:
@@ -354,6 +370,15 @@ class Int4Linear(DecodeFormatLinear):
                                                     *self._row_scales(qs, dm), self.fp32_scales) if tiled else None)
         self.register_buffer("qs", None if tiled else qs.contiguous())
         self.register_buffer("dm", None if tiled else dm.contiguous())
+
+    def prefill_copy_pays(self) -> bool:
+        """Not for the AVX512 tiles against kvserve's bf16 kernel on its widened route (Intel's
+        cores, where vdpbf16ps runs at a quarter of the FMA rate): per 16 rows x 4 inputs one
+        vpdpbusd per activation byte against 4 fp32 FMAs. Measured on a Xeon without AMX, 256
+        rows: SmolLM2's 30 decoder layers 198 ms through the tiles against 245 ms through the
+        copies (min of 7); Gemma 3's Q4_K layers 0.92-0.94x the copies' time. On the dot route
+        (Zen 4) or through oneDNN (``KVSERVE_BATCH_INVARIANT=0``, AMX) the copies stay."""
+        return not (self.packed is not None and widened_bf16_kernel())
 
     @staticmethod
     def _row_scales(qs: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -512,6 +537,9 @@ class SegmentedLinear(DecodeFormatLinear):
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([s.forward_blocks(x) for s in self.segments], dim=-1)
 
+    def prefill_copy_pays(self) -> bool:
+        return any(s.prefill_copy_pays() for s in self.segments)  # one copy covers every segment
+
 
 def _block_quantized_forward(layer: nn.Module, x: torch.Tensor, kernel) -> torch.Tensor:
     """``layer(x)`` for kvserve's kernels (Int4Linear, Q8Linear, Bf16Linear, Fp32Linear): fp32 rows through the kernel
@@ -648,11 +676,12 @@ def _format_name(raw_parts: list) -> str:
 
 
 def convert_linear_layers(model: nn.Module, weight_format: str,
-                          raw_weights: Optional[dict] = None, prefill_copies: bool = True) -> dict[str, int]:
+                          raw_weights: Optional[dict] = None, int4_prefill: str = "auto") -> dict[str, int]:
     """Swap the decoder's linear layers and the LM head for ``weight_format`` ones.
 
-    ``prefill_copies``: int4 layers also get their bf16 prefill weights (``DecodeFormatLinear``),
-    for the prompt tokens; off for a draft model, which runs every row through the blocks.
+    ``int4_prefill`` (INT4_PREFILL_MODES): which int4 layers also get bf16 prefill weights for
+    the prompt tokens (``DecodeFormatLinear``): those where that pays here ("auto"), all
+    ("bf16") or none ("blocks": a draft model, which runs every row through the blocks).
 
     ``raw_weights`` (HF name -> GGUF QuantizedTensor): int4 mode reads a GGUF's own blocks
     where a kernel reads their type (Q4_1, Q4_K, Q5_0, Q8_0, Q6_K: every value as stored), and
@@ -664,6 +693,8 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ConfigError(f"unknown weight format {weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+    if int4_prefill not in INT4_PREFILL_MODES:
+        raise ConfigError(f"unknown int4 prefill mode {int4_prefill!r} (choose from {', '.join(INT4_PREFILL_MODES)})")
     packed = getattr(model, "packed_modules", {})
     raw_weights = raw_weights or {}
     counts: dict[str, int] = {}
@@ -692,7 +723,8 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
             new, kind = Bf16Linear(module.weight, module.bias), "bf16 (no kernel for its type)"
         else:
             new, kind = Int8Linear(module.weight, module.bias), "int8"
-        if isinstance(new, DecodeFormatLinear) and prefill_copies:
+        if isinstance(new, DecodeFormatLinear) and (
+                int4_prefill == "bf16" or (int4_prefill == "auto" and new.prefill_copy_pays())):
             prefill_bytes += new.add_prefill_copy()
         counts[kind] = counts.get(kind, 0) + 1
         parent_name, attr = name.rsplit(".", 1)

@@ -47,6 +47,10 @@ OTHERS = _prompts(63, seed=5)
 def _tiny(model: str, dtype: str, quantization: str, kv: str, **kwargs) -> LLM:
     if "num_blocks" not in kwargs:
         kwargs["kv_cache_memory"] = 8 << 20  # the default budget is zero-filled up front: keep engines cheap
+    if quantization == "int4":
+        # Every int4 layer with its bf16 prefill copy, whichever this machine's kernels favour:
+        # prompt and generated tokens in two formats is the case the invariances must survive.
+        kwargs.setdefault("int4_prefill", "bf16")
     return LLM(model=model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv, **kwargs)
 
 

@@ -200,17 +200,32 @@ def test_stop_string_and_stream_deltas(llm_factory):
     assert cut.outputs[0].text == full[:full.index(stop)]
 
 
-@pytest.mark.parametrize("quantization", ["int4", "bf16"])
-def test_int4_prefill_copies_in_the_start_up_line_and_the_prefix_cache_keys(llm_factory, quantization):
-    """int4's Int4Linear layers hold bf16 copies for prompt tokens: the start-up line says what
-    they cost, and cached blocks are keyed by where the prompt ends (kv_manager). Other formats:
-    neither."""
-    from kvserve.quant import prefill_copy_bytes
+@pytest.mark.parametrize("quantization,int4_prefill", [("int4", "bf16"), ("int4", "blocks"), ("int4", "auto"),
+                                                       ("bf16", "bf16")])
+def test_int4_prefill_copies_in_the_start_up_line_and_the_prefix_cache_keys(llm_factory, quantization, int4_prefill):
+    """int4's block-quantized layers may hold bf16 copies for prompt tokens (all with
+    int4_prefill "bf16", none with "blocks", where they pay here with "auto"): the start-up line
+    says what they cost, and cached blocks are keyed by where the prompt ends (kv_manager).
+    Other formats: neither."""
+    from kvserve.quant import DecodeFormatLinear, prefill_copy_bytes
 
-    engine = llm_factory(model="tiny-llama", dtype="float32", quantization=quantization, num_blocks=16).engine
+    engine = llm_factory(model="tiny-llama", dtype="float32", quantization=quantization, int4_prefill=int4_prefill,
+                         num_blocks=16).engine
+    layers = [m for m in engine.model.model.modules() if isinstance(m, DecodeFormatLinear)]  # the LM head has none
+    assert bool(layers) == (quantization == "int4")
+    expected = {"bf16": bool(layers), "blocks": False, "auto": any(m.prefill_copy_pays() for m in layers)}[int4_prefill]
+    assert all((m.prefill is not None) == (int4_prefill == "bf16" or int4_prefill == "auto" and m.prefill_copy_pays())
+               for m in layers)
     copies = prefill_copy_bytes(engine.model)
-    assert engine.prefill_copies == engine.kv_manager.hash_prompt_boundary == (quantization == "int4")
-    assert (copies > 0) == (quantization == "int4")
-    assert engine.executor.runner.wants_token_roles == (quantization == "int4")
+    assert engine.prefill_copies == engine.kv_manager.hash_prompt_boundary == expected
+    assert (copies > 0) == expected
+    assert engine.executor.runner.wants_token_roles == expected
     line = engine.describe_kv_cache()
-    assert (f"bf16 copies for prompt tokens: +{copies / 2**20:.1f} MiB" in line) == (quantization == "int4")
+    assert (f"bf16 copies for prompt tokens: +{copies / 2**20:.1f} MiB" in line) == expected
+
+
+def test_int4_prefill_mode_is_checked():
+    from kvserve.config import ConfigError, EngineArgs
+
+    with pytest.raises(ConfigError, match="int4_prefill 'fast'"):
+        EngineArgs(model="tiny-llama", int4_prefill="fast").validate()

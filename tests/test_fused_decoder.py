@@ -74,7 +74,7 @@ def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prom
     Q4_1 blocks, in the native loop as in the Python model. [40, 10]: the first step's prompt
     rows are two runs (gathered); [100, 5]: one run per role; [150, 10]: an all-prompt step,
     then one run per role, then all generated."""
-    model, cfg = load_model(resolve_model(name), quantization="int4")
+    model, cfg = load_model(resolve_model(name), quantization="int4", int4_prefill="bf16")
     fused = model.model.fused_layers
     native = _three_steps(model, cfg, prompt_lens=prompt_lens)
     model.model.fused_layers = None

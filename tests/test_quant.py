@@ -46,6 +46,28 @@ def test_int4_from_q4_1_matches_fp32_linear():
     assert rel < 5e-3  # bf16 activations; the 4-bit values and fp16 scales are the file's
 
 
+def test_int4_prefill_auto_keeps_the_copies_where_they_pay():
+    """int4_prefill "auto": the Q8 kernel (Q8_0, Q6_K) always keeps a bf16 copy for prompt rows, and
+    so does a segmented projection with such a part; the 4-bit layers drop theirs only where
+    the AVX512 tiles run against kvserve's bf16 kernel on its widened route (Intel's cores)."""
+    from kvserve.quant import SegmentedLinear
+
+    torch.manual_seed(0)
+    q4, q8 = Int4Linear.from_float(torch.randn(32, 64), None), Q8Linear.from_float(torch.randn(16, 64))
+    assert q8.prefill_copy_pays() and SegmentedLinear([q4, q8]).prefill_copy_pays()
+    ext = ops.load_extension()
+    route = None if ext is None else ext.bf16_kernel_route()
+    tiles_win = ops.nibble_kernel_isa() == "avx512" and route == "widened512"
+    assert q4.prefill_copy_pays() == (not tiles_win)
+    assert SegmentedLinear([q4, Int4Linear.from_float(torch.randn(16, 64), None)]).prefill_copy_pays() == (not tiles_win)
+    if route in ("dot", "widened512"):  # the other AVX512 route (Zen 4's, vdpbf16ps): copies stay
+        ext.set_bf16_kernel_route("dot")
+        try:
+            assert q4.prefill_copy_pays()
+        finally:
+            ext.set_bf16_kernel_route(route)
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 def test_int4_prefill_copy_gives_each_row_the_format_of_its_role(kernels):
     """A mixed step (one request's prompt rows, another's generated rows, in any order): each

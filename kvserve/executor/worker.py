@@ -55,6 +55,7 @@ class WorkerSpec:
     pipeline_parallel_size: int = 1
     # Every rank on this machine: the path prefix of the shared-memory collectives' buffers.
     shm_path: Optional[str] = None
+    int4_prefill: str = "auto"  # EngineArgs.int4_prefill
     # The KV manager's groups (kv_cache_groups; global layer indices): one block table per
     # group in every step. Empty: one full group of every layer.
     kv_groups: tuple[KVCacheGroup, ...] = ()
@@ -114,7 +115,8 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
     if pp is not None:
         pp.layer_range = layer_range = stage_layers(full_cfg.num_hidden_layers, pp.num_stages, pp.stage)
     model, _ = load_model(source, dtype=spec.dtype, device=device,
-                          quantization=spec.weight_format, tp=tp, pp=pp)
+                          quantization=spec.weight_format, tp=tp, pp=pp,
+                          int4_prefill=spec.int4_prefill)
     local_cfg = model.config  # per-rank head counts and widths
     # This rank's KV: its heads, its stage's layers in the engine's groups (each layer in the
     # group and slot the stage's cut of them gives it: the engine's table g is group g's), and

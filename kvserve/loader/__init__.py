@@ -80,11 +80,11 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                quantization: str | None = None,
                tp: Optional[ParallelGroup] = None,
                pp: Optional[PipelineStage] = None,
-               prefill_copies: bool = True) -> tuple[nn.Module, ModelConfig]:
+               int4_prefill: str = "auto") -> tuple[nn.Module, ModelConfig]:
     """Build the model (this rank's shard with ``tp``, its stage's layers with ``pp``);
     ``quantization`` ("bf16" | "int8" | "int4") stores the linear layers' weights in that format (activations stay in ``dtype``),
-    reusing the GGUF's Q4_1 blocks for int4 where there are any; ``prefill_copies``: int4
-    layers also hold bf16 weights for prompt tokens (kvserve.quant.Int4Linear)."""
+    reusing the GGUF's Q4_1 blocks for int4 where there are any; ``int4_prefill``: which int4
+    layers also hold bf16 weights for prompt tokens (kvserve.quant.convert_linear_layers)."""
     sharded = tp is not None and tp.world_size > 1
     model, config = _load_float_model(source, dtype, device, tp if sharded else None, pp)
     if quantization:
@@ -101,7 +101,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                        if (part := plan.shard_raw(name, qt)) is not None}
             if pp is not None:
                 raw = dict(_stage_weights(raw.items(), *pp.layer_range))
-        convert_linear_layers(model, quantization, raw, prefill_copies)
+        convert_linear_layers(model, quantization, raw, int4_prefill)
     elif dtype == torch.float32:
         # fp32 weights through kvserve's batch-invariant kernel rather than MKL's sgemm.
         from kvserve.quant import use_invariant_fp32_linears

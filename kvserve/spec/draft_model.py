@@ -130,7 +130,7 @@ def load_draft_model(spec: SpeculativeConfig, target_config: ModelConfig, target
     weight_format = None if weight_format == "none" else weight_format
     # The draft's forwards carry no token roles (every row is a draft's): no prefill copies.
     model, config = load_model(source, dtype=dtype, device=device, quantization=weight_format,
-                               prefill_copies=False)
+                               int4_prefill="blocks")
     # One group holding every position: the draft reads the target's full-attention table
     # (group 0), so its own sliding layers, if any, keep their whole context.
     kv_spec = KVCacheSpec.for_model(config, block_size, kv_dtype, reclaim_sliding_window=False)
