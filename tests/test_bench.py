@@ -310,6 +310,17 @@ def test_bench_latency_end_to_end(tmp_path):
     assert (tmp_path / "lat.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("int4_prefill", ["blocks", "bf16"])
+def test_bench_results_name_the_int4_prefill_mode(tmp_path, int4_prefill):
+    out = tmp_path / "lat.json"
+    assert kvserve_main(["bench", "latency", *TINY, "--quantization", "int4", "--int4-prefill", int4_prefill,
+                         "--prompt-len", "12", "--output-len", "2", "--num-iters", "1", "--prefill-lens", "16",
+                         "--json", str(out)]) == 0
+    r = _load(out)
+    assert r["weights"] == "int4" and r["int4_prefill"] == int4_prefill
+    assert (r["prefill_copy_mib"] > 0) == (int4_prefill == "bf16")
+
+
 def test_profile_end_to_end(tmp_path, capsys):
     out, trace = tmp_path / "prof.json", tmp_path / "trace.json"
     rc = kvserve_main(["profile", "--model", "tiny-llama", "--no-progress", "--workload", "W1",

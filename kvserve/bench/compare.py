@@ -50,6 +50,10 @@ class BenchSession:
                 "model_source": {"kind": engine.source.kind, "path": str(engine.source.path)},
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "weights": engine.weight_format or str(self.dtype).removeprefix("torch."),
+                # int4: which prompt rows ran on bf16 copies (--int4-prefill) and what they cost.
+                **({"int4_prefill": self.driver.eargs.int4_prefill,
+                    "prefill_copy_mib": round(engine.prefill_copy_bytes / 2**20, 1)}
+                   if engine.weight_format == "int4" else {}),
                 "device": str(engine.device),
                 "num_threads": torch.get_num_threads(), "machine": self.machine,
                 "load_average": machine_load()}
