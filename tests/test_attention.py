@@ -214,12 +214,72 @@ def test_bfloat16_close_to_reference():
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_cache_under_fp32_queries(cache_dtype):
     """The engine's default: fp32 activations over a 16-bit cache. Both paths stay within the
-    cache's rounding of the reference (the kernel computes in fp32 after the load)."""
+    cache's rounding of the reference (the kernel computes in fp32 after the load, or in bf16
+    pairs on the dot route: test_bf16_cache_routes_equal_attention_over_what_the_cache_holds)."""
     c = Case(*CASES["mixed"], seed=6, cache_dtype=cache_dtype)
     for window in (None, 5):
         out = c.run(window)
         assert out.dtype == torch.float32
         assert (out - c.reference(window)).abs().max() < 3e-2
+
+
+def _attention_routes() -> list[str]:
+    ext = ops.load_extension()
+    if ext is None:
+        return []
+    try:
+        ext.set_attention_kernel_route("dot")
+    except RuntimeError:
+        return ["widened"]  # this build has no bf16 dot product
+    return ["widened", "dot"]
+
+
+@pytest.fixture
+def attention_route(request):
+    """Switch the kernel's route for a bf16 cache for one test (the process's own route is
+    fixed at start: KVSERVE_ATTENTION_ROUTE or the CPU's vendor)."""
+    ext = ops.load_extension()
+    before = ext.attention_kernel_route()
+    ext.set_attention_kernel_route(request.param)
+    yield request.param
+    ext.set_attention_kernel_route(before)
+
+
+# The dot route rounds each query and each softmax weight to bf16 (8 bits of mantissa) and
+# multiplies in bf16 pairs; against attention over exactly what the cache holds that moves an
+# output by ~2^-9 of the scores' and values' scale. The widened route computes in fp32.
+BF16_ROUTE_BOUND = {"widened": 1e-5, "dot": 1e-2}  # dot: 5.5e-3 measured
+
+
+@pytest.mark.parametrize("attention_route", _attention_routes(), indirect=True)
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_cache_routes_equal_attention_over_what_the_cache_holds(case, window, attention_route, attention_path):
+    if attention_path != "kernel":
+        pytest.skip("the kernel's routes")
+    c = Case(*CASES[case], seed=21 + list(CASES).index(case), cache_dtype=torch.bfloat16)
+    out = c.run(window)
+    c.k, c.v = [k.bfloat16().float() for k in c.k], [v.bfloat16().float() for v in c.v]
+    assert (out - c.reference(window)).abs().max() < BF16_ROUTE_BOUND[attention_route]
+
+
+@pytest.mark.parametrize("attention_route", _attention_routes(), indirect=True)
+def test_bf16_cache_rows_do_not_depend_on_the_chunking(attention_route, attention_path):
+    """A row's bits are the same whether its query came in one prefill, in chunks of any size
+    or one at a time as decodes: the prefill tiles pair the chunk into a buffer, a decode pairs
+    the cache rows as it reads them, and every row takes the same instructions."""
+    if attention_path != "kernel":
+        pytest.skip("the kernel's routes")
+    n = 41
+    whole = Case([0], [n], seed=7, cache_dtype=torch.bfloat16)
+    expected = whole.run()
+    for spans in ([(0, 17), (17, 18), (18, 35), (35, 41)], [(i, i + 1) for i in range(n)]):
+        chunked = Case([0], [n], seed=7, cache_dtype=torch.bfloat16)
+        outs = []
+        for a, b in spans:
+            md = build_attention_metadata(chunked.tables, [a], [b - a], BLOCK)
+            outs.append(paged_attention(chunked.q[0][a:b], chunked.k[0][a:b], chunked.v[0][a:b], chunked.cache, md, SCALE, None))
+        assert torch.equal(torch.cat(outs), expected)
 
 
 def test_long_contexts_and_many_sequences():

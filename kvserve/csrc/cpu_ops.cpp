@@ -5,7 +5,8 @@
 // Each kernel has a plain-torch twin in kvserve/ops.py that the tests compare it with; the
 // Python side only calls these for fp32 activations on the CPU. Activations are fp32; the KV
 // cache may be fp32, bf16 or fp16 and is read in place (no gathered copy of the blocks).
-// Reductions run in fp32 with vectorised (reordered) sums; every row is computed the same way
+// Reductions run in fp32 with vectorised (reordered) sums (attention over a bf16 cache on AMD's
+// Zen 4: products of bf16 pairs, see attention_tile_dot); every row is computed the same way
 // whatever the batch, so results do not depend on batch composition.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -26,6 +27,7 @@
 #include <limits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -154,6 +156,15 @@ inline Vec16 widen16(const c10::Half* p) {
   half_to_float(p, 16, wide);
   return load_vec16(wide);
 #endif
+}
+
+// f rounded to the nearest bf16 (ties to even, as torch's .to(bfloat16)), as an fp32; f finite.
+inline float round_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
 }
 
 // exp(x) for x <= 0 with ~1 ulp error, written so that GCC vectorises a loop of it
@@ -454,6 +465,9 @@ inline void store_normalized_row(float* out, int64_t o_s0, int64_t o_s1, int64_t
 // scores (soft-capped here); keys in [lo, hi] and below n_keys are visible. Writes the weights
 // p (relative to the row's new maximum; 0 where hidden), updates the row's max and sum, and
 // returns the factor that rescales the row's earlier accumulators.
+// With kRoundToBf16 the weights are rounded to bf16 (the bf16-dot route multiplies them in
+// bf16) before they are summed, so that the row's sum is the sum of the weights it applies.
+template <bool kRoundToBf16 = false>
 inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int64_t hi, float softcap,
                            float& row_max, float& row_sum, float* p) {
   // Masking by a 0/1 factor rather than branches keeps these loops vectorised.
@@ -482,6 +496,7 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
   for (int64_t t = 0; t < kKeyChunk; ++t) {
     // A masked key may score above the max: clamp before exp, then zero it.
     p[t] = visible[t] * exp_nonpositive(std::min(x[t] - new_max, 0.f));
+    if constexpr (kRoundToBf16) p[t] = round_to_bf16(p[t]);
     p_sum += p[t];
   }
   row_sum = row_sum * correction + p_sum;
@@ -493,12 +508,194 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
 // Never inlined: one copy of the code serves every row, since GCC compiled the sum and the exp
 // differently in the tiles' blocks of 1-4 rows (-fassociative-math), and a row must not depend
 // on its block.
+template <bool kRoundToBf16 = false>
 __attribute__((noinline)) void softmax_rows(float (*x)[kKeyChunk], int64_t rows, int64_t j0, int64_t n_keys,
                                             const int64_t* lo, const int64_t* hi, float softcap, float* row_max,
                                             float* row_sum, float (*p)[kKeyChunk], float* correction) {
   for (int64_t r = 0; r < rows; ++r)
-    correction[r] = softmax_chunk(x[r], j0, n_keys, lo[r], hi[r], softcap, row_max[r], row_sum[r], p[r]);
+    correction[r] = softmax_chunk<kRoundToBf16>(x[r], j0, n_keys, lo[r], hi[r], softcap, row_max[r], row_sum[r], p[r]);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define KVSERVE_ATTENTION_BF16_DOT 1
+// Whether attention over a bf16 cache multiplies in bf16 pairs with vdpbf16ps (the queries and
+// the softmax weights rounded to bf16, sums in fp32) rather than widening the cache to fp32 for
+// FMAs: 32 products per instruction against 16, at the FMA's rate on AMD's Zen 4; Intel's cores
+// run it at a quarter of that rate and keep the widened route. Fixed for the process, so every
+// step on a machine computes a row the same way (KVSERVE_ATTENTION_ROUTE=dot|widened overrides).
+bool g_attention_bf16_dot = [] {
+  const char* route = std::getenv("KVSERVE_ATTENTION_ROUTE");
+  if (route && std::strcmp(route, "dot") == 0) return true;
+  if (route && std::strcmp(route, "widened") == 0) return false;
+  return __builtin_cpu_is("intel") == 0;
+}();
+
+// Lane i of the result holds the bf16 pair (a[i], b[i]) that vdpbf16ps multiplies in lane i:
+// two rows of 16 bf16 values interleaved.
+inline __m512i pair_rows(const uint16_t* a, const uint16_t* b) {
+  static const __m512i kInterleave = [] {
+    alignas(64) uint16_t idx[32];
+    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<uint16_t>(i), idx[2 * i + 1] = static_cast<uint16_t>(32 + i);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i va = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  const __m512i vb = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  return _mm512_permutex2var_epi16(va, kInterleave, vb);
+}
+
+// acc + the products of the bf16 pair `pair` (one 32-bit word, broadcast) with each lane's pair.
+inline __m512 dot_pairs(__m512 acc, uint32_t pair, __m512i lanes) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(pair))),
+                          reinterpret_cast<__m512bh>(lanes));
+}
+
+// 16 fp32 values rounded to bf16 (to nearest, ties to even), stored as 8 pairs: word j holds
+// values 2j (low half) and 2j + 1.
+inline void store_bf16x16(uint32_t* dst, __m512 values) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(values)));
+}
+
+// attention_tile for a bf16 cache on the bf16-dot route: the same chunks, partitions, masks and
+// online softmax, with each score a sum over pairs of dimensions (q[d], q[d + 1]) . (k[d], k[d + 1])
+// and each output a sum over pairs of keys (p[t], p[t + 1]) . (v[t], v[t + 1]), in fp32, two
+// chains each. The queries are rounded to bf16 once per tile, the weights as the softmax makes
+// them (softmax_rows<true>). A decode's few rows pair the cache rows as they read them; more
+// rows (prefill) or a partial chunk pair the chunk once into a buffer (zero-padded), and every
+// row takes the same instructions from either.
+template <int64_t kD>
+void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
+                        const c10::BFloat16* khead_, const c10::BFloat16* vhead_, const int32_t* table, int64_t BS,
+                        int64_t d_runtime, int64_t G, int64_t first_query_pos, int64_t num_queries, int64_t first_row,
+                        int64_t kvh, float scale, int64_t window, float softcap, int64_t key_begin, int64_t key_end,
+                        float* partial, std::vector<float>& work) {
+  const int64_t D = kD > 0 ? kD : d_runtime;
+  const int64_t rows = num_queries * G;
+  const uint16_t* khead = reinterpret_cast<const uint16_t*>(khead_);
+  const uint16_t* vhead = reinterpret_cast<const uint16_t*>(vhead_);
+  // acc [rows, D], row_max, row_sum, the queries' bf16 pairs [rows, D / 2], the paired key
+  // chunk [D / 2, 16] and value chunk [8, D] (32-bit words: one float's room each).
+  work.resize(rows * D + 2 * rows + rows * D / 2 + D / 2 * kKeyChunk + kKeyChunk / 2 * D);
+  float* acc = work.data();
+  float* row_max = acc + rows * D;
+  float* row_sum = row_max + rows;
+  uint32_t* q_pairs = reinterpret_cast<uint32_t*>(row_sum + rows);
+  uint32_t* k_pairs = q_pairs + rows * D / 2;
+  uint32_t* v_pairs = k_pairs + D / 2 * kKeyChunk;
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + rows, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {  // 16 queries' values at a time, to nearest (even)
+    const float* qr = q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1;
+    for (int64_t d = 0; d < D; d += kKeyChunk) store_bf16x16(q_pairs + r * D / 2 + d / 2, _mm512_loadu_ps(qr + d));
+  }
+
+  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
+  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window));
+  const bool few_rows = rows <= kRowBlock;
+  for (int64_t j0 = first_key; j0 <= last_key;) {
+    const int64_t block = table[j0 / BS], offset = j0 % BS;
+    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
+    const int64_t n_keys = j1 - j0;
+    const char* k_ahead = nullptr;
+    const char* v_ahead = nullptr;
+    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; ahead <= last_key && few_rows) {
+      k_ahead = reinterpret_cast<const char*>(khead + table[ahead / BS] * D * BS + ahead % BS);
+      v_ahead = reinterpret_cast<const char*>(vhead + (table[ahead / BS] * BS + ahead % BS) * D);
+    }
+    const uint16_t* kb = khead + block * D * BS + offset;  // row d of the chunk: kb + d * BS
+    const uint16_t* vb = vhead + (block * BS + offset) * D;  // row t of the chunk: vb + t * D
+    // key_lanes(i): the keys' pairs of dimensions (2i, 2i + 1); value_lanes(j, d0): the pairs of
+    // keys (2j, 2j + 1) in dimensions d0..d0 + 15.
+    auto row_block = [&](auto key_lanes, auto value_lanes, int64_t r0, auto nr_constant) {
+      constexpr int64_t NR = decltype(nr_constant)::value;
+      const uint32_t* qp[NR];
+      int64_t lo[NR], hi[NR];
+      bool any_visible = false;
+      for (int64_t b = 0; b < NR; ++b) {
+        qp[b] = q_pairs + (r0 + b) * D / 2;
+        hi[b] = first_query_pos + (r0 + b) / G;
+        lo[b] = window > 0 ? hi[b] - window + 1 : 0;
+        any_visible |= j0 <= hi[b] && j1 > lo[b];
+      }
+      if (!any_visible) return;
+      __m512 sc[NR], sc_odd[NR];
+      for (int64_t b = 0; b < NR; ++b) sc[b] = sc_odd[b] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D / 2; i += 2) {
+        if (k_ahead != nullptr) {  // as attention_tile: a line of the chunk ahead per step
+          const int64_t d = 2 * i;
+          for (int64_t e = 0; e < 4; ++e) __builtin_prefetch(k_ahead + (d + e) * BS * 2, 0, 2);
+          constexpr int64_t kValueBytesPerStep = 4 * kKeyChunk * 2;
+          for (int64_t off = 0; off < kValueBytesPerStep; off += 64)
+            __builtin_prefetch(v_ahead + i / 2 * kValueBytesPerStep + off, 0, 2);
+        }
+        const __m512i k0 = key_lanes(i), k1 = key_lanes(i + 1);
+        for (int64_t b = 0; b < NR; ++b) {
+          sc[b] = dot_pairs(sc[b], qp[b][i], k0);
+          sc_odd[b] = dot_pairs(sc_odd[b], qp[b][i + 1], k1);
+        }
+      }
+      float p[NR][kKeyChunk];
+      float correction[NR];
+      float x[NR][kKeyChunk];
+      for (int64_t b = 0; b < NR; ++b) _mm512_storeu_ps(x[b], _mm512_mul_ps(_mm512_add_ps(sc[b], sc_odd[b]), _mm512_set1_ps(scale)));
+      softmax_rows<true>(x, NR, j0, n_keys, lo, hi, softcap, row_max + r0, row_sum + r0, p, correction);
+      uint32_t p_pairs[NR][kKeyChunk / 2];  // (the weights are bf16 values already: exact)
+      for (int64_t b = 0; b < NR; ++b) store_bf16x16(p_pairs[b], _mm512_loadu_ps(p[b]));
+      for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
+        asm("" : "+m"(p_pairs));  // (see attention_tile: keep the broadcasts as memory operands)
+        __m512 even[NR], odd[NR];
+        for (int64_t b = 0; b < NR; ++b) {
+          even[b] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + b) * D + d0), _mm512_set1_ps(correction[b]));
+          odd[b] = _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < kKeyChunk / 2; j += 2) {
+          const __m512i v0 = value_lanes(j, d0), v1 = value_lanes(j + 1, d0);
+          for (int64_t b = 0; b < NR; ++b) {
+            even[b] = dot_pairs(even[b], p_pairs[b][j], v0);
+            odd[b] = dot_pairs(odd[b], p_pairs[b][j + 1], v1);
+          }
+        }
+        for (int64_t b = 0; b < NR; ++b) _mm512_storeu_ps(acc + (r0 + b) * D + d0, _mm512_add_ps(even[b], odd[b]));
+      }
+    };
+    auto rows_over_chunk = [&](auto key_lanes, auto value_lanes) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        dispatch_rows<kRowBlock>(rows - r0, [&](auto nr) { row_block(key_lanes, value_lanes, r0, nr); });
+      }
+    };
+    if (n_keys == kKeyChunk && few_rows) {
+      rows_over_chunk([&](int64_t i) { return pair_rows(kb + 2 * i * BS, kb + (2 * i + 1) * BS); },
+                      [&](int64_t j, int64_t d0) { return pair_rows(vb + 2 * j * D + d0, vb + (2 * j + 1) * D + d0); });
+    } else {
+      if (n_keys == kKeyChunk) {
+        for (int64_t i = 0; i < D / 2; ++i)
+          _mm512_storeu_si512(k_pairs + i * kKeyChunk, pair_rows(kb + 2 * i * BS, kb + (2 * i + 1) * BS));
+        for (int64_t j = 0; j < kKeyChunk / 2; ++j)
+          for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk)
+            _mm512_storeu_si512(v_pairs + j * D + d0, pair_rows(vb + 2 * j * D + d0, vb + (2 * j + 1) * D + d0));
+      } else {  // a partial chunk: keys past n_keys are zeros
+        for (int64_t i = 0; i < D / 2; ++i)
+          for (int64_t t = 0; t < kKeyChunk; ++t)
+            k_pairs[i * kKeyChunk + t] = t < n_keys ? kb[2 * i * BS + t] | (static_cast<uint32_t>(kb[(2 * i + 1) * BS + t]) << 16) : 0u;
+        for (int64_t j = 0; j < kKeyChunk / 2; ++j)
+          for (int64_t d = 0; d < D; ++d) {
+            const uint32_t lo = 2 * j < n_keys ? vb[2 * j * D + d] : 0u, hi = 2 * j + 1 < n_keys ? vb[(2 * j + 1) * D + d] : 0u;
+            v_pairs[j * D + d] = lo | (hi << 16);
+          }
+      }
+      rows_over_chunk([&](int64_t i) { return _mm512_loadu_si512(k_pairs + i * kKeyChunk); },
+                      [&](int64_t j, int64_t d0) { return _mm512_loadu_si512(v_pairs + j * D + d0); });
+    }
+    j0 = j1;
+  }
+  if (partial != nullptr) {
+    std::copy(acc, acc + rows * D + 2 * rows, partial);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc + r * D, row_sum[r], D);
+}
+#endif
 
 // Attention of a tile of one sequence's queries (all G query heads of one KV head) over the
 // paged cache, flash-style: keys are visited in chunks of <= 16 within a block, widened to
@@ -514,6 +711,15 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
                     int64_t kvh, float scale, int64_t window, float softcap, int64_t key_begin, int64_t key_end,
                     float* partial, std::vector<float>& work) {
   const int64_t D = kD > 0 ? kD : d_runtime;
+#ifdef KVSERVE_ATTENTION_BF16_DOT
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    if (g_attention_bf16_dot && D % kKeyChunk == 0) {
+      return attention_tile_dot<kD>(q, q_s0, q_s1, out, o_s0, o_s1, khead, vhead, table, BS, d_runtime, G,
+                                    first_query_pos, num_queries, first_row, kvh, scale, window, softcap, key_begin,
+                                    key_end, partial, work);
+    }
+  }
+#endif
   const int64_t rows = num_queries * G;
   work.resize(rows * D + 2 * rows + D * kKeyChunk + kKeyChunk * D);
   float* acc = work.data();  // [rows, D]
@@ -1338,6 +1544,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk_", &rope_qk_);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("paged_attention", &paged_attention);
+  m.def("attention_kernel_route", []() -> std::string {
+#ifdef KVSERVE_ATTENTION_BF16_DOT
+    return g_attention_bf16_dot ? "dot" : "widened";
+#else
+    return "widened";
+#endif
+  });
+  // Tests only: a process that switches routes between steps computes rows two ways.
+  m.def("set_attention_kernel_route", [](const std::string& route) {
+    TORCH_CHECK(route == "dot" || route == "widened", "attention route must be dot or widened");
+#ifdef KVSERVE_ATTENTION_BF16_DOT
+    g_attention_bf16_dot = route == "dot";
+#else
+    TORCH_CHECK(route == "widened", "this build has only the widened attention route");
+#endif
+  });
   m.def("set_portable_int8_attention", [](bool portable) { g_portable_int8_attention = portable; });
   m.def("act_and_mul", &act_and_mul);
   m.def("top_k_rows", &top_k_rows);

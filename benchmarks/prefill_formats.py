@@ -1,0 +1,82 @@
+"""int4 mode's prompt rows, layer by layer: through the layer's own blocks (the 4-bit tiles,
+Q5_0, Q8_0/Q6_K kernels) or through its bf16 copy, at one prompt length, on this CPU. It is
+the measurement behind ``--int4-prefill auto`` (``DecodeFormatLinear.prefill_copy_pays``):
+the table says, per layer kind, which way is faster here and what ``auto`` chose, and the
+totals over the decoder's linear layers compare all blocks, all copies, ``auto`` and the
+per-kind best. Calls alternate between the two ways; each figure is the minimum of
+``--repeats`` calls (the machine is shared and noisy: only the ratios mean much).
+
+    python benchmarks/prefill_formats.py [--model gemma-3-270m] [--rows 256] [--repeats 7]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from kvserve.bench.machine import cpu_info
+from kvserve.loader import load_model
+from kvserve.loader.resolve import resolve_model
+from kvserve.quant import DecodeFormatLinear
+
+
+def _min_ms(fn, x: torch.Tensor, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _kind(name: str, layer: DecodeFormatLinear) -> str:
+    parts = getattr(layer, "segments", None)
+    fmt = type(layer).__name__
+    if parts is not None:
+        fmt += "(" + ",".join(type(p).__name__ for p in parts) + ")"
+    return f"{name.split('.')[-1]} {layer.out_features}x{layer.in_features} {fmt}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']} ({', '.join(cpu['features'])}), {torch.get_num_threads()} threads")
+    model, _ = load_model(resolve_model(args.model), dtype=torch.bfloat16, quantization="int4",
+                          int4_prefill="bf16")
+    layers = [(n, m) for n, m in model.named_modules()
+              if isinstance(m, DecodeFormatLinear) and m.prefill is not None and ".layers." in n]
+    per_kind: dict[str, list[tuple[float, float, bool]]] = defaultdict(list)
+    with torch.inference_mode():
+        for name, layer in layers:
+            x = torch.randn(args.rows, layer.in_features, dtype=torch.bfloat16)
+            layer.forward_blocks(x), layer.prefill(x)  # warm: page in, pack caches
+            blocks = copy = float("inf")
+            for _ in range(args.repeats):
+                blocks = min(blocks, _min_ms(layer.forward_blocks, x, 1))
+                copy = min(copy, _min_ms(layer.prefill, x, 1))
+            per_kind[_kind(name, layer)].append((blocks, copy, layer.prefill_copy_pays()))
+    print(f"\n{args.model}, int4, {args.rows} prompt rows per call, min of {args.repeats} alternated calls\n")
+    print("| layer kind | layers | blocks ms | bf16 copy ms | blocks / copy | auto keeps the copy |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    totals = defaultdict(float)
+    for kind, rows in per_kind.items():
+        blocks, copy = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        keeps = {r[2] for r in rows}
+        totals["blocks"] += blocks
+        totals["copies"] += copy
+        totals["auto"] += sum(r[1] if r[2] else r[0] for r in rows)
+        totals["best per kind"] += min(blocks, copy)
+        print(f"| {kind} | {len(rows)} | {blocks:.1f} | {copy:.1f} | {blocks / copy:.2f} | "
+              f"{'yes' if keeps == {True} else 'no' if keeps == {False} else 'mixed'} |")
+    print("\nDecoder linear layers in all:", ", ".join(f"{k} {v:.1f} ms" for k, v in totals.items()))
+
+
+if __name__ == "__main__":
+    main()
