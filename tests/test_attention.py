@@ -227,10 +227,13 @@ def _attention_routes() -> list[str]:
     ext = ops.load_extension()
     if ext is None:
         return []
+    before = ext.attention_kernel_route()
     try:
         ext.set_attention_kernel_route("dot")
     except RuntimeError:
         return ["widened"]  # this build has no bf16 dot product
+    finally:
+        ext.set_attention_kernel_route(before)  # the process's own route for every other test
     return ["widened", "dot"]
 
 
