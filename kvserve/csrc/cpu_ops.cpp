@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_ops.h"
+#include "bf16.h"
 #include "dense_linear.h"
 #include "quant_linear.h"
 #include "screen_linear.h"
@@ -27,7 +28,6 @@
 #include <limits>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -156,15 +156,6 @@ inline Vec16 widen16(const c10::Half* p) {
   half_to_float(p, 16, wide);
   return load_vec16(wide);
 #endif
-}
-
-// f rounded to the nearest bf16 (ties to even, as torch's .to(bfloat16)), as an fp32; f finite.
-inline float round_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
 }
 
 // exp(x) for x <= 0 with ~1 ulp error, written so that GCC vectorises a loop of it
@@ -461,6 +452,50 @@ inline void store_normalized_row(float* out, int64_t o_s0, int64_t o_s1, int64_t
   for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
 }
 
+// A tile's end: its unnormalised accumulators [rows, D], row maxima and row sums (adjacent in
+// `acc`) to `partial` for merge_partitions, or its rows normalised into `out`.
+inline void finish_tile(const float* acc, int64_t rows, int64_t D, float* partial, float* out, int64_t o_s0,
+                        int64_t o_s1, int64_t first_row, int64_t kvh, int64_t G) {
+  if (partial != nullptr) {
+    std::copy(acc, acc + rows * D + 2 * rows, partial);
+    return;
+  }
+  const float* row_sum = acc + rows * D + rows;
+  for (int64_t r = 0; r < rows; ++r)
+    store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc + r * D, row_sum[r], D);
+}
+
+// A chunk of keys [j0, j1) of a float or bf16 cache (see for_each_key_chunk): its keys start at
+// key_offset (row d at + d * BS) and its values at value_offset (row t at + t * D) in the head's
+// cache; key_ahead / value_ahead: the same for the chunk kPrefetchChunks ahead, or -1.
+struct KeyChunk {
+  int64_t j0, j1, key_offset, value_offset, key_ahead, value_ahead;
+};
+
+// The chunks of keys a tile of `num_queries` queries from `first_query_pos` visits within
+// [key_begin, key_end): at most kKeyChunk keys each, never crossing a paged block, from the
+// first key its queries see to the last. With `prefetch` (a decode's tile) each chunk names the
+// one kPrefetchChunks ahead, fetched into L2 a line at a time inside the score loop: blocks sit
+// anywhere in the pool, so the hardware prefetcher cannot follow; a prefill's tile computes long
+// enough on each chunk not to need it.
+template <typename Body>
+inline void for_each_key_chunk(const int32_t* table, int64_t BS, int64_t D, int64_t first_query_pos,
+                               int64_t num_queries, int64_t window, int64_t key_begin, int64_t key_end, bool prefetch,
+                               Body&& body) {
+  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
+  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window));
+  auto key_offset = [&](int64_t pos) { return table[pos / BS] * D * BS + pos % BS; };
+  auto value_offset = [&](int64_t pos) { return (table[pos / BS] * BS + pos % BS) * D; };
+  for (int64_t j0 = first_key; j0 <= last_key;) {
+    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
+    const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk;
+    const bool fetch = prefetch && ahead <= last_key;
+    body(KeyChunk{j0, j1, key_offset(j0), value_offset(j0), fetch ? key_offset(ahead) : -1,
+                  fetch ? value_offset(ahead) : -1});
+    j0 = j1;
+  }
+}
+
 // The online softmax of one score row over one chunk of keys [j0, j0 + 16): x holds the scaled
 // scores (soft-capped here); keys in [lo, hi] and below n_keys are visible. Writes the weights
 // p (relative to the row's new maximum; 0 where hidden), updates the row's max and sum, and
@@ -496,7 +531,7 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
   for (int64_t t = 0; t < kKeyChunk; ++t) {
     // A masked key may score above the max: clamp before exp, then zero it.
     p[t] = visible[t] * exp_nonpositive(std::min(x[t] - new_max, 0.f));
-    if constexpr (kRoundToBf16) p[t] = round_to_bf16(p[t]);
+    if constexpr (kRoundToBf16) p[t] = bf16_value(bf16_bits_rne(p[t]));
     p_sum += p[t];
   }
   row_sum = row_sum * correction + p_sum;
@@ -520,15 +555,9 @@ __attribute__((noinline)) void softmax_rows(float (*x)[kKeyChunk], int64_t rows,
 #define KVSERVE_ATTENTION_BF16_DOT 1
 // Whether attention over a bf16 cache multiplies in bf16 pairs with vdpbf16ps (the queries and
 // the softmax weights rounded to bf16, sums in fp32) rather than widening the cache to fp32 for
-// FMAs: 32 products per instruction against 16, at the FMA's rate on AMD's Zen 4; Intel's cores
-// run it at a quarter of that rate and keep the widened route. Fixed for the process, so every
-// step on a machine computes a row the same way (KVSERVE_ATTENTION_ROUTE=dot|widened overrides).
-bool g_attention_bf16_dot = [] {
-  const char* route = std::getenv("KVSERVE_ATTENTION_ROUTE");
-  if (route && std::strcmp(route, "dot") == 0) return true;
-  if (route && std::strcmp(route, "widened") == 0) return false;
-  return __builtin_cpu_is("intel") == 0;
-}();
+// FMAs: 32 products per instruction against 16 where vdpbf16ps runs at the FMA's rate (see
+// bf16_dot_route; KVSERVE_ATTENTION_ROUTE=dot|widened overrides).
+bool g_attention_bf16_dot = bf16_dot_route("KVSERVE_ATTENTION_ROUTE");
 
 // Lane i of the result holds the bf16 pair (a[i], b[i]) that vdpbf16ps multiplies in lane i:
 // two rows of 16 bf16 values interleaved.
@@ -589,21 +618,14 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
     for (int64_t d = 0; d < D; d += kKeyChunk) store_bf16x16(q_pairs + r * D / 2 + d / 2, _mm512_loadu_ps(qr + d));
   }
 
-  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
-  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window));
   const bool few_rows = rows <= kRowBlock;
-  for (int64_t j0 = first_key; j0 <= last_key;) {
-    const int64_t block = table[j0 / BS], offset = j0 % BS;
-    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
-    const int64_t n_keys = j1 - j0;
-    const char* k_ahead = nullptr;
-    const char* v_ahead = nullptr;
-    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; ahead <= last_key && few_rows) {
-      k_ahead = reinterpret_cast<const char*>(khead + table[ahead / BS] * D * BS + ahead % BS);
-      v_ahead = reinterpret_cast<const char*>(vhead + (table[ahead / BS] * BS + ahead % BS) * D);
-    }
-    const uint16_t* kb = khead + block * D * BS + offset;  // row d of the chunk: kb + d * BS
-    const uint16_t* vb = vhead + (block * BS + offset) * D;  // row t of the chunk: vb + t * D
+  for_each_key_chunk(table, BS, D, first_query_pos, num_queries, window, key_begin, key_end, few_rows,
+                     [&](const KeyChunk& chunk) {
+    const int64_t j0 = chunk.j0, j1 = chunk.j1, n_keys = j1 - j0;
+    const char* k_ahead = chunk.key_ahead < 0 ? nullptr : reinterpret_cast<const char*>(khead + chunk.key_ahead);
+    const char* v_ahead = chunk.value_ahead < 0 ? nullptr : reinterpret_cast<const char*>(vhead + chunk.value_ahead);
+    const uint16_t* kb = khead + chunk.key_offset;
+    const uint16_t* vb = vhead + chunk.value_offset;
     // key_lanes(i): the keys' pairs of dimensions (2i, 2i + 1); value_lanes(j, d0): the pairs of
     // keys (2j, 2j + 1) in dimensions d0..d0 + 15.
     auto row_block = [&](auto key_lanes, auto value_lanes, int64_t r0, auto nr_constant) {
@@ -686,14 +708,8 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
       rows_over_chunk([&](int64_t i) { return _mm512_loadu_si512(k_pairs + i * kKeyChunk); },
                       [&](int64_t j, int64_t d0) { return _mm512_loadu_si512(v_pairs + j * D + d0); });
     }
-    j0 = j1;
-  }
-  if (partial != nullptr) {
-    std::copy(acc, acc + rows * D + 2 * rows, partial);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc + r * D, row_sum[r], D);
+  });
+  finish_tile(acc, rows, D, partial, out, o_s0, o_s1, first_row, kvh, G);
 }
 #endif
 
@@ -731,26 +747,14 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
   std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + rows, 0.f);
 
-  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
-  const int64_t first_key =
-      std::max(key_begin, first_visible_key(first_query_pos, window));
   const bool few_rows = rows <= kRowBlock;  // a decode's tile: one row block, read from the cache
-  for (int64_t j0 = first_key; j0 <= last_key;) {
-    // A chunk never crosses a paged block.
-    const int64_t block = table[j0 / BS], offset = j0 % BS;
-    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
-    const int64_t n_keys = j1 - j0;
-    // A decode's chunk kPrefetchChunks ahead, fetched into L2 a line at a time inside the score
-    // loop (see there). Blocks sit anywhere in the pool, so the hardware prefetcher cannot
-    // follow; a prefill's tile computes long enough on each chunk not to need it.
-    const char* k_ahead = nullptr;
-    const char* v_ahead = nullptr;
-    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; ahead <= last_key && few_rows) {
-      k_ahead = reinterpret_cast<const char*>(khead + table[ahead / BS] * D * BS + ahead % BS);
-      v_ahead = reinterpret_cast<const char*>(vhead + (table[ahead / BS] * BS + ahead % BS) * D);
-    }
-    const cache_t* kb = khead + block * D * BS + offset;  // row d of the chunk: kb + d * BS
-    const cache_t* vb = vhead + (block * BS + offset) * D;  // row t of the chunk: vb + t * D
+  for_each_key_chunk(table, BS, D, first_query_pos, num_queries, window, key_begin, key_end, few_rows,
+                     [&](const KeyChunk& chunk) {
+    const int64_t j0 = chunk.j0, j1 = chunk.j1, n_keys = j1 - j0;
+    const char* k_ahead = chunk.key_ahead < 0 ? nullptr : reinterpret_cast<const char*>(khead + chunk.key_ahead);
+    const char* v_ahead = chunk.value_ahead < 0 ? nullptr : reinterpret_cast<const char*>(vhead + chunk.value_ahead);
+    const cache_t* kb = khead + chunk.key_offset;  // row d of the chunk: kb + d * BS
+    const cache_t* vb = vhead + chunk.value_offset;  // row t of the chunk: vb + t * D
     // The score and value loops read keys/values through K (row d at K + d * k_stride) and V
     // (row t at V + t * D). A decode's few rows read a full chunk straight from the cache,
     // widening as they go; more rows (prefill), or a partial chunk, first copy it to fp32
@@ -854,14 +858,8 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
       }
       rows_over_chunk(static_cast<const float*>(kt), kKeyChunk, static_cast<const float*>(vc));
     }
-    j0 = j1;
-  }
-  if (partial != nullptr) {
-    std::copy(acc, acc + rows * D + 2 * rows, partial);  // acc, row_max, row_sum are adjacent
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc + r * D, row_sum[r], D);
+  });
+  finish_tile(acc, rows, D, partial, out, o_s0, o_s1, first_row, kvh, G);
 }
 
 // ---- int8 caches: integer products -------------------------------------------------------
@@ -1162,12 +1160,7 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
     }
     j0 = j1;
   }
-  if (partial != nullptr) {
-    std::copy(acc, acc + rows * D + 2 * rows, partial);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc + r * D, row_sum[r], D);
+  finish_tile(acc, rows, D, partial, out, o_s0, o_s1, first_row, kvh, G);
 }
 
 // Combine a tile's per-partition partials (each [rows, D] unnormalised accumulators, then

@@ -23,13 +23,13 @@
 // the AVX2 route). Without either, a portable loop computes each output in its own fixed
 // order (not the same bits as the vector kernels, equally batch invariant).
 #include "dense_linear.h"
+#include "bf16.h"
 #include "row_dispatch.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -58,26 +58,8 @@ bool g_portable = false;
 // Whether bf16 weights are widened to fp32 for 16-lane FMAs rather than multiplied with
 // vdpbf16ps: on Intel's cores (see above). Fixed for the process, so every call on a machine
 // takes the same route (KVSERVE_BF16_ROUTE=dot|widened overrides).
-bool g_widen_bf16 = [] {
-  const char* route = std::getenv("KVSERVE_BF16_ROUTE");
-  if (route && std::strcmp(route, "dot") == 0) return false;
-  if (route && std::strcmp(route, "widened") == 0) return true;
-  return __builtin_cpu_is("intel") != 0;
-}();
+bool g_widen_bf16 = !bf16_dot_route("KVSERVE_BF16_ROUTE");
 #endif
-
-inline uint32_t bf16_bits_rne(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;  // round to nearest even, as torch's .to(bfloat16)
-}
-
-inline float bf16_value(uint32_t b) {
-  const uint32_t bits = b << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 int64_t threads_for(int64_t work) { return work < kSmallWork ? 1 : at::get_num_threads(); }
 
