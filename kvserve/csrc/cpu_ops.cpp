@@ -496,6 +496,29 @@ inline void for_each_key_chunk(const int32_t* table, int64_t BS, int64_t D, int6
   }
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes, in the order GCC gives the scalar form when it vectorises it
+// (-fassociative-math: r = (x + n c2) - n c1, the polynomial's tail as r (p r + 1) + 1), so
+// the weights keep the bits the softmax had before it was written with intrinsics.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f),
+                                    _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), x));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(r, _mm512_fmadd_ps(p, r, one), one);
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // The online softmax of one score row over one chunk of keys [j0, j0 + 16): x holds the scaled
 // scores (soft-capped here); keys in [lo, hi] and below n_keys are visible. Writes the weights
 // p (relative to the row's new maximum; 0 where hidden), updates the row's max and sum, and
@@ -505,16 +528,41 @@ inline void for_each_key_chunk(const int32_t* table, int64_t BS, int64_t D, int6
 template <bool kRoundToBf16 = false>
 inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int64_t hi, float softcap,
                            float& row_max, float& row_sum, float* p) {
-  // Masking by a 0/1 factor rather than branches keeps these loops vectorised.
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (softcap > 0.f) {
+    for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = std::tanh(x[t] / softcap) * softcap;
+  }
+#if defined(__AVX512F__)
+  // The visible keys are one run of the chunk, t in [t_lo, t_hi]: a lane mask, one masked
+  // reduction for the max, one sum; the weights of hidden keys are zeroed by the mask.
+  const int64_t t_lo = std::max<int64_t>(lo - j0, 0), t_hi = std::min<int64_t>(hi - j0, n_keys - 1);
+  const __m512 xv = _mm512_loadu_ps(x);
+  const __mmask16 visible = t_lo > t_hi ? 0 : static_cast<__mmask16>(((1u << (t_hi + 1)) - 1) & ~((1u << t_lo) - 1));
+  const float chunk_max = visible ? _mm512_mask_reduce_max_ps(visible, xv) : kNegInf;
+  if (chunk_max == kNegInf) {  // nothing visible to this row
+    _mm512_storeu_ps(p, _mm512_setzero_ps());
+    return 1.f;
+  }
+  const float new_max = std::max(row_max, chunk_max);
+  // (exp_nonpositive(0) is exactly 1: a row whose max stands needs no exp here)
+  const float correction = row_max == new_max ? 1.f : exp_nonpositive(row_max - new_max);
+  __m512 weights = _mm512_maskz_mov_ps(
+      visible, exp_nonpositive16(_mm512_min_ps(_mm512_sub_ps(xv, _mm512_set1_ps(new_max)), _mm512_setzero_ps())));
+  if constexpr (kRoundToBf16) {  // bf16_bits_rne on each lane, kept as the fp32 it stands for
+    const __m512i b = _mm512_castps_si512(weights);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    weights = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd),
+                                                   _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+  _mm512_storeu_ps(p, weights);
+  const float p_sum = _mm512_reduce_add_ps(weights);
+#else
+  // Masking by a 0/1 factor rather than branches keeps these loops vectorised.
   float visible[kKeyChunk];
 #pragma omp simd
   for (int64_t t = 0; t < kKeyChunk; ++t) {
     const int64_t key = j0 + t;
     visible[t] = (t < n_keys) & (key <= hi) & (key >= lo) ? 1.f : 0.f;
-  }
-  if (softcap > 0.f) {
-    for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = std::tanh(x[t] / softcap) * softcap;
   }
   float chunk_max = kNegInf;
 #pragma omp simd reduction(max : chunk_max)
@@ -534,6 +582,7 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
     if constexpr (kRoundToBf16) p[t] = bf16_value(bf16_bits_rne(p[t]));
     p_sum += p[t];
   }
+#endif
   row_sum = row_sum * correction + p_sum;
   row_max = new_max;
   return correction;
