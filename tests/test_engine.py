@@ -229,3 +229,20 @@ def test_int4_prefill_mode_is_checked():
 
     with pytest.raises(ConfigError, match="int4_prefill 'fast'"):
         EngineArgs(model="tiny-llama", int4_prefill="fast").validate()
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_engine_start_leaves_the_cyclic_collector_as_it_found_it(enabled_before):
+    # The load runs with the collector paused (kvserve.engine._cyclic_gc_paused); a caller's
+    # choice to run without it holds after the engine starts too.
+    import gc
+
+    from kvserve.engine import LLMEngine
+
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled_before else gc.disable)()
+        LLMEngine(model="tiny-llama", kv_cache_memory=4 << 20)
+        assert gc.isenabled() == enabled_before
+    finally:
+        (gc.enable if was else gc.disable)()
