@@ -548,15 +548,19 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
   const float correction = row_max == new_max ? 1.f : exp_nonpositive(row_max - new_max);
   __m512 weights = _mm512_maskz_mov_ps(
       visible, exp_nonpositive16(_mm512_min_ps(_mm512_sub_ps(xv, _mm512_set1_ps(new_max)), _mm512_setzero_ps())));
-  if constexpr (kRoundToBf16) {  // bf16_bits_rne on each lane, kept as the fp32 it stands for
-    const __m512i b = _mm512_castps_si512(weights);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    weights = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd),
-                                                   _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  if constexpr (kRoundToBf16) {
+#if defined(__AVX512BF16__)
+    // To nearest even, as store_bf16x16 rounds (no weight is denormal: the exp's least is
+    // ~1.4 * 2^-126), kept as the fp32 it stands for.
+    weights = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(weights));
+#else
+    static_assert(!kRoundToBf16, "bf16 weights are for the bf16-dot route (AVX512-BF16)");
+#endif
   }
   _mm512_storeu_ps(p, weights);
   const float p_sum = _mm512_reduce_add_ps(weights);
 #else
+  static_assert(!kRoundToBf16, "bf16 weights are for the bf16-dot route (AVX512-BF16)");
   // Masking by a 0/1 factor rather than branches keeps these loops vectorised.
   float visible[kKeyChunk];
 #pragma omp simd
@@ -579,7 +583,6 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
   for (int64_t t = 0; t < kKeyChunk; ++t) {
     // A masked key may score above the max: clamp before exp, then zero it.
     p[t] = visible[t] * exp_nonpositive(std::min(x[t] - new_max, 0.f));
-    if constexpr (kRoundToBf16) p[t] = bf16_value(bf16_bits_rne(p[t]));
     p_sum += p[t];
   }
 #endif
