@@ -575,12 +575,17 @@ class Q4Screen(nn.Module):
         # The int4 layers' quantization, in the nibble kernel's tiles: nibbles, then fp16 d and m.
         return cls(tile_nibbles(*quantize_min_max(weight)), n)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Approximate logits ``[rows, N]``, written into ``out`` (float32, that shape) when given."""
         rows = x.reshape(-1, self.in_features).float().contiguous()
         ext = ops.cpu_extension()
         if ext is not None and rows.device.type == "cpu":
-            return ext.q4_screen_linear(rows, self.packed, self.out_features)
-        return self.forward_reference(rows)
+            if out is None:
+                return ext.q4_screen_linear(rows, self.packed, self.out_features)
+            ext.q4_screen_linear_out(out, rows, self.packed)
+            return out
+        y = self.forward_reference(rows)
+        return y if out is None else out.copy_(y)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel's arithmetic in plain torch (other summation order)."""
@@ -615,10 +620,27 @@ class RescoredLMHead(nn.Module):
         self.exact_weight = exact_weight  # shared with the (fp32) embedding table when tied
         self.top_k = top_k
         self.screen = screen
+        self._screened_logits: Optional[torch.Tensor] = None  # see _screened_buffer
+
+    def _screened_buffer(self, rows: int, x: torch.Tensor) -> torch.Tensor:
+        """The argmax-only logits' memory, kept from call to call and grown as needed: what an
+        argmax-only call returns is valid until the next one (the runner samples from it in the
+        same step). A fresh tensor this size (Gemma 3: 1 MB per row) comes from mmap once past
+        glibc's 32 MB threshold, and its first touch faulted ~8 ms into a 32-row decode step."""
+        buf = self._screened_logits
+        if (buf is None or buf.shape[0] < rows or buf.device != x.device
+                or buf.is_inference() != torch.is_inference_mode_enabled()):
+            capacity = max(rows, 0 if buf is None else buf.shape[0])
+            buf = self._screened_logits = torch.empty(capacity, self.screen.out_features, device=x.device)
+        return buf[:rows]
 
     def forward(self, x: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         screened = argmax_only and self.screen is not None
-        logits, top_k = (self.screen(x), SCREEN_TOP_K) if screened else (self.fast(x).float(), self.top_k)
+        if screened:
+            rows = x.numel() // x.shape[-1]
+            logits, top_k = self.screen(x, out=self._screened_buffer(rows, x)), SCREEN_TOP_K
+        else:
+            logits, top_k = self.fast(x).float(), self.top_k
         if logits.shape[0] == 0:
             return logits
         idx = ops.top_k(logits, min(top_k, logits.shape[-1]))[1]  # [S, k]

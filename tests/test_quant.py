@@ -166,7 +166,7 @@ def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
     torch.manual_seed(0)
     screen = Q4Screen.from_float(torch.randn(n, k) * 0.05)
     assert screen.packed.shape == (-(-n // 16), k // 32, 320)
-    x = torch.randn(6, k) * 3
+    x = torch.randn(19, k) * 3  # blocks of 8 activation rows (VNNI) or 4 (AVX2), and a rest
     ext = ops.load_extension()
     y = screen(x)
     ref = screen.forward_reference(x)
@@ -176,8 +176,10 @@ def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
         assert torch.equal(screen(x), y)
     finally:
         ext.set_portable_screen_kernel(False)
-    for rows in (1, 2, 5):
+    for rows in (1, 2, 5, 8, 9):
         assert torch.equal(screen(x[:rows]), y[:rows])
+    out = torch.full((19, n), float("nan"))
+    assert screen(x, out=out) is out and torch.equal(out, y)
 
 
 def test_q4_screen_approximates_the_weights_it_was_built_from():
@@ -204,3 +206,20 @@ def test_rescored_head_argmax_only_ranks_with_the_screen_and_keeps_fp32_argmax()
     assert torch.allclose(logits[kept], exact[kept], atol=1e-5)
     # Without the flag the head is the usual one (no -inf).
     assert head(x).isfinite().all()
+
+
+def test_rescored_head_reuses_its_argmax_only_logits_across_calls():
+    """Argmax-only calls write into one buffer that grows with the row count (fresh pages
+    of a large one cost a page fault each): every call's result is what a fresh head
+    computes, in or out of inference mode."""
+    torch.manual_seed(3)
+    w = torch.randn(3000, 64)
+    xs = [torch.randn(rows, 64) for rows in (7, 3, 12, 1)]
+    head = RescoredLMHead(Bf16Linear(w, None), w, screen=Q4Screen.from_float(w))
+    expected = [RescoredLMHead(Bf16Linear(w, None), w, screen=head.screen)(x, argmax_only=True) for x in xs]
+    with torch.inference_mode():
+        got = [head(x, argmax_only=True).clone() for x in xs]
+    got.append(head(xs[0], argmax_only=True).clone())  # outside inference mode too
+    for g, e in zip(got, expected + expected[:1]):
+        assert torch.equal(g, e)
+    assert head._screened_logits.shape[0] == 12

@@ -1617,6 +1617,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_kernel_isa", &quant_kernel_isa);
   m.def("nibble_activation_format", &nibble_activation_format);
   m.def("q4_screen_linear", &q4_screen_linear);
+  m.def("q4_screen_linear_out", &q4_screen_linear_out);
   m.def("set_portable_screen_kernel", &set_portable_screen_kernel);
   m.def("bf16_linear", &bf16_linear);
   m.def("fp32_linear", &fp32_linear);

@@ -44,7 +44,13 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTileBytes = kTileNibbleBytes + 2 * kTileRows * 2;  // + d and m as fp16: 320
-constexpr int64_t kInputRowBlock = 4;  // activation rows sharing one decode of a tile's nibbles
+// Activation rows sharing one decode of a tile's nibbles: 8 in the VNNI kernel's 32 registers
+// (its nibbles, 8 accumulators and the dot products' chains), 4 in AVX2's 16.
+#ifdef KVSERVE_SCREEN_VNNI
+constexpr int kInputRowBlock = 8;
+#else
+constexpr int kInputRowBlock = 4;
+#endif
 
 bool g_portable = false;
 
@@ -108,13 +114,13 @@ void screen_tiles_vnni(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N,
       for (int r = 0; r < MR; ++r) {
         const int64_t ag = (r0 + r) * groups + g;
         const int8_t* xq = act.q + ag * kGroup;
-        int32_t words[8];
-        std::memcpy(words, xq, sizeof(words));
-        // Two dependency chains (low and high nibbles), added once.
+        // Two dependency chains (low and high nibbles), added once. Each word of activations
+        // is broadcast by the load itself (vpbroadcastd from memory): through a general
+        // register (one 32-byte copy, then shifts) the broadcasts took vector-ALU slots.
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
         for (int i = 0; i < 4; ++i) {
-          s0 = _mm512_dpbusd_epi32(s0, lo[i], _mm512_set1_epi32(words[i]));
-          s1 = _mm512_dpbusd_epi32(s1, hi[i], _mm512_set1_epi32(words[4 + i]));
+          s0 = _mm512_dpbusd_epi32(s0, lo[i], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * i)));
+          s1 = _mm512_dpbusd_epi32(s1, hi[i], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 16 + 4 * i)));
         }
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
         acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(act.scale[ag])), acc[r]);
@@ -222,12 +228,12 @@ void tiles_for_rows(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N, co
                     int64_t r0, int64_t rows, float* out, int64_t out_stride) {
 #ifdef KVSERVE_SCREEN_VNNI
   if (!g_portable) {
-    return dispatch_rows<4>(rows, [&](auto mr) { screen_tiles_vnni<decltype(mr)::value>(packed, t0, t1, N, act, r0, out, out_stride); });
+    return dispatch_rows<kInputRowBlock>(rows, [&](auto mr) { screen_tiles_vnni<decltype(mr)::value>(packed, t0, t1, N, act, r0, out, out_stride); });
   }
 #endif
 #ifdef KVSERVE_SCREEN_AVX2
   if (!g_portable) {
-    return dispatch_rows<4>(rows, [&](auto mr) { screen_tiles_avx2<decltype(mr)::value>(packed, t0, t1, N, act, r0, out, out_stride); });
+    return dispatch_rows<kInputRowBlock>(rows, [&](auto mr) { screen_tiles_avx2<decltype(mr)::value>(packed, t0, t1, N, act, r0, out, out_stride); });
   }
 #endif
   screen_tiles_portable(packed, t0, t1, N, act, r0, rows, out, out_stride);
@@ -264,7 +270,7 @@ void q4_screen_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor pack
     // More rows than one block: every block of rows against a tile while it is in cache.
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock)
-        tiles_for_rows(w, t, t + 1, N, act, r0, std::min(kInputRowBlock, M - r0), o, o_stride);
+        tiles_for_rows(w, t, t + 1, N, act, r0, std::min<int64_t>(kInputRowBlock, M - r0), o, o_stride);
   });
 }
 
