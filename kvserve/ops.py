@@ -296,6 +296,44 @@ def apply_token_bitmask_reference(logits: torch.Tensor, rows: list[int], bitmask
     return logits.index_copy(0, index, masked)
 
 
+def sample_rows(x: torch.Tensor, inv_temperature: torch.Tensor, log_min_p: torch.Tensor,
+                uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits ``x`` [S, V]: token t with probability proportional to
+    ``exp((x[t] - max) * inv_temperature)`` among those whose scaled logit is at least
+    ``max + log_min_p`` (min-p; -inf keeps every finite logit), drawn by inverting the
+    cumulative distribution at ``uniforms`` (float64 in [0, 1), one per row). Rows with
+    nothing finite take their argmax."""
+    inv_temperature, log_min_p = inv_temperature.reshape(-1).float(), log_min_p.reshape(-1).float()
+    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+        return _ext.sample_rows(x, inv_temperature.contiguous(), log_min_p.contiguous(),
+                                uniforms.to(torch.float64).contiguous())
+    return sample_rows_reference(x, inv_temperature, log_min_p, uniforms)
+
+
+def sample_rows_reference(x: torch.Tensor, inv_temperature: torch.Tensor, log_min_p: torch.Tensor,
+                          uniforms: torch.Tensor) -> torch.Tensor:
+    """The kernel's sampling in plain torch (weights summed in another order)."""
+    m = x.amax(dim=-1, keepdim=True)
+    z = (x - m) * inv_temperature.unsqueeze(1)
+    weights = torch.where(z >= log_min_p.unsqueeze(1), torch.exp(z.clamp(max=0.0)), 0.0).double()
+    cumulative = weights.cumsum(dim=-1)
+    target = uniforms.double().unsqueeze(1) * cumulative[:, -1:]
+    token = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+    # Past the end by rounding: the last weighed token; nothing weighed: the argmax.
+    last = x.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
+    token = torch.minimum(token, last)
+    return torch.where(torch.isfinite(m.squeeze(1)) & (cumulative[:, -1] > 0), token, x.argmax(dim=-1))
+
+
+def row_logsumexp(x: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
+    """``(x * inv_temperature[:, None]).logsumexp(-1)`` of a 2-D tensor, without the [S, V]
+    temporaries on the kernel."""
+    inv_temperature = inv_temperature.reshape(-1).float()
+    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+        return _ext.row_logsumexp(x, inv_temperature.contiguous())
+    return (x * inv_temperature.unsqueeze(1)).logsumexp(dim=-1)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` of a 2-D tensor."""
     if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:

@@ -2,7 +2,9 @@
 
 Processing order (vLLM's, which follows HF's): logit_bias, min_tokens blocking, penalties
 (repetition, frequency, presence); greedy rows then take the argmax; random rows go through
-temperature, top-k, top-p, min-p and an exponential race (argmax of p / q, q ~ Exp(1)).
+temperature, top-k, top-p, min-p and one draw per row: on the CPU the inverse of the row's
+cumulative distribution at one uniform (kvserve.ops.sample_rows), on other devices an
+exponential race (argmax of p / q, q ~ Exp(1): a uniform per token, but no host sync).
 Logprobs come from the raw logits.
 
 ``SamplingMetadata`` is rebuilt every step from the batch's requests. It only carries tensors
@@ -290,8 +292,36 @@ class Sampler:
 
     @staticmethod
     def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then one exponential race per row."""
-        return exponential_race(Sampler.processed_probs(logits, md), md.generators)
+        """Temperature, top-k, top-p, min-p, then one draw per row: on the CPU by inverting
+        each row's cumulative distribution at one uniform (ops.sample_rows), elsewhere by an
+        exponential race (a uniform per token, but no host sync)."""
+        if logits.device.type != "cpu":
+            return exponential_race(Sampler.processed_probs(logits, md), md.generators)
+        assert md.temperature is not None
+        temperature = md.temperature.squeeze(1)
+        # min-p keeps p >= min_p * p_max, i.e. a scaled logit at least log(min_p) under the top one.
+        log_min_p = (md.min_p.squeeze(1).log() if md.min_p is not None
+                     else torch.full_like(temperature, float("-inf")))
+        uniforms = row_uniforms(md.num_rows, md.generators)
+        if md.top_k is None and md.top_p is None:
+            return ops.sample_rows(logits, 1.0 / temperature, log_min_p, uniforms)
+        vocab = logits.shape[-1]
+        top_k = md.top_k.squeeze(1) if md.top_k is not None else torch.full_like(temperature, vocab, dtype=torch.int64)
+        top_p = md.top_p.squeeze(1) if md.top_p is not None else torch.ones_like(temperature)
+        filtered = (top_k < vocab) | (top_p < 1.0)
+        tokens = torch.empty(md.num_rows, dtype=torch.int64)
+        # Rows with neither filter over their whole vocabulary, the others on their candidates.
+        for uses_filter in (False, True):
+            rows = (filtered == uses_filter).nonzero().squeeze(1)
+            if not rows.numel():
+                continue
+            x = logits if rows.numel() == md.num_rows else logits[rows]
+            if uses_filter:
+                tokens[rows] = _sample_top_k_top_p_rows(x, temperature[rows], top_k[rows], top_p[rows],
+                                                        log_min_p[rows], uniforms[rows], md.top_p is not None)
+            else:
+                tokens[rows] = ops.sample_rows(x, 1.0 / temperature[rows], log_min_p[rows], uniforms[rows])
+        return tokens
 
     @staticmethod
     def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -437,7 +467,21 @@ def _filter_candidates(logits: torch.Tensor, top_k: Optional[torch.Tensor],
         cand_logits, cand_idx = ops.top_k(logits, num_candidates)  # sorted, descending
     else:
         cand_logits, cand_idx = logits.sort(dim=-1, descending=True)
-    positions = torch.arange(num_candidates, device=logits.device).unsqueeze(0)
+    row_log_norm = (logits.logsumexp(dim=-1, keepdim=True)
+                    if top_p is not None and num_candidates < vocab else None)
+    kept, covered = _kept_candidates(cand_logits, top_k, top_p, row_log_norm, vocab)
+    filtered = torch.full_like(logits, float("-inf")).scatter_(1, cand_idx, kept)
+    return filtered, covered
+
+
+def _kept_candidates(cand_logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+                     row_log_norm: Optional[torch.Tensor], vocab: int
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The candidates (a row's best logits, sorted descending) with -inf where top-k or top-p
+    removes them, and, with top-p over fewer candidates than the vocabulary, which rows had
+    their nucleus inside them. ``row_log_norm`` [S, 1]: each whole row's logsumexp, given
+    exactly when the candidates are fewer than the vocabulary and top-p is used."""
+    positions = torch.arange(cand_logits.shape[-1], device=cand_logits.device).unsqueeze(0)
     remove = torch.zeros_like(cand_logits, dtype=torch.bool)
     if top_k is not None:
         remove |= positions >= top_k
@@ -447,18 +491,63 @@ def _filter_candidates(logits: torch.Tensor, top_k: Optional[torch.Tensor],
         # Normalise over everything top-k left: the candidates when top-k cut inside them,
         # else the whole row.
         log_norm = cand_logits.logsumexp(dim=-1, keepdim=True)
-        if num_candidates < vocab:
+        if row_log_norm is not None:
             cut_inside = top_k < vocab if top_k is not None else torch.zeros_like(log_norm, dtype=torch.bool)
-            log_norm = torch.where(cut_inside, log_norm, logits.logsumexp(dim=-1, keepdim=True))
+            log_norm = torch.where(cut_inside, log_norm, row_log_norm)
         probs = torch.exp(cand_logits - log_norm)
         cumulative = probs.cumsum(dim=-1)
         # Rows with top_p == 1 keep everything (rounding could otherwise cut a tiny tail).
         remove |= ((cumulative - probs) >= top_p) & (top_p < 1.0)
-        if num_candidates < vocab:
+        if row_log_norm is not None:
             covered = ((cumulative[:, -1:] >= top_p) | (top_p >= 1.0)).squeeze(1)
-    kept = cand_logits.masked_fill(remove, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter_(1, cand_idx, kept)
-    return filtered, covered
+    return cand_logits.masked_fill(remove, float("-inf")), covered
+
+
+def _sample_top_k_top_p_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                             top_p: torch.Tensor, log_min_p: torch.Tensor, uniforms: torch.Tensor,
+                             uses_top_p: bool) -> torch.Tensor:
+    """The CPU sampler's rows with a top-k or top-p (per-row [R] parameters; disabled ones
+    hold the vocabulary size and 1.0): the kept set as apply_top_k_top_p keeps it, but built
+    and sampled on the candidates ([R, C] tensors, C = top-k or _CPU_TOP_P_CANDIDATES), and
+    the whole row only where the nucleus reaches past them. The vocabulary-wide [R, V]
+    temporaries of that route (the scaled logits, the filtered copy and the select) were
+    most of a 32-row Gemma 3 step's sampling."""
+    vocab = logits.shape[-1]
+    max_k = int(torch.where(top_k < vocab, top_k, 0).max())
+    num_candidates = min(vocab, max_k if bool((top_k < vocab).all()) else max(max_k, _CPU_TOP_P_CANDIDATES))
+    ones = torch.ones_like(temperature)
+    top_k_col, top_p_col = top_k.unsqueeze(1), (top_p.unsqueeze(1) if uses_top_p else None)
+    if num_candidates < vocab:
+        # Dividing by a row's temperature keeps its order: the candidates of the raw logits.
+        cand_logits, cand_idx = ops.top_k(logits, num_candidates)
+        row_log_norm = (ops.row_logsumexp(logits, 1.0 / temperature).unsqueeze(1)
+                        if uses_top_p else None)
+        kept, covered = _kept_candidates(cand_logits / temperature.unsqueeze(1), top_k_col, top_p_col,
+                                         row_log_norm, vocab)
+        picked = ops.sample_rows(kept, ones, log_min_p, uniforms)
+        tokens = cand_idx.gather(1, picked.unsqueeze(1)).squeeze(1)
+        if covered is None or bool(covered.all()):
+            return tokens
+        rows = (~covered).nonzero().squeeze(1)
+    else:
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+        rows = torch.arange(logits.shape[0])
+    # Nucleus past the candidates (or candidates as many as the vocabulary): the whole rows.
+    filtered = apply_top_k_top_p(logits[rows] / temperature[rows].unsqueeze(1), top_k_col[rows],
+                                 top_p_col[rows] if uses_top_p else None)
+    tokens[rows] = ops.sample_rows(filtered, ones[rows], log_min_p[rows], uniforms[rows])
+    return tokens
+
+
+def row_uniforms(num_rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row: seeded rows from their own generator (so a
+    seeded request draws the same whatever shares its batch), the others from the default one."""
+    uniforms = torch.empty(num_rows, dtype=torch.float64)
+    if len(generators) < num_rows:
+        uniforms.uniform_()
+    for row, generator in generators.items():
+        uniforms[row:row + 1].uniform_(generator=generator)
+    return uniforms
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -314,6 +314,58 @@ def test_top_k_top_p_candidate_path_is_exact(monkeypatch):
             assert torch.equal(out[i][kept], logits[i][kept])
 
 
+def test_sample_rows_kernel_inverts_the_cumulative_distribution_as_its_reference():
+    """ops.sample_rows (kernel, with the extension) picks the token whose interval of the
+    cumulative weights holds uniform * total, as the plain-torch reference does; min-p drops
+    what it should; rows with nothing finite take their argmax."""
+    from kvserve import ops
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 64, 5000  # several of the kernel's 1024-token blocks, and a partial one
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 6.0, rows).unsqueeze(1)
+    logits[3, ::2] = float("-inf")
+    inv_t = torch.linspace(0.5, 2.0, rows)
+    log_min_p = torch.where(torch.arange(rows) % 3 == 0, torch.tensor(0.05).log(), torch.tensor(float("-inf")))
+    uniforms = torch.rand(rows, generator=gen, dtype=torch.float64)
+    got = ops.sample_rows(logits, inv_t, log_min_p, uniforms)
+    ref = ops.sample_rows_reference(logits, inv_t, log_min_p, uniforms)
+    assert (got != ref).sum() <= 1  # (a target within rounding of an interval's end may differ)
+    scaled = (logits - logits.amax(-1, keepdim=True)) * inv_t.unsqueeze(1)
+    assert (scaled.gather(1, got.unsqueeze(1)).squeeze(1) >= log_min_p).all()
+    assert torch.isfinite(logits.gather(1, got.unsqueeze(1))).all()
+    nothing = torch.full((2, 40), float("-inf"))
+    nothing[1, 7] = float("inf")
+    ones = torch.ones(2)
+    assert ops.sample_rows(nothing, ones, ones * float("-inf"), torch.rand(2, dtype=torch.float64)).tolist() == [0, 7]
+
+
+def test_candidate_sampling_route_matches_reference_distributions(monkeypatch):
+    """The CPU sampler's top-k/top-p rows are filtered and sampled on their candidates (and
+    in full where the nucleus reaches past them): every sampled token lies in the reference's
+    kept set, and the frequencies follow the reference distribution."""
+    monkeypatch.setattr(sampler_module, "_CPU_TOP_P_CANDIDATES", 64)
+    vocab, draws = 3000, 4000
+    gen = torch.Generator().manual_seed(12)
+    peaked = torch.randn(vocab, generator=gen) * 4.0  # nucleus inside the 64 candidates
+    flat = torch.randn(vocab, generator=gen) * 0.3    # nucleus past them
+    cases = [(peaked, dict(temperature=0.8, top_p=0.9)), (flat, dict(temperature=1.0, top_p=0.5)),
+             (peaked, dict(temperature=1.2, top_k=20, min_p=0.05)), (peaked, dict(temperature=1.0)),
+             (flat, dict(temperature=0.9, top_k=10, top_p=0.8))]
+    torch.manual_seed(5)
+    requests = [make_request(**params) for _ in range(draws) for _, params in cases]
+    logits = torch.stack([base for _ in range(draws) for base, _ in cases])
+    tokens = sample(logits, requests).sampled_token_ids.view(draws, len(cases))
+    for c, (base, params) in enumerate(cases):
+        ref = ref_distribution(base, **params)
+        counts = torch.bincount(tokens[:, c], minlength=vocab).double()
+        assert counts[ref == 0].sum() == 0, (params, "sampled a token the reference excludes")
+        # Compared on the reference's likelier tokens (the rest pooled), where 4,000 draws
+        # measure the frequencies.
+        top = ref.topk(12).indices
+        expected = torch.cat([ref[top], (1 - ref[top].sum()).clamp(min=0).unsqueeze(0)])
+        observed = torch.cat([counts[top], (draws - counts[top].sum()).unsqueeze(0)]) / draws
+        assert total_variation(observed, expected) < 0.05, (params, observed, expected)
+
+
 def test_argmax_suffices_only_for_plain_greedy_rows():
     """The LM head may rank approximately (RescoredLMHead's screen) only when sampling reads
     nothing but each row's argmax: any processor that could move it, or a read of the other

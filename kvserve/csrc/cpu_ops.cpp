@@ -1512,6 +1512,145 @@ std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k) 
   return {values, indices};
 }
 
+// Random sampling of rows of logits x [S, V] (kvserve.sampler on the CPU): row s's token t is
+// drawn with probability proportional to exp((x[t] - max) * inv_temperature[s]) over the
+// entries whose scaled logit is at least max + log_min_p[s] (min-p, relative to the top
+// token; -inf keeps every finite entry), by inverting the cumulative distribution at
+// uniforms[s] * total (one uniform per row, drawn from the request's generator by the caller).
+// Three passes over the row: its max; the weights' sums per block of kSampleBlock tokens
+// (double across blocks); the block holding the target, its weights again and a running sum.
+// torch's route (the softmax, a uniform per token, their logs, a division and an argmax, each
+// a fresh [S, V] tensor) took ~80 ms for 32 rows of Gemma 3's 262k vocabulary; this ~2 ms.
+namespace {
+constexpr int64_t kSampleBlock = 1024;
+
+// The weights of row[j0, j0 + n): exp((x - m) * scale) where that is >= floor, else 0.
+inline void sample_weights(const float* row, int64_t j0, int64_t n, float m, float scale, float floor,
+                           float* w) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale), vf = _mm512_set1_ps(floor);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j0 + j), vm), vs);
+    const __mmask16 keep = _mm512_cmp_ps_mask(z, vf, _CMP_GE_OQ);  // NaN and -inf fail
+    _mm512_storeu_ps(w + j, _mm512_maskz_mov_ps(keep, exp_nonpositive16(_mm512_min_ps(z, _mm512_setzero_ps()))));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float z = (row[j0 + j] - m) * scale;
+    w[j] = z >= floor ? std::exp(std::min(z, 0.f)) : 0.f;
+  }
+}
+}  // namespace
+
+torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temperature, torch::Tensor log_min_p,
+                          torch::Tensor uniforms) {
+  check_fp32_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [S, V] with contiguous rows");
+  const int64_t S = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "x must have at least one column");
+  check_fp32_cpu(inv_temperature, "inv_temperature");
+  check_fp32_cpu(log_min_p, "log_min_p");
+  TORCH_CHECK(inv_temperature.numel() == S && log_min_p.numel() == S && inv_temperature.is_contiguous() &&
+                  log_min_p.is_contiguous(),
+              "inv_temperature and log_min_p: one float per row");
+  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.numel() == S && uniforms.is_contiguous(),
+              "uniforms: one float64 per row");
+  auto tokens = torch::empty({S}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  const float* tp = inv_temperature.data_ptr<float>();
+  const float* fp = log_min_p.data_ptr<float>();
+  const double* up = uniforms.data_ptr<double>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t blocks = (V + kSampleBlock - 1) / kSampleBlock;
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> block_sums(blocks);
+    std::vector<float> w(kSampleBlock);
+    for (int64_t s = begin; s < end; ++s) {
+      const float* row = xp + s * x.stride(0);
+      float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+      for (int64_t j = 0; j < V; ++j) m = std::max(m, row[j]);  // (a NaN never wins)
+      if (!std::isfinite(m)) {  // nothing finite to weigh (or +inf): the first of the largest, as argmax
+        int64_t first = 0;
+        while (first + 1 < V && !(row[first] == m)) ++first;
+        out[s] = first;
+        continue;
+      }
+      double total = 0.0;
+      int64_t last_weighed = 0;  // the last block with a weight (the top token's, at least)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t j0 = b * kSampleBlock, n = std::min(kSampleBlock, V - j0);
+        sample_weights(row, j0, n, m, tp[s], fp[s], w.data());
+        double block = 0.0;
+        for (int64_t j = 0; j < n; ++j) block += w[j];
+        block_sums[b] = block;
+        total += block;
+        if (block > 0.0) last_weighed = b;
+      }
+      // The token whose interval of the cumulative weights holds the target; rounding that
+      // leaves the target past the last interval takes the last token with a weight.
+      if (!(total > 0.0)) {  // min-p past the top token: nothing weighed, take the top token
+        int64_t first = 0;
+        while (first + 1 < V && !(row[first] == m)) ++first;
+        out[s] = first;
+        continue;
+      }
+      const double target = up[s] * total;
+      double cumulative = 0.0;
+      int64_t b = 0;
+      while (b < last_weighed && !(cumulative + block_sums[b] > target)) cumulative += block_sums[b++];
+      const int64_t j0 = b * kSampleBlock, n = std::min(kSampleBlock, V - j0);
+      sample_weights(row, j0, n, m, tp[s], fp[s], w.data());
+      int64_t token = -1;
+      for (int64_t j = 0; j < n; ++j) {
+        if (w[j] == 0.f) continue;
+        token = j0 + j;
+        cumulative += w[j];
+        if (cumulative > target) break;
+      }
+      out[s] = token;
+    }
+  });
+  return tokens;
+}
+
+// log(sum(exp(x * inv_temperature))) of each row of x [S, V] (the top-p normaliser of the
+// sampler's candidate route), one pass past the max and no [S, V] temporary; -inf or the
+// non-finite max for rows with nothing finite.
+torch::Tensor row_logsumexp(torch::Tensor x, torch::Tensor inv_temperature) {
+  check_fp32_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [S, V] with contiguous rows");
+  check_fp32_cpu(inv_temperature, "inv_temperature");
+  const int64_t S = x.size(0), V = x.size(1);
+  TORCH_CHECK(inv_temperature.numel() == S && inv_temperature.is_contiguous(), "inv_temperature: one float per row");
+  auto out = torch::empty({S}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* tp = inv_temperature.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(kSampleBlock);
+    for (int64_t s = begin; s < end; ++s) {
+      const float* row = xp + s * x.stride(0);
+      float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+      for (int64_t j = 0; j < V; ++j) m = std::max(m, row[j]);
+      if (!std::isfinite(m)) {
+        op[s] = m * tp[s];
+        continue;
+      }
+      double total = 0.0;
+      for (int64_t j0 = 0; j0 < V; j0 += kSampleBlock) {
+        const int64_t n = std::min(kSampleBlock, V - j0);
+        sample_weights(row, j0, n, m, tp[s], -std::numeric_limits<float>::infinity(), w.data());
+        for (int64_t j = 0; j < n; ++j) total += w[j];
+      }
+      op[s] = static_cast<float>(m * tp[s] + std::log(total));
+    }
+  });
+  return out;
+}
+
 // Structured outputs: a copy of the logits x [S, V] where the constrained rows (rows[r] for
 // row r of bitmask [R, W]) keep only the tokens their grammar allows: token t is allowed when
 // bit t % 32 of int32 word t / 32 is set (llguidance's layout); tokens past 32 W are not.
@@ -1608,6 +1747,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_portable_int8_attention", [](bool portable) { g_portable_int8_attention = portable; });
   m.def("act_and_mul", &act_and_mul);
   m.def("top_k_rows", &top_k_rows);
+  m.def("sample_rows", &sample_rows);
+  m.def("row_logsumexp", &row_logsumexp);
   m.def("apply_token_bitmask", &apply_token_bitmask);
   m.def("q4_linear", &q4_linear);
   m.def("q5_linear", &q5_linear);
