@@ -631,7 +631,8 @@ class RescoredLMHead(nn.Module):
         if (buf is None or buf.shape[0] < rows or buf.device != x.device
                 or buf.is_inference() != torch.is_inference_mode_enabled()):
             capacity = max(rows, 0 if buf is None else buf.shape[0])
-            buf = self._screened_logits = torch.empty(capacity, self.screen.out_features, device=x.device)
+            buf = self._screened_logits = torch.empty(capacity, self.screen.out_features, dtype=torch.float32,
+                                                      device=x.device)
         return buf[:rows]
 
     def forward(self, x: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:

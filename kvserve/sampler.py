@@ -524,6 +524,10 @@ def _sample_top_k_top_p_rows(logits: torch.Tensor, temperature: torch.Tensor, to
                         if uses_top_p else None)
         kept, covered = _kept_candidates(cand_logits / temperature.unsqueeze(1), top_k_col, top_p_col,
                                          row_log_norm, vocab)
+        # In vocabulary order, as the whole-row route walks: a row's draw is then the same
+        # token whichever route the rest of its batch sends it (a seeded request's included).
+        order = cand_idx.argsort(dim=1)
+        kept, cand_idx = kept.gather(1, order), cand_idx.gather(1, order)
         picked = ops.sample_rows(kept, ones, log_min_p, uniforms)
         tokens = cand_idx.gather(1, picked.unsqueeze(1)).squeeze(1)
         if covered is None or bool(covered.all()):

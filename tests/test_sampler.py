@@ -336,6 +336,10 @@ def test_sample_rows_kernel_inverts_the_cumulative_distribution_as_its_reference
     nothing[1, 7] = float("inf")
     ones = torch.ones(2)
     assert ops.sample_rows(nothing, ones, ones * float("-inf"), torch.rand(2, dtype=torch.float64)).tolist() == [0, 7]
+    # Masked (-inf) tokens weigh nothing, min-p off included: a uniform of 0 takes the first finite one.
+    masked = torch.full((1, 50), float("-inf"))
+    masked[0, 20], masked[0, 30] = 1.0, 0.5
+    assert ops.sample_rows(masked, ones[:1], ones[:1] * float("-inf"), torch.zeros(1, dtype=torch.float64)).item() == 20
 
 
 def test_candidate_sampling_route_matches_reference_distributions(monkeypatch):
@@ -364,6 +368,23 @@ def test_candidate_sampling_route_matches_reference_distributions(monkeypatch):
         expected = torch.cat([ref[top], (1 - ref[top].sum()).clamp(min=0).unsqueeze(0)])
         observed = torch.cat([counts[top], (draws - counts[top].sum()).unsqueeze(0)]) / draws
         assert total_variation(observed, expected) < 0.05, (params, observed, expected)
+
+
+def test_seeded_draw_is_the_same_on_the_candidate_and_the_whole_row_routes():
+    """Whether a top-p row is sampled on its candidates or over its whole row depends on the
+    rest of the batch (the candidates are as many as its largest top-k); a seeded request
+    must draw the same token either way."""
+    vocab = 3000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(13)) * 0.3  # nucleus ~1,500 tokens
+    alone, beside_top_k = [], []
+    for seed in range(60):
+        target = make_request(temperature=1.0, top_p=0.6, generator=make_generator(seed, "cpu"))
+        alone.append(sample(logits, [target]).sampled_token_ids.item())
+        target = make_request(temperature=1.0, top_p=0.6, generator=make_generator(seed, "cpu"))
+        neighbour = make_request(temperature=1.0, top_k=2500)
+        beside_top_k.append(sample(logits.expand(2, vocab).contiguous(), [neighbour, target]).sampled_token_ids[1].item())
+    assert alone == beside_top_k
+    assert len(set(alone)) > 30  # (a real spread of draws, not one token)
 
 
 def test_argmax_suffices_only_for_plain_greedy_rows():

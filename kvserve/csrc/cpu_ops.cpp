@@ -1532,7 +1532,7 @@ inline void sample_weights(const float* row, int64_t j0, int64_t n, float m, flo
   const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale), vf = _mm512_set1_ps(floor);
   for (; j + 16 <= n; j += 16) {
     const __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j0 + j), vm), vs);
-    const __mmask16 keep = _mm512_cmp_ps_mask(z, vf, _CMP_GE_OQ);  // NaN and -inf fail
+    const __mmask16 keep = _mm512_cmp_ps_mask(z, vf, _CMP_GE_OQ);  // NaN fails (and -inf, floor being finite)
     _mm512_storeu_ps(w + j, _mm512_maskz_mov_ps(keep, exp_nonpositive16(_mm512_min_ps(z, _mm512_setzero_ps()))));
   }
 #endif
@@ -1577,11 +1577,14 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temperature, torch:
         out[s] = first;
         continue;
       }
+      // Never below the lowest float, so that -inf logits (masked tokens) fail it even with
+      // min-p off: the vector exp would give them its floor, ~1e-38, not 0.
+      const float floor = std::max(fp[s], std::numeric_limits<float>::lowest());
       double total = 0.0;
       int64_t last_weighed = 0;  // the last block with a weight (the top token's, at least)
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t j0 = b * kSampleBlock, n = std::min(kSampleBlock, V - j0);
-        sample_weights(row, j0, n, m, tp[s], fp[s], w.data());
+        sample_weights(row, j0, n, m, tp[s], floor, w.data());
         double block = 0.0;
         for (int64_t j = 0; j < n; ++j) block += w[j];
         block_sums[b] = block;
@@ -1601,7 +1604,7 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temperature, torch:
       int64_t b = 0;
       while (b < last_weighed && !(cumulative + block_sums[b] > target)) cumulative += block_sums[b++];
       const int64_t j0 = b * kSampleBlock, n = std::min(kSampleBlock, V - j0);
-      sample_weights(row, j0, n, m, tp[s], fp[s], w.data());
+      sample_weights(row, j0, n, m, tp[s], floor, w.data());
       int64_t token = -1;
       for (int64_t j = 0; j < n; ++j) {
         if (w[j] == 0.f) continue;
@@ -1642,7 +1645,7 @@ torch::Tensor row_logsumexp(torch::Tensor x, torch::Tensor inv_temperature) {
       double total = 0.0;
       for (int64_t j0 = 0; j0 < V; j0 += kSampleBlock) {
         const int64_t n = std::min(kSampleBlock, V - j0);
-        sample_weights(row, j0, n, m, tp[s], -std::numeric_limits<float>::infinity(), w.data());
+        sample_weights(row, j0, n, m, tp[s], std::numeric_limits<float>::lowest(), w.data());  // (-inf: 0)
         for (int64_t j = 0; j < n; ++j) total += w[j];
       }
       op[s] = static_cast<float>(m * tp[s] + std::log(total));
