@@ -325,6 +325,29 @@ def sample_rows_reference(x: torch.Tensor, inv_temperature: torch.Tensor, log_mi
     return torch.where(torch.isfinite(m.squeeze(1)) & (cumulative[:, -1] > 0), token, x.argmax(dim=-1))
 
 
+def top_p_floor(x: torch.Tensor, inv_temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of logits ``x`` [S, V]: the scaled logit ``(x - max) * inv_temperature`` of the
+    last token the row's top-p nucleus keeps (sorted by logit, a token is kept while the mass
+    before it is under ``top_p``), so that the nucleus is every token at or above it; -inf
+    for rows with nothing finite. The kernel bins the mass instead of sorting the row."""
+    inv_temperature, top_p = inv_temperature.reshape(-1).float(), top_p.reshape(-1).float()
+    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+        return _ext.top_p_floor(x, inv_temperature.contiguous(), top_p.contiguous())
+    return top_p_floor_reference(x, inv_temperature, top_p)
+
+
+def top_p_floor_reference(x: torch.Tensor, inv_temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The kernel's floor by a full sort."""
+    m = x.amax(dim=-1, keepdim=True)
+    z = ((x - m) * inv_temperature.unsqueeze(1)).sort(dim=-1, descending=True).values
+    weights = torch.exp(z).double()
+    before = weights.cumsum(dim=-1) - weights
+    kept = (before < top_p.double().unsqueeze(1) * weights.sum(dim=-1, keepdim=True)) & (weights > 0)
+    last = kept.sum(dim=-1).clamp(min=1) - 1
+    floor = z.gather(1, last.unsqueeze(1)).squeeze(1)
+    return torch.where(torch.isfinite(m.squeeze(1)), floor, torch.full_like(floor, float("-inf")))
+
+
 def row_logsumexp(x: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
     """``(x * inv_temperature[:, None]).logsumexp(-1)`` of a 2-D tensor, without the [S, V]
     temporaries on the kernel."""

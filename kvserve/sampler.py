@@ -536,10 +536,18 @@ def _sample_top_k_top_p_rows(logits: torch.Tensor, temperature: torch.Tensor, to
     else:
         tokens = torch.empty(logits.shape[0], dtype=torch.int64)
         rows = torch.arange(logits.shape[0])
-    # Nucleus past the candidates (or candidates as many as the vocabulary): the whole rows.
-    filtered = apply_top_k_top_p(logits[rows] / temperature[rows].unsqueeze(1), top_k_col[rows],
-                                 top_p_col[rows] if uses_top_p else None)
-    tokens[rows] = ops.sample_rows(filtered, ones[rows], log_min_p[rows], uniforms[rows])
+    # Nucleus past the candidates (or candidates as many as the vocabulary): whole rows. Where
+    # a row's top-k cuts (it keeps at most the candidates, so only with candidates as many as
+    # the vocabulary), the filter of apply_top_k_top_p; top-p alone, its floor without a sort.
+    x = logits[rows]
+    if bool((top_k[rows] < vocab).any()) or not uses_top_p:
+        filtered = apply_top_k_top_p(x / temperature[rows].unsqueeze(1), top_k_col[rows],
+                                     top_p_col[rows] if uses_top_p else None)
+        tokens[rows] = ops.sample_rows(filtered, ones[rows], log_min_p[rows], uniforms[rows])
+        return tokens
+    inv_temperature = 1.0 / temperature[rows]
+    floor = torch.maximum(log_min_p[rows], ops.top_p_floor(x, inv_temperature, top_p[rows]))
+    tokens[rows] = ops.sample_rows(x, inv_temperature, floor, uniforms[rows])
     return tokens
 
 

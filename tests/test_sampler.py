@@ -342,6 +342,24 @@ def test_sample_rows_kernel_inverts_the_cumulative_distribution_as_its_reference
     assert ops.sample_rows(masked, ones[:1], ones[:1] * float("-inf"), torch.zeros(1, dtype=torch.float64)).item() == 20
 
 
+def test_top_p_floor_kernel_keeps_the_nucleus_a_sort_keeps():
+    """ops.top_p_floor (binned mass, one bin sorted) gives the floor a full sort gives: the
+    scaled logit of the last token kept, rows flat to peaked, temperatures, masked tokens."""
+    from kvserve import ops
+    gen = torch.Generator().manual_seed(14)
+    rows, vocab = 48, 6000
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.1, 8.0, rows).unsqueeze(1)
+    logits[5, ::3] = float("-inf")
+    logits[7] = 1.5  # every token alike: all kept
+    inv_t = torch.linspace(0.6, 1.6, rows)
+    top_p = torch.tensor([0.5, 0.9, 0.99, 0.3])[torch.arange(rows) % 4]
+    got = ops.top_p_floor(logits, inv_t, top_p)
+    ref = ops.top_p_floor_reference(logits, inv_t, top_p)
+    assert (got != ref).sum() <= 1, (got - ref).abs().max()
+    assert got[7] == 0.0
+    assert ops.top_p_floor(torch.full((1, 9), float("-inf")), inv_t[:1], top_p[:1]).item() == float("-inf")
+
+
 def test_candidate_sampling_route_matches_reference_distributions(monkeypatch):
     """The CPU sampler's top-k/top-p rows are filtered and sampled on their candidates (and
     in full where the nucleus reaches past them): every sampled token lies in the reference's
