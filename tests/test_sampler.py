@@ -352,7 +352,7 @@ def test_top_p_floor_kernel_keeps_the_nucleus_a_sort_keeps():
     logits[5, ::3] = float("-inf")
     logits[7] = 1.5  # every token alike: all kept
     inv_t = torch.linspace(0.6, 1.6, rows)
-    top_p = torch.tensor([0.5, 0.9, 0.99, 0.3])[torch.arange(rows) % 4]
+    top_p = torch.tensor([0.5, 0.9, 0.99, 0.3, 0.0])[torch.arange(rows) % 5]  # (0: the top token alone)
     got = ops.top_p_floor(logits, inv_t, top_p)
     ref = ops.top_p_floor_reference(logits, inv_t, top_p)
     assert (got != ref).sum() <= 1, (got - ref).abs().max()

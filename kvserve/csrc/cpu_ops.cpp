@@ -1690,11 +1690,12 @@ torch::Tensor top_p_floor(torch::Tensor x, torch::Tensor inv_temperature, torch:
         }
       }
       std::sort(boundary.begin(), boundary.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
+      // Kept while the mass before it is under the target, and the first token always (top_p 0).
       float floor = boundary.empty() ? z_least : boundary.back().first;
-      for (const auto& [z, weight] : boundary) {  // kept while the mass before it is under the target
-        if (!(above < target)) break;
-        floor = z;
-        above += weight;
+      for (size_t i = 0; i < boundary.size(); ++i) {
+        if (i > 0 && !(above < target)) break;
+        floor = boundary[i].first;
+        above += boundary[i].second;
       }
       out[s] = floor;
     }
