@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,12 +27,7 @@ class Launch:
     init_method: str  # torch.distributed rendezvous
     local_ranks: tuple[int, ...]  # ranks the engine starts as child processes
     authkey: bytes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rendezvous_dir: Optional[str] = None  # the file store's directory (one machine), removed at shutdown
 
 
 def under_torchrun() -> bool:
@@ -61,8 +56,12 @@ def shared_authkey() -> bytes:
 
 def plan_launch(world_size: int) -> Launch:
     if not under_torchrun():
-        return Launch("127.0.0.1", 0, "127.0.0.1", f"tcp://127.0.0.1:{_free_port()}",
-                      tuple(range(world_size)), secrets.token_bytes(16))
+        # A file store rather than a TCP port: a port found free here could be taken by another
+        # process before rank 0's store binds it, seconds later, once its worker has started
+        # (seen as EADDRINUSE on a shared machine). The store wants a file that does not exist yet.
+        rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-rendezvous-")
+        return Launch("127.0.0.1", 0, "127.0.0.1", f"file://{rendezvous_dir}/store",
+                      tuple(range(world_size)), secrets.token_bytes(16), rendezvous_dir)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_world != world_size:
         raise ConfigError(f"torchrun started {env_world} processes but the parallel group has "

@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -55,7 +56,8 @@ class MultiprocExecutor:
         self._conns: list[Connection] = []
         self._pidfds: list[int] = []
         # Stop the workers however the engine ends (normal exit, garbage collection).
-        self._finalizer = weakref.finalize(self, _stop_workers, self._conns, self._procs, self._pidfds)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._conns, self._procs, self._pidfds,
+                                           launch.rendezvous_dir)
         atexit.register(self._finalizer)
         try:
             for rank in launch.local_ranks:
@@ -210,7 +212,7 @@ def _accept_all(listener: Listener, world_size: int, procs: list[subprocess.Pope
 
 
 def _stop_workers(conns: list[Connection], procs: list[subprocess.Popen], pidfds: list[int],
-                  grace_s: float = 5.0) -> None:
+                  rendezvous_dir: Optional[str] = None, grace_s: float = 5.0) -> None:
     for conn in conns:
         try:
             conn.send_bytes(SHUTDOWN)
@@ -231,3 +233,5 @@ def _stop_workers(conns: list[Connection], procs: list[subprocess.Popen], pidfds
     for fd in pidfds:
         os.close(fd)
     pidfds.clear()
+    if rendezvous_dir is not None:
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
