@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from decode_step_breakdown import ENGINE_PARTS, instrument
+from decode_step_breakdown import ENGINE_PARTS, instrument, print_parts, step_to_the_end
 from kvserve.bench.machine import cpu_info
 from kvserve.config import EngineArgs
 from kvserve.engine import LLMEngine
@@ -29,20 +29,7 @@ def batched_decode_steps(engine: LLMEngine, acc: dict, batch: int, n_out: int,
         prompt = list(range(1000 + 64 * i, 1064 + 64 * i))
         engine.add_request(f"r{i}-{time.monotonic_ns()}", prompt,
                            SamplingParams(max_tokens=n_out, ignore_eos=True, **params))
-    totals: dict = defaultdict(float)
-    steps, step_time = 0, 0.0
-    while engine.has_unfinished_requests():
-        acc.clear()
-        t0 = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t0
-        last = engine.counters.step_history[-1]
-        if last.num_prefill_tokens == 0 and last.num_decode_tokens == batch:
-            steps += 1
-            step_time += dt
-            for k, v in acc.items():
-                totals[k] += v
-    return {k: v / steps for k, v in totals.items()}, steps, step_time / steps
+    return step_to_the_end(engine, acc, batch)
 
 
 def main() -> None:
@@ -66,11 +53,7 @@ def main() -> None:
     print(f"{ns.model} ({ns.quantization or 'default'} weights), {torch.get_num_threads()} threads, "
           f"{cpu['model']} [{' '.join(cpu['features'])}]: {steps} decode steps of {ns.batch} requests "
           f"({', '.join(f'{k} {v:g}' for k, v in params.items())}), {1e3 * mean:.2f} ms per step")
-    for part in ENGINE_PARTS.values():
-        if part in parts:
-            print(f"    {part:<52} {1e3 * parts[part]:7.2f} ms  {100 * parts[part] / mean:5.1f} %")
-    rest = mean - sum(parts.values())
-    print(f"    {'rest of the step (outputs, bookkeeping)':<52} {1e3 * rest:7.2f} ms  {100 * rest / mean:5.1f} %")
+    print_parts(parts, ENGINE_PARTS.values(), mean)
 
 
 if __name__ == "__main__":

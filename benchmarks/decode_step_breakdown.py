@@ -72,6 +72,13 @@ def timed_steps(engine: LLMEngine, prompt: list[int], n_out: int, parts: dict,
     instrument(engine, acc, parts)
     engine.add_request(f"r{time.monotonic_ns()}", prompt,
                        SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
+    return step_to_the_end(engine, acc, tokens_per_step)
+
+
+def step_to_the_end(engine: LLMEngine, acc: dict, decode_tokens: int) -> tuple[dict, int, float]:
+    """Step until the engine's requests are done, ``acc`` (instrument's, cleared before each
+    step) totalled over the steps that decode ``decode_tokens`` tokens and prefill none: (mean
+    seconds per part, number of such steps, mean seconds per step)."""
     totals: dict = defaultdict(float)
     steps, step_time = 0, 0.0
     while engine.has_unfinished_requests():
@@ -80,12 +87,21 @@ def timed_steps(engine: LLMEngine, prompt: list[int], n_out: int, parts: dict,
         engine.step()
         dt = time.perf_counter() - t0
         last = engine.counters.step_history[-1]
-        if last.num_prefill_tokens == 0 and last.num_decode_tokens == tokens_per_step:
+        if last.num_prefill_tokens == 0 and last.num_decode_tokens == decode_tokens:
             steps += 1
             step_time += dt
             for k, v in acc.items():
                 totals[k] += v
     return {k: v / steps for k, v in totals.items()}, steps, step_time / steps
+
+
+def print_parts(parts: dict, names, mean: float, rest: str = "rest of the step (outputs, bookkeeping)") -> None:
+    """One line per part of ``names`` that was timed (ms per step and share), then the rest."""
+    for part in names:
+        if part in parts:
+            print(f"    {part:<52} {1e3 * parts[part]:7.2f} ms  {100 * parts[part] / mean:5.1f} %")
+    left = mean - sum(parts.values())
+    print(f"    {rest:<52} {1e3 * left:7.2f} ms  {100 * left / mean:5.1f} %")
 
 
 def decode_steps(engine: LLMEngine, prompt: list[int], n_out: int) -> tuple[dict, int, float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from decode_step_breakdown import timed_steps  # benchmarks/, beside this script
+from decode_step_breakdown import print_parts, timed_steps  # benchmarks/, beside this script
 from kvserve.bench.workloads import load_text
 from kvserve.config import EngineArgs
 from kvserve.engine import LLMEngine
@@ -45,11 +45,7 @@ def main() -> None:
         breakdown(engine, prompt, 16)  # warm-up
         parts, steps, mean = breakdown(engine, prompt, ns.output_len)
         print(f"{name}: {steps} steps, {1e3 * mean:.2f} ms per step")
-        for part in PARTS.values():
-            if part in parts:
-                print(f"    {part:<52} {1e3 * parts[part]:7.2f} ms  {100 * parts[part] / mean:5.1f} %")
-        rest = mean - sum(parts.values())
-        print(f"    {'rest of the step (detokenizer, outputs, ...)':<52} {1e3 * rest:7.2f} ms  {100 * rest / mean:5.1f} %")
+        print_parts(parts, PARTS.values(), mean, "rest of the step (detokenizer, outputs, ...)")
 
 
 if __name__ == "__main__":
