@@ -296,6 +296,11 @@ def apply_token_bitmask_reference(logits: torch.Tensor, rows: list[int], bitmask
     return logits.index_copy(0, index, masked)
 
 
+def _kernel_rows(x: torch.Tensor) -> bool:
+    """Whether the row kernels (argmax, sampling) take ``x``: [S, V] with contiguous rows, V > 0."""
+    return enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0
+
+
 def sample_rows(x: torch.Tensor, inv_temperature: torch.Tensor, log_min_p: torch.Tensor,
                 uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of logits ``x`` [S, V]: token t with probability proportional to
@@ -304,7 +309,7 @@ def sample_rows(x: torch.Tensor, inv_temperature: torch.Tensor, log_min_p: torch
     cumulative distribution at ``uniforms`` (float64 in [0, 1), one per row). Rows with
     nothing finite take their argmax."""
     inv_temperature, log_min_p = inv_temperature.reshape(-1).float(), log_min_p.reshape(-1).float()
-    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+    if _kernel_rows(x):
         return _ext.sample_rows(x, inv_temperature.contiguous(), log_min_p.contiguous(),
                                 uniforms.to(torch.float64).contiguous())
     return sample_rows_reference(x, inv_temperature, log_min_p, uniforms)
@@ -331,7 +336,7 @@ def top_p_floor(x: torch.Tensor, inv_temperature: torch.Tensor, top_p: torch.Ten
     before it is under ``top_p``), so that the nucleus is every token at or above it; -inf
     for rows with nothing finite. The kernel bins the mass instead of sorting the row."""
     inv_temperature, top_p = inv_temperature.reshape(-1).float(), top_p.reshape(-1).float()
-    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+    if _kernel_rows(x):
         return _ext.top_p_floor(x, inv_temperature.contiguous(), top_p.contiguous())
     return top_p_floor_reference(x, inv_temperature, top_p)
 
@@ -352,14 +357,14 @@ def row_logsumexp(x: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tenso
     """``(x * inv_temperature[:, None]).logsumexp(-1)`` of a 2-D tensor, without the [S, V]
     temporaries on the kernel."""
     inv_temperature = inv_temperature.reshape(-1).float()
-    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+    if _kernel_rows(x):
         return _ext.row_logsumexp(x, inv_temperature.contiguous())
     return (x * inv_temperature.unsqueeze(1)).logsumexp(dim=-1)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` of a 2-D tensor."""
-    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+    if _kernel_rows(x):
         return _ext.top_k_rows(x, 1)[1][:, 0]
     return x.argmax(dim=-1)
 

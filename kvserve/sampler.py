@@ -428,12 +428,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     vocab = logits.shape[-1]
     num_candidates = vocab
     if logits.device.type == "cpu":
-        # .item() is a host sync, free on the CPU.
-        max_k = int(torch.where(top_k < vocab, top_k, 0).max().item()) if top_k is not None else 0
-        every_row_top_k = top_k is not None and bool((top_k < vocab).all())
-        # With a top-k on every row nothing outside the max_k best can be kept.
-        wanted = max_k if top_p is None or every_row_top_k else max(max_k, _CPU_TOP_P_CANDIDATES)
-        num_candidates = min(vocab, wanted)
+        num_candidates = _cpu_num_candidates(top_k, top_p is not None, vocab)
     filtered, covered = _filter_candidates(logits, top_k, top_p, num_candidates)
     if covered is not None and not bool(covered.all()):
         rows = (~covered).nonzero().squeeze(1)
@@ -450,6 +445,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
 
 # Candidates examined for top-p on the CPU before falling back to a full sort of a row.
 _CPU_TOP_P_CANDIDATES = 1024
+
+
+def _cpu_num_candidates(top_k: Optional[torch.Tensor], uses_top_p: bool, vocab: int) -> int:
+    """How many of each row's best tokens the CPU's top-k/top-p filtering looks at: the
+    largest top-k, and at least _CPU_TOP_P_CANDIDATES where some row has top-p without a
+    top-k (with a top-k on every row nothing outside the largest one can be kept)."""
+    # .item() is a host sync, free on the CPU.
+    max_k = int(torch.where(top_k < vocab, top_k, 0).max().item()) if top_k is not None else 0
+    every_row_top_k = top_k is not None and bool((top_k < vocab).all())
+    return min(vocab, max_k if not uses_top_p or every_row_top_k else max(max_k, _CPU_TOP_P_CANDIDATES))
 
 
 def _filter_candidates(logits: torch.Tensor, top_k: Optional[torch.Tensor],
@@ -513,8 +518,7 @@ def _sample_top_k_top_p_rows(logits: torch.Tensor, temperature: torch.Tensor, to
     temporaries of that route (the scaled logits, the filtered copy and the select) were
     most of a 32-row Gemma 3 step's sampling."""
     vocab = logits.shape[-1]
-    max_k = int(torch.where(top_k < vocab, top_k, 0).max())
-    num_candidates = min(vocab, max_k if bool((top_k < vocab).all()) else max(max_k, _CPU_TOP_P_CANDIDATES))
+    num_candidates = _cpu_num_candidates(top_k, uses_top_p, vocab)
     ones = torch.ones_like(temperature)
     top_k_col, top_p_col = top_k.unsqueeze(1), (top_p.unsqueeze(1) if uses_top_p else None)
     if num_candidates < vocab:

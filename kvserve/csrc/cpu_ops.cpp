@@ -1541,6 +1541,21 @@ inline void sample_weights(const float* row, int64_t j0, int64_t n, float m, flo
     w[j] = z >= floor ? std::exp(std::min(z, 0.f)) : 0.f;
   }
 }
+
+// A row's largest value (a NaN never wins).
+inline float row_max(const float* row, int64_t V) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < V; ++j) m = std::max(m, row[j]);
+  return m;
+}
+
+// The first index of a row holding v (argmax's choice among equals); the last index if none does.
+inline int64_t first_index_of(const float* row, int64_t V, float v) {
+  int64_t j = 0;
+  while (j + 1 < V && !(row[j] == v)) ++j;
+  return j;
+}
 }  // namespace
 
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temperature, torch::Tensor log_min_p,
@@ -1568,13 +1583,9 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temperature, torch:
     std::vector<float> w(kSampleBlock);
     for (int64_t s = begin; s < end; ++s) {
       const float* row = xp + s * x.stride(0);
-      float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-      for (int64_t j = 0; j < V; ++j) m = std::max(m, row[j]);  // (a NaN never wins)
+      const float m = row_max(row, V);
       if (!std::isfinite(m)) {  // nothing finite to weigh (or +inf): the first of the largest, as argmax
-        int64_t first = 0;
-        while (first + 1 < V && !(row[first] == m)) ++first;
-        out[s] = first;
+        out[s] = first_index_of(row, V, m);
         continue;
       }
       // Never below the lowest float, so that -inf logits (masked tokens) fail it even with
@@ -1594,9 +1605,7 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temperature, torch:
       // The token whose interval of the cumulative weights holds the target; rounding that
       // leaves the target past the last interval takes the last token with a weight.
       if (!(total > 0.0)) {  // min-p past the top token: nothing weighed, take the top token
-        int64_t first = 0;
-        while (first + 1 < V && !(row[first] == m)) ++first;
-        out[s] = first;
+        out[s] = first_index_of(row, V, m);
         continue;
       }
       const double target = up[s] * total;
@@ -1720,9 +1729,7 @@ torch::Tensor row_logsumexp(torch::Tensor x, torch::Tensor inv_temperature) {
     std::vector<float> w(kSampleBlock);
     for (int64_t s = begin; s < end; ++s) {
       const float* row = xp + s * x.stride(0);
-      float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-      for (int64_t j = 0; j < V; ++j) m = std::max(m, row[j]);
+      const float m = row_max(row, V);
       if (!std::isfinite(m)) {
         op[s] = m * tp[s];
         continue;
