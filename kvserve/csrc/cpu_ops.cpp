@@ -613,7 +613,7 @@ bool g_attention_bf16_dot = bf16_dot_route("KVSERVE_ATTENTION_ROUTE");
 
 // Lane i of the result holds the bf16 pair (a[i], b[i]) that vdpbf16ps multiplies in lane i:
 // two rows of 16 bf16 values interleaved.
-inline __m512i pair_rows(const uint16_t* a, const uint16_t* b) {
+__attribute__((always_inline)) inline __m512i pair_rows(const uint16_t* a, const uint16_t* b) {
   static const __m512i kInterleave = [] {
     alignas(64) uint16_t idx[32];
     for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<uint16_t>(i), idx[2 * i + 1] = static_cast<uint16_t>(32 + i);
@@ -625,7 +625,7 @@ inline __m512i pair_rows(const uint16_t* a, const uint16_t* b) {
 }
 
 // acc + the products of the bf16 pair `pair` (one 32-bit word, broadcast) with each lane's pair.
-inline __m512 dot_pairs(__m512 acc, uint32_t pair, __m512i lanes) {
+__attribute__((always_inline)) inline __m512 dot_pairs(__m512 acc, uint32_t pair, __m512i lanes) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(pair))),
                           reinterpret_cast<__m512bh>(lanes));
 }
@@ -636,13 +636,108 @@ inline void store_bf16x16(uint32_t* dst, __m512 values) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(values)));
 }
 
+// The bf16-dot route's two halves for NR score rows over one chunk of 16 keys, as functions of
+// their own so that the accumulators stay in registers. Keys come paired (lane t of word i
+// holds key t's dimensions 2i, 2i + 1) from the cache directly (kDirect: a full chunk, rows
+// of the [D, BS] block paired on the fly) or from `paired` ([D / 2, 16] words); values from the
+// [BS, D] block (kDirect) or `paired` ([8, D] words: keys 2j, 2j + 1 per word).
+template <int64_t NR, bool kDirect>
+__attribute__((always_inline)) inline void chunk_scores_dot(const uint32_t* q_pairs, int64_t D, const uint16_t* kb,
+                                                            int64_t BS, const uint32_t* paired, const char* k_ahead,
+                                                            const char* v_ahead, float scale, float (*x)[kKeyChunk]) {
+  __m512 sc[NR], sc_odd[NR];
+  for (int64_t b = 0; b < NR; ++b) sc[b] = sc_odd[b] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D / 2; i += 2) {
+    if (k_ahead != nullptr) {  // as attention_tile: a line of the chunk ahead per step
+      const int64_t d = 2 * i;
+      for (int64_t e = 0; e < 4; ++e) __builtin_prefetch(k_ahead + (d + e) * BS * 2, 0, 2);
+      constexpr int64_t kValueBytesPerStep = 4 * kKeyChunk * 2;
+      for (int64_t off = 0; off < kValueBytesPerStep; off += 64)
+        __builtin_prefetch(v_ahead + i / 2 * kValueBytesPerStep + off, 0, 2);
+    }
+    __m512i k0, k1;
+    if constexpr (kDirect) {
+      k0 = pair_rows(kb + 2 * i * BS, kb + (2 * i + 1) * BS);
+      k1 = pair_rows(kb + (2 * i + 2) * BS, kb + (2 * i + 3) * BS);
+    } else {
+      k0 = _mm512_loadu_si512(paired + i * kKeyChunk);
+      k1 = _mm512_loadu_si512(paired + (i + 1) * kKeyChunk);
+    }
+    for (int64_t b = 0; b < NR; ++b) {
+      sc[b] = dot_pairs(sc[b], q_pairs[b * D / 2 + i], k0);
+      sc_odd[b] = dot_pairs(sc_odd[b], q_pairs[b * D / 2 + i + 1], k1);
+    }
+  }
+  for (int64_t b = 0; b < NR; ++b) _mm512_storeu_ps(x[b], _mm512_mul_ps(_mm512_add_ps(sc[b], sc_odd[b]), _mm512_set1_ps(scale)));
+}
+
+// acc[b] (rows of D) = acc[b] * correction[b] + the chunk's values weighted by p_pairs[b].
+template <int64_t NR, bool kDirect>
+__attribute__((always_inline)) inline void chunk_values_dot(float* acc, int64_t D, const uint16_t* vb,
+                                                            const uint32_t* paired, const float* correction,
+                                                            const uint32_t (*p_pairs)[kKeyChunk / 2]) {
+  for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
+    // (see attention_tile: the weights' broadcasts stay memory operands, not general registers)
+    asm("" : : "r"(p_pairs) : "memory");
+    __m512 even[NR], odd[NR];
+    for (int64_t b = 0; b < NR; ++b) {
+      even[b] = _mm512_mul_ps(_mm512_loadu_ps(acc + b * D + d0), _mm512_set1_ps(correction[b]));
+      odd[b] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < kKeyChunk / 2; j += 2) {
+      __m512i v0, v1;
+      if constexpr (kDirect) {
+        v0 = pair_rows(vb + 2 * j * D + d0, vb + (2 * j + 1) * D + d0);
+        v1 = pair_rows(vb + (2 * j + 2) * D + d0, vb + (2 * j + 3) * D + d0);
+      } else {
+        v0 = _mm512_loadu_si512(paired + j * D + d0);
+        v1 = _mm512_loadu_si512(paired + (j + 1) * D + d0);
+      }
+      for (int64_t b = 0; b < NR; ++b) {
+        even[b] = dot_pairs(even[b], p_pairs[b][j], v0);
+        odd[b] = dot_pairs(odd[b], p_pairs[b][j + 1], v1);
+      }
+    }
+    for (int64_t b = 0; b < NR; ++b) _mm512_storeu_ps(acc + b * D + d0, _mm512_add_ps(even[b], odd[b]));
+  }
+}
+
+// A chunk's keys or values paired into a buffer (chunk_scores_dot / chunk_values_dot's
+// `paired`): n_keys < 16 (a partial chunk) pads with zero keys.
+inline void pair_key_chunk(const uint16_t* kb, int64_t BS, int64_t D, int64_t n_keys, uint32_t* k_pairs) {
+  if (n_keys == kKeyChunk) {
+    for (int64_t i = 0; i < D / 2; ++i)
+      _mm512_storeu_si512(k_pairs + i * kKeyChunk, pair_rows(kb + 2 * i * BS, kb + (2 * i + 1) * BS));
+    return;
+  }
+  for (int64_t i = 0; i < D / 2; ++i)
+    for (int64_t t = 0; t < kKeyChunk; ++t)
+      k_pairs[i * kKeyChunk + t] = t < n_keys ? kb[2 * i * BS + t] | (static_cast<uint32_t>(kb[(2 * i + 1) * BS + t]) << 16) : 0u;
+}
+
+inline void pair_value_chunk(const uint16_t* vb, int64_t D, int64_t n_keys, uint32_t* v_pairs) {
+  if (n_keys == kKeyChunk) {
+    for (int64_t j = 0; j < kKeyChunk / 2; ++j)
+      for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk)
+        _mm512_storeu_si512(v_pairs + j * D + d0, pair_rows(vb + 2 * j * D + d0, vb + (2 * j + 1) * D + d0));
+    return;
+  }
+  for (int64_t j = 0; j < kKeyChunk / 2; ++j)
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t lo = 2 * j < n_keys ? vb[2 * j * D + d] : 0u, hi = 2 * j + 1 < n_keys ? vb[(2 * j + 1) * D + d] : 0u;
+      v_pairs[j * D + d] = lo | (hi << 16);
+    }
+}
+
 // attention_tile for a bf16 cache on the bf16-dot route: the same chunks, partitions, masks and
 // online softmax, with each score a sum over pairs of dimensions (q[d], q[d + 1]) . (k[d], k[d + 1])
 // and each output a sum over pairs of keys (p[t], p[t + 1]) . (v[t], v[t + 1]), in fp32, two
 // chains each. The queries are rounded to bf16 once per tile, the weights as the softmax makes
-// them (softmax_rows<true>). A decode's few rows pair the cache rows as they read them; more
-// rows (prefill) or a partial chunk pair the chunk once into a buffer (zero-padded), and every
-// row takes the same instructions from either.
+// them (softmax_rows<true>). A decode's few rows pair the cache rows as they read them, and
+// score every chunk of their keys before the softmax and values of the first (the score chains
+// of successive chunks are independent, where each chunk's scores waited on the previous one's
+// softmax and values); more rows (prefill) or a partial chunk pair the chunk once into a buffer
+// (zero-padded). Every row takes the same operations, in the same order, on either path.
 template <int64_t kD>
 void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
                         const c10::BFloat16* khead_, const c10::BFloat16* vhead_, const int32_t* table, int64_t BS,
@@ -653,15 +748,20 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
   const int64_t rows = num_queries * G;
   const uint16_t* khead = reinterpret_cast<const uint16_t*>(khead_);
   const uint16_t* vhead = reinterpret_cast<const uint16_t*>(vhead_);
+  const bool few_rows = rows <= kRowBlock;
+  const int64_t max_chunks = few_rows ? (key_end - key_begin) / std::min<int64_t>(BS, kKeyChunk) + 2 : 0;
   // acc [rows, D], row_max, row_sum, the queries' bf16 pairs [rows, D / 2], the paired key
-  // chunk [D / 2, 16] and value chunk [8, D] (32-bit words: one float's room each).
-  work.resize(rows * D + 2 * rows + rows * D / 2 + D / 2 * kKeyChunk + kKeyChunk / 2 * D);
+  // chunk [D / 2, 16] and value chunk [8, D] (32-bit words: one float's room each); a decode's
+  // scores [chunks, rows, 16].
+  work.resize(rows * D + 2 * rows + rows * D / 2 + D / 2 * kKeyChunk + kKeyChunk / 2 * D +
+              max_chunks * rows * kKeyChunk);
   float* acc = work.data();
   float* row_max = acc + rows * D;
   float* row_sum = row_max + rows;
   uint32_t* q_pairs = reinterpret_cast<uint32_t*>(row_sum + rows);
   uint32_t* k_pairs = q_pairs + rows * D / 2;
   uint32_t* v_pairs = k_pairs + D / 2 * kKeyChunk;
+  float(*scores)[kKeyChunk] = reinterpret_cast<float(*)[kKeyChunk]>(v_pairs + kKeyChunk / 2 * D);
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + rows, 0.f);
@@ -669,98 +769,76 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
     const float* qr = q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1;
     for (int64_t d = 0; d < D; d += kKeyChunk) store_bf16x16(q_pairs + r * D / 2 + d / 2, _mm512_loadu_ps(qr + d));
   }
+  // The keys row r sees: [lo, hi]; whether any of rows r0..r0 + nr sees one of [j0, j1).
+  const auto last_key_of = [&](int64_t r) { return first_query_pos + r / G; };
+  const auto first_key_of = [&](int64_t r) { return window > 0 ? last_key_of(r) - window + 1 : 0; };
+  const auto any_visible = [&](int64_t r0, int64_t nr, int64_t j0, int64_t j1) {
+    for (int64_t r = r0; r < r0 + nr; ++r)
+      if (j0 <= last_key_of(r) && j1 > first_key_of(r)) return true;
+    return false;
+  };
+  // The online softmax of rows r0..r0 + NR over a chunk's scores x, then its values.
+  const auto softmax_and_values = [&](auto nr_constant, bool direct, int64_t r0, int64_t j0, int64_t n_keys,
+                                      const uint16_t* vb, float (*x)[kKeyChunk]) {
+    constexpr int64_t NR = decltype(nr_constant)::value;
+    int64_t lo[NR], hi[NR];
+    for (int64_t b = 0; b < NR; ++b) lo[b] = first_key_of(r0 + b), hi[b] = last_key_of(r0 + b);
+    float p[NR][kKeyChunk];
+    float correction[NR];
+    softmax_rows<true>(x, NR, j0, n_keys, lo, hi, softcap, row_max + r0, row_sum + r0, p, correction);
+    uint32_t p_pairs[NR][kKeyChunk / 2];  // (the weights are bf16 values already: exact)
+    for (int64_t b = 0; b < NR; ++b) store_bf16x16(p_pairs[b], _mm512_loadu_ps(p[b]));
+    if (direct) chunk_values_dot<NR, true>(acc + r0 * D, D, vb, v_pairs, correction, p_pairs);
+    else chunk_values_dot<NR, false>(acc + r0 * D, D, vb, v_pairs, correction, p_pairs);
+  };
 
-  const bool few_rows = rows <= kRowBlock;
-  for_each_key_chunk(table, BS, D, first_query_pos, num_queries, window, key_begin, key_end, few_rows,
-                     [&](const KeyChunk& chunk) {
-    const int64_t j0 = chunk.j0, j1 = chunk.j1, n_keys = j1 - j0;
-    const char* k_ahead = chunk.key_ahead < 0 ? nullptr : reinterpret_cast<const char*>(khead + chunk.key_ahead);
-    const char* v_ahead = chunk.value_ahead < 0 ? nullptr : reinterpret_cast<const char*>(vhead + chunk.value_ahead);
-    const uint16_t* kb = khead + chunk.key_offset;
-    const uint16_t* vb = vhead + chunk.value_offset;
-    // key_lanes(i): the keys' pairs of dimensions (2i, 2i + 1); value_lanes(j, d0): the pairs of
-    // keys (2j, 2j + 1) in dimensions d0..d0 + 15.
-    auto row_block = [&](auto key_lanes, auto value_lanes, int64_t r0, auto nr_constant) {
-      constexpr int64_t NR = decltype(nr_constant)::value;
-      const uint32_t* qp[NR];
-      int64_t lo[NR], hi[NR];
-      bool any_visible = false;
-      for (int64_t b = 0; b < NR; ++b) {
-        qp[b] = q_pairs + (r0 + b) * D / 2;
-        hi[b] = first_query_pos + (r0 + b) / G;
-        lo[b] = window > 0 ? hi[b] - window + 1 : 0;
-        any_visible |= j0 <= hi[b] && j1 > lo[b];
-      }
-      if (!any_visible) return;
-      __m512 sc[NR], sc_odd[NR];
-      for (int64_t b = 0; b < NR; ++b) sc[b] = sc_odd[b] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < D / 2; i += 2) {
-        if (k_ahead != nullptr) {  // as attention_tile: a line of the chunk ahead per step
-          const int64_t d = 2 * i;
-          for (int64_t e = 0; e < 4; ++e) __builtin_prefetch(k_ahead + (d + e) * BS * 2, 0, 2);
-          constexpr int64_t kValueBytesPerStep = 4 * kKeyChunk * 2;
-          for (int64_t off = 0; off < kValueBytesPerStep; off += 64)
-            __builtin_prefetch(v_ahead + i / 2 * kValueBytesPerStep + off, 0, 2);
-        }
-        const __m512i k0 = key_lanes(i), k1 = key_lanes(i + 1);
-        for (int64_t b = 0; b < NR; ++b) {
-          sc[b] = dot_pairs(sc[b], qp[b][i], k0);
-          sc_odd[b] = dot_pairs(sc_odd[b], qp[b][i + 1], k1);
-        }
-      }
-      float p[NR][kKeyChunk];
-      float correction[NR];
-      float x[NR][kKeyChunk];
-      for (int64_t b = 0; b < NR; ++b) _mm512_storeu_ps(x[b], _mm512_mul_ps(_mm512_add_ps(sc[b], sc_odd[b]), _mm512_set1_ps(scale)));
-      softmax_rows<true>(x, NR, j0, n_keys, lo, hi, softcap, row_max + r0, row_sum + r0, p, correction);
-      uint32_t p_pairs[NR][kKeyChunk / 2];  // (the weights are bf16 values already: exact)
-      for (int64_t b = 0; b < NR; ++b) store_bf16x16(p_pairs[b], _mm512_loadu_ps(p[b]));
-      for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk) {
-        asm("" : "+m"(p_pairs));  // (see attention_tile: keep the broadcasts as memory operands)
-        __m512 even[NR], odd[NR];
-        for (int64_t b = 0; b < NR; ++b) {
-          even[b] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + b) * D + d0), _mm512_set1_ps(correction[b]));
-          odd[b] = _mm512_setzero_ps();
-        }
-        for (int64_t j = 0; j < kKeyChunk / 2; j += 2) {
-          const __m512i v0 = value_lanes(j, d0), v1 = value_lanes(j + 1, d0);
-          for (int64_t b = 0; b < NR; ++b) {
-            even[b] = dot_pairs(even[b], p_pairs[b][j], v0);
-            odd[b] = dot_pairs(odd[b], p_pairs[b][j + 1], v1);
-          }
-        }
-        for (int64_t b = 0; b < NR; ++b) _mm512_storeu_ps(acc + (r0 + b) * D + d0, _mm512_add_ps(even[b], odd[b]));
-      }
-    };
-    auto rows_over_chunk = [&](auto key_lanes, auto value_lanes) {
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-        dispatch_rows<kRowBlock>(rows - r0, [&](auto nr) { row_block(key_lanes, value_lanes, r0, nr); });
-      }
-    };
-    if (n_keys == kKeyChunk && few_rows) {
-      rows_over_chunk([&](int64_t i) { return pair_rows(kb + 2 * i * BS, kb + (2 * i + 1) * BS); },
-                      [&](int64_t j, int64_t d0) { return pair_rows(vb + 2 * j * D + d0, vb + (2 * j + 1) * D + d0); });
-    } else {
-      if (n_keys == kKeyChunk) {
-        for (int64_t i = 0; i < D / 2; ++i)
-          _mm512_storeu_si512(k_pairs + i * kKeyChunk, pair_rows(kb + 2 * i * BS, kb + (2 * i + 1) * BS));
-        for (int64_t j = 0; j < kKeyChunk / 2; ++j)
-          for (int64_t d0 = 0; d0 < D; d0 += kKeyChunk)
-            _mm512_storeu_si512(v_pairs + j * D + d0, pair_rows(vb + 2 * j * D + d0, vb + (2 * j + 1) * D + d0));
-      } else {  // a partial chunk: keys past n_keys are zeros
-        for (int64_t i = 0; i < D / 2; ++i)
-          for (int64_t t = 0; t < kKeyChunk; ++t)
-            k_pairs[i * kKeyChunk + t] = t < n_keys ? kb[2 * i * BS + t] | (static_cast<uint32_t>(kb[(2 * i + 1) * BS + t]) << 16) : 0u;
-        for (int64_t j = 0; j < kKeyChunk / 2; ++j)
-          for (int64_t d = 0; d < D; ++d) {
-            const uint32_t lo = 2 * j < n_keys ? vb[2 * j * D + d] : 0u, hi = 2 * j + 1 < n_keys ? vb[(2 * j + 1) * D + d] : 0u;
-            v_pairs[j * D + d] = lo | (hi << 16);
-          }
-      }
-      rows_over_chunk([&](int64_t i) { return _mm512_loadu_si512(k_pairs + i * kKeyChunk); },
-                      [&](int64_t j, int64_t d0) { return _mm512_loadu_si512(v_pairs + j * D + d0); });
+  if (few_rows) {
+    int64_t num_scored = 0;
+    // Pass 1: the scores of every chunk some row sees; pass 2: in order, their softmax and values.
+    // (A tile's keys lie in one partition: at most kKeyPartition / BS chunks, plus a partial one.)
+    int64_t j0s[kKeyPartition + 2], nks[kKeyPartition + 2], vos[kKeyPartition + 2];
+    TORCH_CHECK(max_chunks <= kKeyPartition + 2, "a tile's keys span more than one partition");
+    for_each_key_chunk(table, BS, D, first_query_pos, num_queries, window, key_begin, key_end, true,
+                       [&](const KeyChunk& chunk) {
+      const int64_t n_keys = chunk.j1 - chunk.j0;
+      if (!any_visible(0, rows, chunk.j0, chunk.j1)) return;
+      const char* k_ahead = chunk.key_ahead < 0 ? nullptr : reinterpret_cast<const char*>(khead + chunk.key_ahead);
+      const char* v_ahead = chunk.value_ahead < 0 ? nullptr : reinterpret_cast<const char*>(vhead + chunk.value_ahead);
+      const uint16_t* kb = khead + chunk.key_offset;
+      float(*x)[kKeyChunk] = scores + num_scored * rows;
+      if (n_keys != kKeyChunk) pair_key_chunk(kb, BS, D, n_keys, k_pairs);
+      dispatch_rows<kRowBlock>(rows, [&](auto nr) {
+        constexpr int64_t NR = decltype(nr)::value;
+        if (n_keys == kKeyChunk) chunk_scores_dot<NR, true>(q_pairs, D, kb, BS, k_pairs, k_ahead, v_ahead, scale, x);
+        else chunk_scores_dot<NR, false>(q_pairs, D, kb, BS, k_pairs, k_ahead, v_ahead, scale, x);
+      });
+      j0s[num_scored] = chunk.j0, nks[num_scored] = n_keys, vos[num_scored] = chunk.value_offset;
+      ++num_scored;
+    });
+    for (int64_t c = 0; c < num_scored; ++c) {
+      const uint16_t* vb = vhead + vos[c];
+      if (nks[c] != kKeyChunk) pair_value_chunk(vb, D, nks[c], v_pairs);
+      dispatch_rows<kRowBlock>(rows, [&](auto nr) {
+        softmax_and_values(nr, nks[c] == kKeyChunk, 0, j0s[c], nks[c], vb, scores + c * rows);
+      });
     }
-  });
+  } else {
+    for_each_key_chunk(table, BS, D, first_query_pos, num_queries, window, key_begin, key_end, false,
+                       [&](const KeyChunk& chunk) {
+      const int64_t j0 = chunk.j0, n_keys = chunk.j1 - j0;
+      pair_key_chunk(khead + chunk.key_offset, BS, D, n_keys, k_pairs);
+      pair_value_chunk(vhead + chunk.value_offset, D, n_keys, v_pairs);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        dispatch_rows<kRowBlock>(rows - r0, [&](auto nr) {
+          constexpr int64_t NR = decltype(nr)::value;
+          if (!any_visible(r0, NR, j0, chunk.j1)) return;
+          float x[NR][kKeyChunk];
+          chunk_scores_dot<NR, false>(q_pairs + r0 * D / 2, D, nullptr, BS, k_pairs, nullptr, nullptr, scale, x);
+          softmax_and_values(nr, false, r0, j0, n_keys, nullptr, x);
+        });
+      }
+    });
+  }
   finish_tile(acc, rows, D, partial, out, o_s0, o_s1, first_row, kvh, G);
 }
 #endif
