@@ -121,6 +121,12 @@ class Bf16Linear(nn.Module):
             y = nn.functional.linear(x16, self.weight, self.bias)
         return y.to(x.dtype)
 
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
+        """``self(x)`` written into ``out`` (float32 ``[rows, out_features]``) by kvserve's
+        kernel; None (``out`` untouched) where this layer does not run on it."""
+        return _block_quantized_forward_into(
+            self, x, out, self.packed, lambda ext, rows: ext.bf16_linear_out(out, rows, self.weight, self.bias))
+
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The packed kernel's sums in plain torch: bf16-rounded activations times the bf16
         weights, in fp32 (another summation order: equal to rounding, not bit for bit)."""
@@ -511,6 +517,12 @@ class Q8Linear(DecodeFormatLinear):
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q8_linear(rows, self.qs, self.d, self.bias))
 
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
+        """``self(x)`` written into ``out`` (see Bf16Linear.forward_into); not for a layer with
+        prefill weights, whose rows may take either format."""
+        return _block_quantized_forward_into(
+            self, x, out, self.prefill is None, lambda ext, rows: ext.q8_linear_out(out, rows, self.qs, self.d, self.bias))
+
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ (d * q)^T`` in plain torch (fp32 activations, as the kernel)."""
         y = x.float() @ self._reference_weight().T
@@ -548,6 +560,17 @@ def _block_quantized_forward(layer: nn.Module, x: torch.Tensor, kernel) -> torch
     ext = ops.cpu_extension()
     y = kernel(ext, rows) if ext is not None and rows.device.type == "cpu" else layer.forward_reference(rows)
     return y.view(*x.shape[:-1], layer.out_features).to(x.dtype)
+
+
+def _block_quantized_forward_into(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, on_kernel: bool,
+                                  kernel) -> Optional[torch.Tensor]:
+    """``layer(x)`` into ``out`` through ``kernel(extension, rows)`` (which writes ``out``) when
+    the layer runs on kvserve's kernels (``on_kernel``) and ``x`` is fp32 on the CPU; else None."""
+    ext = ops.cpu_extension()
+    if not on_kernel or ext is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    kernel(ext, x.reshape(-1, layer.in_features).contiguous())
+    return out
 
 
 class Q4Screen(nn.Module):
@@ -620,28 +643,42 @@ class RescoredLMHead(nn.Module):
         self.exact_weight = exact_weight  # shared with the (fp32) embedding table when tied
         self.top_k = top_k
         self.screen = screen
-        self._screened_logits: Optional[torch.Tensor] = None  # see _screened_buffer
+        self._kept_logits: Optional[torch.Tensor] = None  # see _kept_buffer
 
-    def _screened_buffer(self, rows: int, x: torch.Tensor) -> torch.Tensor:
-        """The argmax-only logits' memory, kept from call to call and grown as needed: what an
-        argmax-only call returns is valid until the next one (the runner samples from it in the
+    def _kept_buffer(self, rows: int, columns: int, x: torch.Tensor) -> torch.Tensor:
+        """The transient logits' memory, kept from call to call and grown as needed: what a
+        transient call returns is valid until the next one (the runner samples from it in the
         same step). A fresh tensor this size (Gemma 3: 1 MB per row) comes from mmap once past
         glibc's 32 MB threshold, and its first touch faulted ~8 ms into a 32-row decode step."""
-        buf = self._screened_logits
-        if (buf is None or buf.shape[0] < rows or buf.device != x.device
+        buf = self._kept_logits
+        if (buf is None or buf.shape[0] < rows or buf.shape[1] != columns or buf.device != x.device
                 or buf.is_inference() != torch.is_inference_mode_enabled()):
-            capacity = max(rows, 0 if buf is None else buf.shape[0])
-            buf = self._screened_logits = torch.empty(capacity, self.screen.out_features, dtype=torch.float32,
-                                                      device=x.device)
+            capacity = max(rows, 0 if buf is None or buf.shape[1] != columns else buf.shape[0])
+            buf = self._kept_logits = torch.empty(capacity, columns, dtype=torch.float32, device=x.device)
         return buf[:rows]
 
-    def forward(self, x: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+    def _full_logits(self, x: torch.Tensor, transient: bool) -> torch.Tensor:
+        """The fast head's logits of every token, into the kept buffer when ``transient`` and
+        the fast head writes into one (kvserve's bf16 and Q8 kernels)."""
+        forward_into = getattr(self.fast, "forward_into", None)
+        if transient and forward_into is not None:
+            rows = x.numel() // x.shape[-1]
+            logits = forward_into(x, self._kept_buffer(rows, self.fast.out_features, x))
+            if logits is not None:
+                return logits
+        return self.fast(x).float()
+
+    def forward(self, x: torch.Tensor, argmax_only: bool = False, transient: bool = False) -> torch.Tensor:
+        """Logits ``[rows, vocabulary]``. ``argmax_only``: the caller reads only each row's argmax
+        (the screen ranks; see the class). ``transient`` (implied by ``argmax_only``): the caller
+        is done with the result before its next call here, which may write into the same memory."""
         screened = argmax_only and self.screen is not None
         if screened:
             rows = x.numel() // x.shape[-1]
-            logits, top_k = self.screen(x, out=self._screened_buffer(rows, x)), SCREEN_TOP_K
+            logits = self.screen(x, out=self._kept_buffer(rows, self.screen.out_features, x))
+            top_k = SCREEN_TOP_K
         else:
-            logits, top_k = self.fast(x).float(), self.top_k
+            logits, top_k = self._full_logits(x, transient or argmax_only), self.top_k
         if logits.shape[0] == 0:
             return logits
         idx = ops.top_k(logits, min(top_k, logits.shape[-1]))[1]  # [S, k]

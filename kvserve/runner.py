@@ -240,7 +240,7 @@ class ModelRunner:
             roles = {} if inputs.token_roles is None else {"token_roles": inputs.token_roles}
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache,
-                inputs.logits_indices, **roles, argmax_only=self._argmax_only(inputs),
+                inputs.logits_indices, **roles, argmax_only=self._argmax_only(inputs), transient_logits=True,
             )
         out = StepOutput(num_prefill_tokens=inputs.num_prefill_tokens,
                          num_decode_tokens=inputs.num_decode_tokens)

@@ -222,4 +222,30 @@ def test_rescored_head_reuses_its_argmax_only_logits_across_calls():
     got.append(head(xs[0], argmax_only=True).clone())  # outside inference mode too
     for g, e in zip(got, expected + expected[:1]):
         assert torch.equal(g, e)
-    assert head._screened_logits.shape[0] == 12
+    assert head._kept_logits.shape[0] == 12
+
+
+@pytest.mark.parametrize("fast", ["bf16", "q8"])
+def test_rescored_head_transient_logits_reuse_one_buffer(fast):
+    """Transient calls (the runner's: sampled rows read every logit within the step) write the
+    fast head's logits into the head's kept buffer: the same values as a plain call, in the
+    same memory from call to call; plain calls still return tensors of their own."""
+    torch.manual_seed(4)
+    w = torch.randn(3000, 64)
+    make = (lambda: Bf16Linear(w, None)) if fast == "bf16" else (lambda: Q8Linear.from_float(w))
+    head = RescoredLMHead(make(), w, top_k=8, screen=Q4Screen.from_float(w))
+    reference = RescoredLMHead(make(), w, top_k=8)
+    xs = [torch.randn(rows, 64) for rows in (5, 9, 2)]
+    pointers = set()
+    for x in xs:
+        expected = reference(x)
+        got = head(x, transient=True)
+        assert torch.equal(got, expected)
+        pointers.add(got.data_ptr())
+        # An argmax-only call shares the buffer; a plain call does not touch it.
+        assert head(x, argmax_only=True).data_ptr() == got.data_ptr()
+        plain = head(x)
+        assert torch.equal(plain, expected) and plain.data_ptr() != got.data_ptr()
+    if ops.load_extension() is not None:
+        assert len(pointers) == 2  # grown once (5 -> 9 rows), then reused
+        assert head._kept_logits.shape == (9, 3000)

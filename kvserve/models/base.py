@@ -43,6 +43,7 @@ class PagedCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [S'] int64 rows of T whose logits are wanted
         token_roles: Optional[TokenRoles] = None,  # which rows are prompt tokens (dual-format linears)
         argmax_only: bool = False,  # the caller reads only each row's argmax (see RescoredLMHead)
+        transient_logits: bool = False,  # the caller is done with the logits before its next call
     ) -> Optional[torch.Tensor]:  # [S', vocab] float32; None on a pipeline stage before the last
         # The roles choose the decoder layers' weight format per row; the LM head, after the
         # block, computes every row alike.
@@ -52,8 +53,10 @@ class PagedCausalLM(nn.Module):
             return None  # the hidden states went to the next stage
         # Only the rows that will be sampled reach the final norm and the (vocab-wide) head.
         hidden = self.model.norm(hidden.index_select(0, logits_indices))
-        if argmax_only and isinstance(self.lm_head, RescoredLMHead):
-            logits = self.lm_head(hidden, argmax_only=True)
+        if isinstance(self.lm_head, RescoredLMHead):
+            # (Transient logits may live in memory the head keeps: a fresh [rows, vocabulary]
+            # tensor past glibc's mmap threshold is page-faulted in at every step.)
+            logits = self.lm_head(hidden, argmax_only=argmax_only, transient=transient_logits)
         else:
             logits = self.lm_head(hidden).float()
         if self.tp is not None and logits.shape[0]:
