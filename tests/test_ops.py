@@ -199,6 +199,30 @@ def test_top_k_and_argmax_match_torch():
     assert torch.equal(ops.top_k(x[:, :7], 7)[0], x[:, :7].topk(7, dim=-1)[0])
 
 
+def _ranked(row: torch.Tensor, k: int) -> list[int]:
+    """The k best indices of a row, ties to the lower index (the kernels' order), in Python."""
+    return sorted(range(row.numel()), key=lambda j: (-row[j].item(), j))[:k]
+
+
+@pytest.mark.parametrize("vocab", [49_152, 3_000])  # the strided sample's threshold; the histogram alone
+def test_top_k_of_many_candidates_matches_torch(vocab):
+    """k > 64 (the sampler's 1,024 top-p candidates) takes the selecting kernel: torch's values,
+    sorted, ties to the lower index as top_k_rows, -inf and repeated values included."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, vocab, generator=gen) * 3
+    x[0, :100] = float("-inf")
+    x[1, 200:2000] = 1.25  # a tie across the k-th place
+    x[2] = torch.randint(0, 4, (vocab,), generator=gen).float()  # ties everywhere
+    x[3, ::4] += 20.0  # what the strided sample sees stands above nearly every other entry
+    for k in (65, 1024, vocab):
+        values, indices = ops.top_k(x, k)
+        assert torch.equal(values, x.topk(k, dim=-1).values), k
+        assert torch.equal(x.gather(1, indices), values)
+        if k == 1024:
+            for r in (1, 2):
+                assert indices[r].tolist() == _ranked(x[r], k)
+
+
 @pytest.mark.parametrize("vocab", [49_152, 1_000, 37])  # whole words, a ragged last word, < 2 words
 def test_apply_token_bitmask_matches_reference(vocab):
     """Grammar masks: bit t % 32 of int32 word t / 32 allows token t (sign bit included);
