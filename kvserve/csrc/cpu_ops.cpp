@@ -1829,15 +1829,17 @@ torch::Tensor top_p_floor(torch::Tensor x, torch::Tensor inv_temperature, torch:
   float* out = floors.data_ptr<float>();
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> mass(kBins);
-    std::vector<float> w(kSampleBlock);
+    // Every token's weight and bin, from the pass that builds the histogram, for the pass that
+    // collects the crossing bin's tokens (which computed them afresh: a second exp per token).
+    std::vector<float> w(V);
+    std::vector<int16_t> bins(V);
     std::vector<std::pair<float, float>> boundary;  // (z, weight) of the crossing bin's tokens
     for (int64_t s = begin; s < end; ++s) {
       const float* row = xp + s * x.stride(0);
-      float m = kNegInf, least = std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < V; ++j) {
-        if (row[j] > m) m = row[j];
-        if (row[j] > kNegInf && row[j] < least) least = row[j];
-      }
+      const float m = row_max(row, V);
+      float least = std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(min : least)
+      for (int64_t j = 0; j < V; ++j) least = std::min(least, row[j] > kNegInf ? row[j] : least);
       if (!std::isfinite(m)) {
         out[s] = kNegInf;
         continue;
@@ -1848,17 +1850,21 @@ torch::Tensor top_p_floor(torch::Tensor x, torch::Tensor inv_temperature, torch:
         continue;
       }
       const float per_bin = static_cast<float>(kBins) / -z_least;
-      const auto bin_of = [&](float z) {
-        return std::min<int64_t>(kBins - 1, std::max<int64_t>(0, static_cast<int64_t>((z - z_least) * per_bin)));
-      };
       std::fill(mass.begin(), mass.end(), 0.0);
       double total = 0.0;
       for (int64_t j0 = 0; j0 < V; j0 += kSampleBlock) {
         const int64_t n = std::min(kSampleBlock, V - j0);
-        sample_weights(row, j0, n, m, scale, std::numeric_limits<float>::lowest(), w.data());
-        for (int64_t j = 0; j < n; ++j) {
+        sample_weights(row, j0, n, m, scale, std::numeric_limits<float>::lowest(), w.data() + j0);
+        int16_t* block_bins = bins.data() + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) {  // (z - z_least) * per_bin within [0, kBins - 1]; NaN / -inf: 0, weight 0
+          const float position = ((row[j0 + j] - m) * scale - z_least) * per_bin;
+          block_bins[j] = static_cast<int16_t>(position >= static_cast<float>(kBins - 1) ? kBins - 1
+                                               : position > 0.f ? static_cast<int32_t>(position) : 0);
+        }
+        for (int64_t j = j0; j < j0 + n; ++j) {
           if (w[j] == 0.f) continue;
-          mass[bin_of((row[j0 + j] - m) * scale)] += w[j];
+          mass[bins[j]] += w[j];
           total += w[j];
         }
       }
@@ -1867,13 +1873,14 @@ torch::Tensor top_p_floor(torch::Tensor x, torch::Tensor inv_temperature, torch:
       int64_t b = kBins - 1;
       while (b > 0 && !(above + mass[b] >= target)) above += mass[b--];
       boundary.clear();
-      for (int64_t j0 = 0; j0 < V; j0 += kSampleBlock) {
-        const int64_t n = std::min(kSampleBlock, V - j0);
-        sample_weights(row, j0, n, m, scale, std::numeric_limits<float>::lowest(), w.data());
-        for (int64_t j = 0; j < n; ++j) {
-          const float z = (row[j0 + j] - m) * scale;
-          if (w[j] != 0.f && bin_of(z) == b) boundary.emplace_back(z, w[j]);
-        }
+      for (int64_t j0 = 0; j0 < V; j0 += 32) {
+        const int64_t n = std::min<int64_t>(32, V - j0);
+        int any = 0;
+#pragma omp simd reduction(| : any)
+        for (int64_t j = 0; j < n; ++j) any |= bins[j0 + j] == b;
+        if (!any) continue;
+        for (int64_t j = j0; j < j0 + n; ++j)
+          if (bins[j] == b && w[j] != 0.f) boundary.emplace_back((row[j] - m) * scale, w[j]);
       }
       std::sort(boundary.begin(), boundary.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
       // Kept while the mass before it is under the target, and the first token always (top_p 0).
