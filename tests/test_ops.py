@@ -134,9 +134,11 @@ def test_models_route_through_the_kernels(monkeypatch):
 @pytest.mark.parametrize("block_size,cache_dtype,head_dim", [
     *[(bs, dtype, 32) for bs in (8, 16, 32) for dtype in (torch.float32, torch.bfloat16, torch.int8)],
     (16, torch.int8, 128),  # two int8 scale groups per head
+    (20, torch.bfloat16, 32), (24, torch.bfloat16, 32),  # blocks that end inside a 16-key chunk
 ])
 def test_paged_attention_kernel_matches_torch_path(block_size, cache_dtype, head_dim):
-    """Block sizes below, at and above the kernel's 16-key chunk; a mixed step (decodes,
+    """Block sizes below, at and above the kernel's 16-key chunk (and, as the op takes any,
+    ones not a multiple of it: more chunks per partition); a mixed step (decodes,
     a first chunk and chunks with cached context, some spanning the kernel's 128-key
     partitions) on shuffled blocks, GQA, with and without a sliding window; both paths read
     the same cache."""
@@ -214,13 +216,26 @@ def test_top_k_of_many_candidates_matches_torch(vocab):
     x[1, 200:2000] = 1.25  # a tie across the k-th place
     x[2] = torch.randint(0, 4, (vocab,), generator=gen).float()  # ties everywhere
     x[3, ::4] += 20.0  # what the strided sample sees stands above nearly every other entry
+    x[4, 7] = float("inf") - float("inf")  # a NaN with the sign bit set (x86's default): first, as torch
+    x[4, 300:310] = -0.0
+    x[4, 305:320] = 0.0
     for k in (65, 1024, vocab):
         values, indices = ops.top_k(x, k)
-        assert torch.equal(values, x.topk(k, dim=-1).values), k
-        assert torch.equal(x.gather(1, indices), values)
+        assert torch.equal(values[:4], x[:4].topk(k, dim=-1).values), k
+        assert torch.equal(x.gather(1, indices)[:4], values[:4])
+        assert indices[4, 0] == 7 and values[4, 0].isnan()
+        rest = x[4].clone()
+        rest[7] = float("-inf")
+        assert torch.equal(values[4, 1:], rest.topk(k - 1).values)
         if k == 1024:
             for r in (1, 2):
                 assert indices[r].tolist() == _ranked(x[r], k)
+    # +0.0 and -0.0 are one value: the lower index first, as top_k_rows.
+    z = torch.full((1, vocab), -1.0)
+    z[0, 100:120] = -0.0
+    z[0, 110:130] = 0.0
+    assert ops.top_k(z, 65)[1][0, :30].tolist() == list(range(100, 130))
+    assert ops.top_k(z, 30)[1][0].tolist() == list(range(100, 130))
 
 
 @pytest.mark.parametrize("vocab", [49_152, 1_000, 37])  # whole words, a ragged last word, < 2 words

@@ -749,7 +749,9 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
   const uint16_t* khead = reinterpret_cast<const uint16_t*>(khead_);
   const uint16_t* vhead = reinterpret_cast<const uint16_t*>(vhead_);
   const bool few_rows = rows <= kRowBlock;
-  const int64_t max_chunks = few_rows ? (key_end - key_begin) / std::min<int64_t>(BS, kKeyChunk) + 2 : 0;
+  // A decode's chunks: each ends at a block's end, 16 keys after its start, or at the last key.
+  const int64_t num_keys = key_end - key_begin;
+  const int64_t max_chunks = few_rows ? (num_keys + kKeyChunk - 1) / kKeyChunk + (num_keys + BS - 1) / BS + 1 : 0;
   // acc [rows, D], row_max, row_sum, the queries' bf16 pairs [rows, D / 2], the paired key
   // chunk [D / 2, 16] and value chunk [8, D] (32-bit words: one float's room each); a decode's
   // scores [chunks, rows, 16].
@@ -795,9 +797,10 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
   if (few_rows) {
     int64_t num_scored = 0;
     // Pass 1: the scores of every chunk some row sees; pass 2: in order, their softmax and values.
-    // (A tile's keys lie in one partition: at most kKeyPartition / BS chunks, plus a partial one.)
-    int64_t j0s[kKeyPartition + 2], nks[kKeyPartition + 2], vos[kKeyPartition + 2];
-    TORCH_CHECK(max_chunks <= kKeyPartition + 2, "a tile's keys span more than one partition");
+    // (A tile's keys lie in one partition of kKeyPartition keys: max_chunks <= 8 + 128 + 1.)
+    constexpr int64_t kMaxChunks = 2 * kKeyPartition + 2;
+    int64_t j0s[kMaxChunks], nks[kMaxChunks], vos[kMaxChunks];
+    TORCH_CHECK(max_chunks <= kMaxChunks, "a tile's keys span more than one partition");
     for_each_key_chunk(table, BS, D, first_query_pos, num_queries, window, key_begin, key_end, true,
                        [&](const KeyChunk& chunk) {
       const int64_t n_keys = chunk.j1 - chunk.j0;
@@ -812,6 +815,7 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
         if (n_keys == kKeyChunk) chunk_scores_dot<NR, true>(q_pairs, D, kb, BS, k_pairs, k_ahead, v_ahead, scale, x);
         else chunk_scores_dot<NR, false>(q_pairs, D, kb, BS, k_pairs, k_ahead, v_ahead, scale, x);
       });
+      TORCH_CHECK(num_scored < max_chunks, "attention: more key chunks than planned");
       j0s[num_scored] = chunk.j0, nks[num_scored] = n_keys, vos[num_scored] = chunk.value_offset;
       ++num_scored;
     });
@@ -1590,8 +1594,13 @@ std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k) 
   return {values, indices};
 }
 
-// A float's bits as an unsigned key in the same order (-inf lowest, NaN above +inf).
+// A float's bits as an unsigned key in the same order: -inf lowest, every NaN (either sign)
+// highest, as torch's topk ranks them, and -0.0 the same key as +0.0 (equal values: the lower
+// index first, as top_k_rows).
 inline uint32_t order_key(uint32_t bits) {
+  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+  if (magnitude > 0x7F800000u) return 0xFFFFFFFFu;
+  if (magnitude == 0) bits = 0;
   return bits ^ (static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u);
 }
 
