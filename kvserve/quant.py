@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -121,11 +121,12 @@ class Bf16Linear(nn.Module):
             y = nn.functional.linear(x16, self.weight, self.bias)
         return y.to(x.dtype)
 
-    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
-        """``self(x)`` written into ``out`` (float32 ``[rows, out_features]``) by kvserve's
-        kernel; None (``out`` untouched) where this layer does not run on it."""
+    def forward_into(self, x: torch.Tensor, buffer: Callable[[int], torch.Tensor]) -> Optional[torch.Tensor]:
+        """``self(x)`` written by kvserve's kernel into ``buffer(rows)`` (float32 ``[rows,
+        out_features]``, asked for only then), which it returns; None where this layer does not
+        run on that kernel."""
         return _block_quantized_forward_into(
-            self, x, out, self.packed, lambda ext, rows: ext.bf16_linear_out(out, rows, self.weight, self.bias))
+            self, x, buffer, self.packed, lambda ext, rows, out: ext.bf16_linear_out(out, rows, self.weight, self.bias))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The packed kernel's sums in plain torch: bf16-rounded activations times the bf16
@@ -517,11 +518,12 @@ class Q8Linear(DecodeFormatLinear):
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q8_linear(rows, self.qs, self.d, self.bias))
 
-    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
-        """``self(x)`` written into ``out`` (see Bf16Linear.forward_into); not for a layer with
+    def forward_into(self, x: torch.Tensor, buffer: Callable[[int], torch.Tensor]) -> Optional[torch.Tensor]:
+        """``self(x)`` into ``buffer(rows)`` (see Bf16Linear.forward_into); not for a layer with
         prefill weights, whose rows may take either format."""
         return _block_quantized_forward_into(
-            self, x, out, self.prefill is None, lambda ext, rows: ext.q8_linear_out(out, rows, self.qs, self.d, self.bias))
+            self, x, buffer, self.prefill is None,
+            lambda ext, rows, out: ext.q8_linear_out(out, rows, self.qs, self.d, self.bias))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ (d * q)^T`` in plain torch (fp32 activations, as the kernel)."""
@@ -562,14 +564,16 @@ def _block_quantized_forward(layer: nn.Module, x: torch.Tensor, kernel) -> torch
     return y.view(*x.shape[:-1], layer.out_features).to(x.dtype)
 
 
-def _block_quantized_forward_into(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, on_kernel: bool,
-                                  kernel) -> Optional[torch.Tensor]:
-    """``layer(x)`` into ``out`` through ``kernel(extension, rows)`` (which writes ``out``) when
-    the layer runs on kvserve's kernels (``on_kernel``) and ``x`` is fp32 on the CPU; else None."""
+def _block_quantized_forward_into(layer: nn.Module, x: torch.Tensor, buffer: Callable[[int], torch.Tensor],
+                                  on_kernel: bool, kernel) -> Optional[torch.Tensor]:
+    """``layer(x)`` into ``buffer(rows)`` through ``kernel(extension, rows, out)`` when the layer
+    runs on kvserve's kernels (``on_kernel``) and ``x`` is fp32 on the CPU; else None."""
     ext = ops.cpu_extension()
     if not on_kernel or ext is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    kernel(ext, x.reshape(-1, layer.in_features).contiguous())
+    rows = x.reshape(-1, layer.in_features).contiguous()
+    out = buffer(rows.shape[0])
+    kernel(ext, rows, out)
     return out
 
 
@@ -662,8 +666,7 @@ class RescoredLMHead(nn.Module):
         the fast head writes into one (kvserve's bf16 and Q8 kernels)."""
         forward_into = getattr(self.fast, "forward_into", None)
         if transient and forward_into is not None:
-            rows = x.numel() // x.shape[-1]
-            logits = forward_into(x, self._kept_buffer(rows, self.fast.out_features, x))
+            logits = forward_into(x, lambda rows: self._kept_buffer(rows, self.fast.out_features, x))
             if logits is not None:
                 return logits
         return self.fast(x).float()
