@@ -773,7 +773,7 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
   }
   // The keys row r sees: [lo, hi]; whether any of rows r0..r0 + nr sees one of [j0, j1).
   const auto last_key_of = [&](int64_t r) { return first_query_pos + r / G; };
-  const auto first_key_of = [&](int64_t r) { return window > 0 ? last_key_of(r) - window + 1 : 0; };
+  const auto first_key_of = [&](int64_t r) { return first_visible_key(last_key_of(r), window); };
   const auto any_visible = [&](int64_t r0, int64_t nr, int64_t j0, int64_t j1) {
     for (int64_t r = r0; r < r0 + nr; ++r)
       if (j0 <= last_key_of(r) && j1 > first_key_of(r)) return true;
@@ -1545,17 +1545,21 @@ torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
   return out;
 }
 
+// The values [S, k] and indices [S, k] a top-k of the rows of x [S, V] fills (x checked).
+std::tuple<torch::Tensor, torch::Tensor> top_k_outputs(const torch::Tensor& x, int64_t k) {
+  check_fp32_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [S, V] with contiguous rows");
+  TORCH_CHECK(k >= 1 && k <= x.size(1), "k must be in [1, V]");
+  return {torch::empty({x.size(0), k}, x.options()), torch::empty({x.size(0), k}, x.options().dtype(torch::kInt64))};
+}
+
 // The k largest entries of each row of x [S, V], sorted descending, ties to the lower index
 // (so k = 1 is torch's argmax). One pass: a 16-wide compare against the current k-th value
 // rejects almost every chunk; the few survivors are insertion-sorted into the k kept. torch's
 // topk / argmax take 40-90 us on one 49 k-vocabulary row here, this ~10.
 std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k) {
-  check_fp32_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [S, V] with contiguous rows");
+  auto [values, indices] = top_k_outputs(x, k);
   const int64_t S = x.size(0), V = x.size(1);
-  TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, V]");
-  auto values = torch::empty({S, k}, x.options());
-  auto indices = torch::empty({S, k}, x.options().dtype(torch::kInt64));
   const float* xp = x.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
@@ -1613,12 +1617,8 @@ inline uint32_t order_key(uint32_t bits) {
 // keys' top 11 bits finds the bin of the k-th largest, and the entries above it and the bin's
 // best make the k. torch's topk took ~230 us per 49 k-vocabulary row at k = 1,024.
 std::tuple<torch::Tensor, torch::Tensor> top_k_rows_select(torch::Tensor x, int64_t k) {
-  check_fp32_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [S, V] with contiguous rows");
+  auto [values, indices] = top_k_outputs(x, k);
   const int64_t S = x.size(0), V = x.size(1);
-  TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, V]");
-  auto values = torch::empty({S, k}, x.options());
-  auto indices = torch::empty({S, k}, x.options().dtype(torch::kInt64));
   const float* xp = x.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
