@@ -678,8 +678,13 @@ class RescoredLMHead(nn.Module):
         screened = argmax_only and self.screen is not None
         if screened:
             rows = x.numel() // x.shape[-1]
-            logits = self.screen(x, out=self._kept_buffer(rows, self.screen.out_features, x))
-            top_k = SCREEN_TOP_K
+            out = self._kept_buffer(rows, self.screen.out_features, x)
+            top_k = min(SCREEN_TOP_K, out.shape[-1])
+            if rows and ops.enabled_for(x) and x.dim() == 2 and x.is_contiguous() and self.exact_weight.is_contiguous():
+                # The same kernels as below, in one native call (see screened_logits_out).
+                ops.cpu_extension().screened_logits_out(out, x, self.screen.packed, self.exact_weight, top_k)
+                return out
+            logits = self.screen(x, out=out)
         else:
             logits, top_k = self._full_logits(x, transient or argmax_only), self.top_k
         if logits.shape[0] == 0:

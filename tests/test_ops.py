@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve import ops
-from kvserve.models.layers import rope_cos_sin, rope_inv_freq
+from kvserve.models.layers import RopeFrequencies, rope_cos_sin, rope_inv_freq
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
@@ -53,6 +53,16 @@ def test_rope_qk_in_place(qk_norm, heads):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     v_start = (num_heads + num_kv_heads) * head_dim
     assert torch.equal(got[:, v_start:], qkv[:, v_start:])  # values untouched
+
+
+def test_rope_tables_from_kept_frequencies_match_the_plain_ones():
+    """RopeFrequencies.cos_sin (its frequencies kept twice over) gives rope_cos_sin's tables."""
+    freqs = RopeFrequencies(64, 10_000.0, {"rope_type": "linear", "factor": 2.0})
+    positions = torch.tensor([0, 5, 511, 100_000])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = freqs.cos_sin(positions, dtype)
+        want = rope_cos_sin(positions, rope_inv_freq(64, 10_000.0, {"rope_type": "linear", "factor": 2.0}, "cpu"), dtype)
+        assert all(g.dtype == dtype and torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])

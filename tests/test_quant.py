@@ -208,6 +208,21 @@ def test_rescored_head_argmax_only_ranks_with_the_screen_and_keeps_fp32_argmax()
     assert head(x).isfinite().all()
 
 
+@pytest.mark.skipif(ops.load_extension() is None, reason="needs the fused CPU kernels")
+def test_rescored_head_argmax_only_in_one_call_matches_the_separate_kernels():
+    """The argmax-only head runs as one native call (screened_logits_out): the same logits, bit
+    for bit, as the screen, the top-k, the fp32 rescoring and the -inf fill called one by one."""
+    torch.manual_seed(5)
+    w = torch.randn(4001, 96)  # a partial last tile of the screen
+    head = RescoredLMHead(Bf16Linear(w, None), w, screen=Q4Screen.from_float(w))
+    for rows in (1, 5, 11):
+        x = torch.randn(rows, 96)
+        screen = head.screen(x)
+        idx = ops.top_k(screen, SCREEN_TOP_K)[1]
+        expected = torch.full_like(screen, float("-inf")).scatter_(1, idx, ops.gathered_rows_dot(x, w, idx))
+        assert torch.equal(head(x, argmax_only=True), expected)
+
+
 def test_rescored_head_reuses_its_argmax_only_logits_across_calls():
     """Argmax-only calls write into one buffer that grows with the row count (fresh pages
     of a large one cost a page fault each): every call's result is what a fresh head

@@ -121,7 +121,7 @@ class FusedDecoderLayers:
                                    None if roles is None else roles.generated_rows)
 
     def applies_to(self, hidden: torch.Tensor, kv_caches: KVCache) -> bool:
-        return ops.enabled_for(hidden) and all(layer.data.is_contiguous() for layer in kv_caches)
+        return ops.enabled_for(hidden) and kv_caches.is_contiguous
 
 
 def attach_fused_layers(model: nn.Module) -> Optional[FusedDecoderLayers]:

@@ -19,7 +19,7 @@ from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
-from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, rope_cos_sin
+from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies
 from kvserve.models.llama import GatedMLP
 
 if TYPE_CHECKING:
@@ -97,6 +97,13 @@ class Gemma3Model(nn.Module):
         self.local_rope_inv_freq = RopeFrequencies(config.head_dim, config.rope_local_base_freq or config.rope_theta,
                                                    None)
         self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
+        self._embed_scales: dict[torch.dtype, float] = {}
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """sqrt(hidden_size) rounded as HF rounds it, once per dtype (three ops a step otherwise)."""
+        if dtype not in self._embed_scales:
+            self._embed_scales[dtype] = torch.tensor(self.config.hidden_size ** 0.5).to(dtype).item()
+        return self._embed_scales[dtype]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
@@ -105,14 +112,13 @@ class Gemma3Model(nn.Module):
             hidden = self.embed_tokens(input_ids)
             # HF rounds the scale to float32 and then to the weights' dtype before multiplying;
             # so do we (in bf16, sqrt(640) becomes 25.25). A host-side scalar: no device sync.
-            hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5).to(hidden.dtype).item()
+            hidden = hidden * self._embed_scale(hidden.dtype)
         else:
             hidden = self.pp.recv(input_ids.shape[0], cfg.hidden_size, self.norm.weight.dtype,
                                   input_ids.device)
-        device = positions.device
         rope = {
-            False: rope_cos_sin(positions, self.rope_inv_freq(device), hidden.dtype),
-            True: rope_cos_sin(positions, self.local_rope_inv_freq(device), hidden.dtype),
+            False: self.rope_inv_freq.cos_sin(positions, hidden.dtype),
+            True: self.local_rope_inv_freq.cos_sin(positions, hidden.dtype),
         }
         if self.fused_layers is not None and self.fused_layers.applies_to(hidden, kv_caches):
             return self.fused_layers(hidden, rope[False], rope[True], attn_metadata, kv_caches)

@@ -81,6 +81,7 @@ class RopeFrequencies:
     def __init__(self, head_dim: int, base: float, scaling: Optional[dict]) -> None:
         self.head_dim, self.base, self.scaling = head_dim, base, scaling
         self._by_device: dict[torch.device, torch.Tensor] = {}
+        self._doubled_by_device: dict[torch.device, torch.Tensor] = {}
         rope_inv_freq(head_dim, base, scaling, "cpu")  # rejects a bad scaling at load time
 
     def __call__(self, device: torch.device) -> torch.Tensor:
@@ -88,9 +89,22 @@ class RopeFrequencies:
             self._by_device[device] = rope_inv_freq(self.head_dim, self.base, self.scaling, device)
         return self._by_device[device]
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope_cos_sin(positions, self(device), dtype)``, the frequencies kept twice over
+        (the tables' two halves) so that a decode step's tables take four small ops, not seven."""
+        doubled = self._doubled_by_device.get(positions.device)
+        if doubled is None:
+            inv_freq = self(positions.device)
+            doubled = self._doubled_by_device[positions.device] = torch.cat((inv_freq, inv_freq))
+        return _cos_sin(positions, doubled, dtype)
+
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[T, head_dim]`` for the given positions (only the step's tokens)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return _cos_sin(positions, torch.cat((inv_freq, inv_freq)), dtype)
+
+
+def _cos_sin(positions: torch.Tensor, doubled_inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    emb = positions.float().unsqueeze(1) * doubled_inv_freq  # [T, head_dim]: each half p * inv_freq
+    cos, sin = emb.cos(), emb.sin()
+    return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))

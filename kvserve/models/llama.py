@@ -17,7 +17,7 @@ from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
-from kvserve.models.layers import RMSNorm, RopeFrequencies, rope_cos_sin
+from kvserve.models.layers import RMSNorm, RopeFrequencies
 
 if TYPE_CHECKING:
     from kvserve.models.fused import FusedDecoderLayers
@@ -112,7 +112,7 @@ class LlamaModel(nn.Module):
             hidden = self.pp.recv(input_ids.shape[0], self.config.hidden_size, self.norm.weight.dtype,
                                   input_ids.device)
         # Rope tables for this step's positions only (a few hundred floats), shared by all layers.
-        cos, sin = rope_cos_sin(positions, self.rope_inv_freq(positions.device), hidden.dtype)
+        cos, sin = self.rope_inv_freq.cos_sin(positions, hidden.dtype)
         if self.fused_layers is not None and self.fused_layers.applies_to(hidden, kv_caches):
             return self.fused_layers(hidden, (cos, sin), (cos, sin), attn_metadata, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
