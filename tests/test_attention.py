@@ -267,21 +267,25 @@ def test_bf16_cache_routes_equal_attention_over_what_the_cache_holds(case, windo
 
 
 @pytest.mark.parametrize("attention_route", _attention_routes(), indirect=True)
-def test_bf16_cache_rows_do_not_depend_on_the_chunking(attention_route, attention_path):
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 5, 21], ids=["full", "window5", "window21"])
+def test_cache_rows_do_not_depend_on_the_chunking(attention_route, cache_dtype, window, attention_path):
     """A row's bits are the same whether its query came in one prefill, in chunks of any size
     or one at a time as decodes: the prefill tiles pair the chunk into a buffer, a decode pairs
-    the cache rows as it reads them, and every row takes the same instructions."""
+    the cache rows as it reads them, and every row takes the same instructions. With a sliding
+    window too: key chunks sit on a grid of positions, whatever a tile's first visible key."""
     if attention_path != "kernel":
         pytest.skip("the kernel's routes")
     n = 41
-    whole = Case([0], [n], seed=7, cache_dtype=torch.bfloat16)
-    expected = whole.run()
+    whole = Case([0], [n], seed=7, cache_dtype=cache_dtype)
+    expected = whole.run(window)
     for spans in ([(0, 17), (17, 18), (18, 35), (35, 41)], [(i, i + 1) for i in range(n)]):
-        chunked = Case([0], [n], seed=7, cache_dtype=torch.bfloat16)
+        chunked = Case([0], [n], seed=7, cache_dtype=cache_dtype)
         outs = []
         for a, b in spans:
             md = build_attention_metadata(chunked.tables, [a], [b - a], BLOCK)
-            outs.append(paged_attention(chunked.q[0][a:b], chunked.k[0][a:b], chunked.v[0][a:b], chunked.cache, md, SCALE, None))
+            outs.append(paged_attention(chunked.q[0][a:b], chunked.k[0][a:b], chunked.v[0][a:b], chunked.cache, md, SCALE,
+                                        window))
         assert torch.equal(torch.cat(outs), expected)
 
 

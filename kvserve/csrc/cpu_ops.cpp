@@ -474,16 +474,20 @@ struct KeyChunk {
 
 // The chunks of keys a tile of `num_queries` queries from `first_query_pos` visits within
 // [key_begin, key_end): at most kKeyChunk keys each, never crossing a paged block, from the
-// first key its queries see to the last. With `prefetch` (a decode's tile) each chunk names the
-// one kPrefetchChunks ahead, fetched into L2 a line at a time inside the score loop: blocks sit
-// anywhere in the pool, so the hardware prefetcher cannot follow; a prefill's tile computes long
-// enough on each chunk not to need it.
+// first key its queries see to the last, on a grid of 16 positions as in attention_tile_int8
+// (keys before the first visible one come along, hidden by the rows' windows). A key's chunk,
+// and so its lane in the softmax's sums, then depends on its position alone, not on the tile's
+// first query: with a sliding window, a decode and a prefill tile summed a row's weights in
+// other lanes (1 ulp apart on the bf16-dot route). With `prefetch` (a decode's tile) each chunk
+// names the one kPrefetchChunks ahead, fetched into L2 a line at a time inside the score loop:
+// blocks sit anywhere in the pool, so the hardware prefetcher cannot follow; a prefill's tile
+// computes long enough on each chunk not to need it.
 template <typename Body>
 inline void for_each_key_chunk(const int32_t* table, int64_t BS, int64_t D, int64_t first_query_pos,
                                int64_t num_queries, int64_t window, int64_t key_begin, int64_t key_end, bool prefetch,
                                Body&& body) {
   const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
-  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window));
+  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window)) & ~(kKeyChunk - 1);
   auto key_offset = [&](int64_t pos) { return table[pos / BS] * D * BS + pos % BS; };
   auto value_offset = [&](int64_t pos) { return (table[pos / BS] * BS + pos % BS) * D; };
   for (int64_t j0 = first_key; j0 <= last_key;) {
