@@ -680,9 +680,11 @@ class RescoredLMHead(nn.Module):
             rows = x.numel() // x.shape[-1]
             out = self._kept_buffer(rows, self.screen.out_features, x)
             top_k = min(SCREEN_TOP_K, out.shape[-1])
-            if rows and ops.enabled_for(x) and x.dim() == 2 and x.is_contiguous() and self.exact_weight.is_contiguous():
+            exact = self.exact_weight
+            if (rows and ops.enabled_for(x) and x.dim() == 2 and x.is_contiguous()
+                    and exact.dtype == torch.float32 and exact.is_contiguous()):
                 # The same kernels as below, in one native call (see screened_logits_out).
-                ops.cpu_extension().screened_logits_out(out, x, self.screen.packed, self.exact_weight, top_k)
+                ops.cpu_extension().screened_logits_out(out, x, self.screen.packed, exact, top_k)
                 return out
             logits = self.screen(x, out=out)
         else:

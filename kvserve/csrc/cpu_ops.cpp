@@ -548,8 +548,8 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
     return 1.f;
   }
   // Past a row's first chunks its max rarely moves: when no visible score is above it, the max
-  // stands without the horizontal reduction (a chain of ~20 cycles per row and chunk, which
-  // made the softmax cost prefill attention as much as its products). The same max either way.
+  // stands without the horizontal reduction (a chain of ~20 cycles per row and chunk; prefill
+  // attention 0.97-0.98x the time). The same max either way.
   const bool max_stands =
       row_max != kNegInf && !_mm512_mask_cmp_ps_mask(visible, xv, _mm512_set1_ps(row_max), _CMP_GT_OQ);
   const float new_max = max_stands ? row_max : std::max(row_max, _mm512_mask_reduce_max_ps(visible, xv));
@@ -1621,8 +1621,8 @@ std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k) 
 // RescoredLMHead), in one call: the 4-bit screen ranks the vocabulary into out [S, V], each
 // row's k best (top_k_rows) get their fp32 logits against exact [V, K] (gathered_rows_dot), and
 // every other entry becomes -inf. The same kernels, in the same order, as the head's torch
-// calls; one call instead of six saves ~0.1 ms of a single-stream step, whose Python and
-// dispatcher state the weight stream has evicted from the caches by then.
+// calls; one call instead of six saved ~0.05 ms of a 3.5 ms single-stream SmolLM2 step, whose
+// Python and dispatcher state the weight stream has evicted from the caches by then.
 void screened_logits_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor exact, int64_t k) {
   RECORD_FUNCTION("kvserve::screened_logits", std::vector<c10::IValue>());
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
