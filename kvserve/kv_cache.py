@@ -408,7 +408,6 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, layers: list[LayerKV]) -> None:
         self.spec = spec
         self.layers = layers
-        self._native_views: Optional[tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = None
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> "KVCache":
@@ -445,15 +444,14 @@ class KVCache:
     def __iter__(self) -> Iterator[LayerKV]:
         return iter(self.layers)
 
+    @functools.cached_property
     def native_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
         """(data tensors, scale tensors — empty for float caches, block-table group), one entry
         per layer, as decoder.cpp takes them (a slot's tensor appears once per group). Built
         once: the layers' tensors are allocated once, and every step asks."""
-        if self._native_views is None:
-            self._native_views = ([layer.data for layer in self.layers],
-                                  [layer.scales for layer in self.layers if layer.scales is not None],
-                                  [layer.group for layer in self.layers])
-        return self._native_views
+        return ([layer.data for layer in self.layers],
+                [layer.scales for layer in self.layers if layer.scales is not None],
+                [layer.group for layer in self.layers])
 
     @functools.cached_property
     def is_contiguous(self) -> bool:

@@ -111,7 +111,7 @@ class FusedDecoderLayers:
                  local_rope: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata,
                  kv_caches: KVCache) -> torch.Tensor:
         md = attn_metadata
-        data, scales, groups = kv_caches.native_views()
+        data, scales, groups = kv_caches.native_views
         roles = current_token_roles()  # None: every row generated (the 4-bit weights)
         kind = ALL_GENERATED if roles is None else roles.kind
         return self.native.forward(hidden, rope[0].contiguous(), rope[1].contiguous(), local_rope[0].contiguous(),
