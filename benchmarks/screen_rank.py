@@ -46,12 +46,15 @@ def head_inputs(model, config, token_ids: list[int]) -> torch.Tensor:
 
 
 def min_max_weights(weight: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """The weights as a min/max screen holds them, with fp16 d and m (kvserve.quant.
+    quantize_min_max's rounding, which is this at 4 bits per 32)."""
     n, k = weight.shape
     g = weight.view(n, k // group, group)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
     levels = 2 ** bits - 1
-    step = (hi - lo) / levels
-    q = torch.round((g - lo) / torch.where(step > 0, step, 1)).clamp(0, levels)
+    step = ((hi - lo) / levels).clamp(min=1e-6).half().float()
+    lo = lo.half().float()
+    q = torch.round((g - lo) / step).clamp(0, levels)
     return (q * step + lo).view(n, k)
 
 
