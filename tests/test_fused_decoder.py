@@ -46,6 +46,22 @@ def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16, kv_dtype:
     return torch.cat(outs)
 
 
+def test_fused_layers_reject_tokens_and_positions_outside_their_tables():
+    """The native call reads the embedding and rope rows itself: an id outside the vocabulary
+    or a position past the rope tables is an error, not a read out of bounds."""
+    model, cfg = load_model(resolve_model("tiny-llama"))
+    fused, decoder = model.model.fused_layers, model.model
+    caches = allocate_kv_cache(cfg, 4, 16, "float32", "cpu")
+    md = build_attention_metadata([[0]], [0], [2], 16)
+    tables = decoder.rope_inv_freq.tables(2, "cpu")
+    embed = decoder.embed_tokens.weight
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        fused(torch.tensor([1, cfg.vocab_size]), torch.tensor([0, 1]), embed, 1.0, tables, tables, md, caches)
+    past = tables[0].shape[0]
+    with pytest.raises(RuntimeError, match="past the rope table"):
+        fused(torch.tensor([1, 2]), torch.tensor([0, past]), embed, 1.0, tables, tables, md, caches)
+
+
 @pytest.mark.parametrize("weight_format", [None, "bf16", "int8", "int4"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 def test_fused_layers_match_the_python_model_exactly(name, weight_format):

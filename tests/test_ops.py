@@ -65,6 +65,23 @@ def test_rope_tables_from_kept_frequencies_match_the_plain_ones():
         assert all(g.dtype == dtype and torch.equal(g, w) for g, w in zip(got, want))
 
 
+def test_rope_tables_grow_and_hold_the_plain_rows():
+    """RopeFrequencies.tables: row p is rope_cos_sin's for position p, bit for bit (the fused
+    decoder and the Python model read the same rows); the tables grow to cover a longer
+    sequence and keep their earlier rows."""
+    freqs = RopeFrequencies(64, 10_000.0, None)
+    cos, sin = freqs.tables(10, "cpu")
+    first = cos.shape[0]
+    assert first >= 10 and freqs.tables(first, torch.device("cpu"))[0] is cos  # no regrowth within
+    grown_cos, grown_sin = freqs.tables(first + 1, "cpu")
+    assert grown_cos.shape[0] > first and torch.equal(grown_cos[:first], cos) and torch.equal(grown_sin[:first], sin)
+    want = rope_cos_sin(torch.arange(grown_cos.shape[0]), rope_inv_freq(64, 10_000.0, None, "cpu"), torch.float32)
+    assert torch.equal(grown_cos, want[0]) and torch.equal(grown_sin, want[1])
+    positions = torch.tensor([3, 0, first + 1, 7])
+    got = freqs.cos_sin(positions, torch.float32, max_position=first + 1)
+    assert all(torch.equal(g, w[positions]) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 def test_act_and_mul(activation):
     gen = torch.Generator().manual_seed(2)

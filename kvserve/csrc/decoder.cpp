@@ -223,6 +223,83 @@ class FusedDecoderLayers {
                   "every layer must have the same projection shapes (the step's buffers are shared)");
   }
 
+  // forward from the step's tokens: hidden = the embedding rows of input_ids (times
+  // embed_scale unless it is 1: Gemma's normalizer, an fp32 product as torch's), and each rope
+  // table's rows at the step's positions ([n, D] tables of positions 0 .. n - 1, from
+  // RopeFrequencies.tables; the local ones may be the same tensors). The same values as the
+  // model's embedding, scale and index_select in Python, without their dispatch each step.
+  torch::Tensor forward_tokens(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                               const torch::Tensor& embed_weight, double embed_scale, const torch::Tensor& cos_table,
+                               const torch::Tensor& sin_table, const torch::Tensor& local_cos_table,
+                               const torch::Tensor& local_sin_table, const std::vector<torch::Tensor>& kv_caches,
+                               const std::vector<torch::Tensor>& kv_scales, const std::vector<int64_t>& kv_groups,
+                               const std::vector<torch::Tensor>& slot_mappings,
+                               const std::vector<torch::Tensor>& block_tables, torch::Tensor seq_lens,
+                               const torch::Tensor& query_start_loc, int64_t roles_kind,
+                               c10::optional<torch::Tensor> prompt_rows,
+                               c10::optional<torch::Tensor> generated_rows) const {
+    TORCH_CHECK(input_ids.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 &&
+                    input_ids.dim() == 1 && input_ids.is_contiguous() && positions.is_contiguous() &&
+                    positions.numel() == input_ids.numel(),
+                "input_ids and positions must be contiguous int64 [T]");
+    TORCH_CHECK(embed_weight.scalar_type() == torch::kFloat32 && embed_weight.dim() == 2 && embed_weight.is_contiguous(),
+                "the embedding must be a contiguous float32 [vocab, hidden]");
+    const int64_t T = input_ids.numel(), vocab = embed_weight.size(0), hidden_size = embed_weight.size(1);
+    auto hidden = torch::empty({T, hidden_size}, embed_weight.options());
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    const float* table = embed_weight.data_ptr<float>();
+    float* h = hidden.data_ptr<float>();
+    const float scale = static_cast<float>(embed_scale);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id ", ids[t], " is outside the vocabulary of ", vocab);
+      const float* row = table + ids[t] * hidden_size;
+      float* out = h + t * hidden_size;
+      if (scale == 1.f) {
+        std::copy(row, row + hidden_size, out);
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden_size; ++i) out[i] = row[i] * scale;
+      }
+    }
+    const auto rows = [&](const torch::Tensor& rope_table) {
+      TORCH_CHECK(rope_table.scalar_type() == torch::kFloat32 && rope_table.dim() == 2 && rope_table.is_contiguous() &&
+                      rope_table.size(1) == head_dim_,
+                  "rope tables must be contiguous float32 [positions, head_dim]");
+      auto out = torch::empty({T, head_dim_}, rope_table.options());
+      const int64_t* pos = positions.data_ptr<int64_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        TORCH_CHECK(pos[t] >= 0 && pos[t] < rope_table.size(0), "position ", pos[t], " is past the rope table's ",
+                    rope_table.size(0));
+        const float* row = rope_table.data_ptr<float>() + pos[t] * head_dim_;
+        std::copy(row, row + head_dim_, out.data_ptr<float>() + t * head_dim_);
+      }
+      return out;
+    };
+    // paged_attention's per-sequence rows (kvserve.attention.kernel_rows): sequence i, its
+    // first query row and its number of queries, from the step's query_start_loc [S + 1].
+    TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.dim() == 1 &&
+                    query_start_loc.is_contiguous() && query_start_loc.numel() >= 1,
+                "query_start_loc must be a contiguous int32 [S + 1]");
+    const int64_t S = query_start_loc.numel() - 1;
+    const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+    const auto index_options = torch::TensorOptions().dtype(torch::kInt64);
+    auto seq_ids = torch::empty({S}, index_options), query_starts = torch::empty({S}, index_options),
+         query_lens = torch::empty({S}, index_options);
+    for (int64_t i = 0; i < S; ++i) {
+      seq_ids.data_ptr<int64_t>()[i] = i;
+      query_starts.data_ptr<int64_t>()[i] = qsl[i];
+      query_lens.data_ptr<int64_t>()[i] = qsl[i + 1] - qsl[i];
+    }
+    const auto cos = rows(cos_table), sin = rows(sin_table);
+    const bool shared = local_cos_table.is_same(cos_table) && local_sin_table.is_same(sin_table);
+    const auto local_cos = shared ? cos : rows(local_cos_table), local_sin = shared ? sin : rows(local_sin_table);
+    return forward(hidden, cos, sin, local_cos, local_sin, kv_caches, kv_scales, kv_groups, slot_mappings, block_tables,
+                   seq_lens, seq_ids, query_starts, query_lens, roles_kind, prompt_rows, generated_rows);
+  }
+
+  size_t num_layers() const { return layers_.size(); }
+
+ private:
   // hidden [T, hidden] (this step's embeddings, consumed) -> the last layer's output (pre final norm).
   // rope tables [T, D] for global and local layers; attention metadata as paged_attention's.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor local_cos,
@@ -297,9 +374,6 @@ class FusedDecoderLayers {
     return hidden;
   }
 
-  size_t num_layers() const { return layers_.size(); }
-
- private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, norm_offset_;
   int64_t activation_;
@@ -309,6 +383,6 @@ class FusedDecoderLayers {
 void register_fused_decoder(pybind11::module& m) {
   pybind11::class_<FusedDecoderLayers>(m, "FusedDecoderLayers")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, const std::vector<pybind11::dict>&>())
-      .def("forward", &FusedDecoderLayers::forward)
+      .def("forward_tokens", &FusedDecoderLayers::forward_tokens)
       .def("__len__", &FusedDecoderLayers::num_layers);
 }

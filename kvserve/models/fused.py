@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kvserve import ops
-from kvserve.attention import AttentionMetadata, kernel_rows
+from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
 from kvserve.quant import (Bf16Linear, DecodeFormatLinear, Fp32Linear, Int4Linear, Int8Linear, Q5Linear, Q8Linear,
                            SegmentedLinear)
@@ -101,27 +101,33 @@ def _layer_spec(layer: nn.Module) -> Optional[dict[str, Any]]:
 
 
 class FusedDecoderLayers:
-    """``hidden = layer_N(...layer_1(hidden))`` for one step, in one native call. ``hidden``
-    (the step's fresh embeddings) is the residual stream and is updated in place."""
+    """``layer_N(...layer_1(embedding(input_ids)))`` for one step, in one native call: the
+    decoder's output before its final norm."""
 
     def __init__(self, native: Any) -> None:
         self.native = native
 
-    def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 local_rope: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata,
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, embed_weight: torch.Tensor,
+                 embed_scale: float, rope_tables: tuple[torch.Tensor, torch.Tensor],
+                 local_rope_tables: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata,
                  kv_caches: KVCache) -> torch.Tensor:
+        """The step from its tokens: the embedding rows of ``input_ids`` times ``embed_scale``
+        and the rope tables' rows at ``positions`` (``RopeFrequencies.tables``, covering them;
+        the local ones may be the same) are read natively, the values the model's own ops give.
+        Per step that is half a dozen fewer small torch ops and tensors from Python, each of
+        which finds its code and data evicted by the weights the last step streamed."""
         md = attn_metadata
         data, scales, groups = kv_caches.native_views
         roles = current_token_roles()  # None: every row generated (the 4-bit weights)
         kind = ALL_GENERATED if roles is None else roles.kind
-        return self.native.forward(hidden, rope[0].contiguous(), rope[1].contiguous(), local_rope[0].contiguous(),
-                                   local_rope[1].contiguous(), data, scales, groups, md.all_slot_mappings(),
-                                   md.all_block_tables(), md.seq_lens_tensor, *kernel_rows(md), kind,
-                                   None if roles is None else roles.prompt_rows,
-                                   None if roles is None else roles.generated_rows)
+        return self.native.forward_tokens(input_ids, positions, embed_weight, embed_scale, *rope_tables,
+                                          *local_rope_tables, data, scales, groups, md.all_slot_mappings(),
+                                          md.all_block_tables(), md.seq_lens_tensor, md.query_start_loc_tensor,
+                                          kind, None if roles is None else roles.prompt_rows,
+                                          None if roles is None else roles.generated_rows)
 
-    def applies_to(self, hidden: torch.Tensor, kv_caches: KVCache) -> bool:
-        return ops.enabled_for(hidden) and kv_caches.is_contiguous
+    def applies_to(self, embed_weight: torch.Tensor, kv_caches: KVCache) -> bool:
+        return ops.enabled_for(embed_weight) and kv_caches.is_contiguous
 
 
 def attach_fused_layers(model: nn.Module) -> Optional[FusedDecoderLayers]:

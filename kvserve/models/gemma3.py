@@ -108,6 +108,12 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
         cfg = self.config
+        fused = self.fused_layers
+        if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
+            num_positions = max(attn_metadata.seq_lens, default=0)
+            return fused(input_ids, positions, self.embed_tokens.weight, self._embed_scale(torch.float32),
+                         self.rope_inv_freq.tables(num_positions, input_ids.device),
+                         self.local_rope_inv_freq.tables(num_positions, input_ids.device), attn_metadata, kv_caches)
         if self.pp is None or self.pp.is_first:
             hidden = self.embed_tokens(input_ids)
             # HF rounds the scale to float32 and then to the weights' dtype before multiplying;
@@ -116,12 +122,11 @@ class Gemma3Model(nn.Module):
         else:
             hidden = self.pp.recv(input_ids.shape[0], cfg.hidden_size, self.norm.weight.dtype,
                                   input_ids.device)
+        max_position = max(attn_metadata.seq_lens, default=0) - 1
         rope = {
-            False: self.rope_inv_freq.cos_sin(positions, hidden.dtype),
-            True: self.local_rope_inv_freq.cos_sin(positions, hidden.dtype),
+            False: self.rope_inv_freq.cos_sin(positions, hidden.dtype, max_position),
+            True: self.local_rope_inv_freq.cos_sin(positions, hidden.dtype, max_position),
         }
-        if self.fused_layers is not None and self.fused_layers.applies_to(hidden, kv_caches):
-            return self.fused_layers(hidden, rope[False], rope[True], attn_metadata, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, rope, attn_metadata, kv_cache)
         if self.pp is not None and not self.pp.is_last:

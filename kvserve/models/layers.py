@@ -76,12 +76,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 class RopeFrequencies:
     """``rope_inv_freq`` of one rope configuration, computed once per device (it is the same
-    at every step; recomputing it cost a dozen small ops per step)."""
+    at every step; recomputing it cost a dozen small ops per step), and the fp32 cos/sin
+    tables of positions [0, n) built from it, grown by doubling as longer sequences come (a
+    step then reads its positions' rows: one op per table where the tables took five)."""
+
+    # Positions in the first tables: a short request never grows them.
+    MIN_TABLE_POSITIONS = 1024
 
     def __init__(self, head_dim: int, base: float, scaling: Optional[dict]) -> None:
         self.head_dim, self.base, self.scaling = head_dim, base, scaling
         self._by_device: dict[torch.device, torch.Tensor] = {}
-        self._doubled_by_device: dict[torch.device, torch.Tensor] = {}
+        self._tables_by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         rope_inv_freq(head_dim, base, scaling, "cpu")  # rejects a bad scaling at load time
 
     def __call__(self, device: torch.device) -> torch.Tensor:
@@ -89,14 +94,31 @@ class RopeFrequencies:
             self._by_device[device] = rope_inv_freq(self.head_dim, self.base, self.scaling, device)
         return self._by_device[device]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rope_cos_sin(positions, self(device), dtype)``, the frequencies kept twice over
-        (the tables' two halves) so that a decode step's tables take four small ops, not seven."""
-        doubled = self._doubled_by_device.get(positions.device)
-        if doubled is None:
-            inv_freq = self(positions.device)
-            doubled = self._doubled_by_device[positions.device] = torch.cat((inv_freq, inv_freq))
-        return _cos_sin(positions, doubled, dtype)
+    def tables(self, num_positions: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin ``[n, head_dim]`` for positions 0 .. n - 1, n >= ``num_positions``:
+        row p is ``rope_cos_sin(p)``'s, the same products and the same cos/sin kernels."""
+        device = torch.device(device)
+        tables = self._tables_by_device.get(device)
+        if tables is None or tables[0].shape[0] < num_positions:
+            n = max(self.MIN_TABLE_POSITIONS, 1 << max(0, num_positions - 1).bit_length())
+            if tables is not None:
+                n = max(n, 2 * tables[0].shape[0])
+            inv_freq = self(device)
+            positions = torch.arange(n, device=device)
+            tables = self._tables_by_device[device] = _cos_sin(positions, torch.cat((inv_freq, inv_freq)), torch.float32)
+        return tables
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                max_position: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope_cos_sin(positions, self(device), dtype)``, read from the tables.
+        ``max_position``: the largest of ``positions`` where the caller knows it (else read
+        from the tensor)."""
+        if positions.numel() == 0:
+            return rope_cos_sin(positions, self(positions.device), dtype)
+        if max_position is None:
+            max_position = int(positions.max())
+        cos, sin = (t.index_select(0, positions) for t in self.tables(max_position + 1, positions.device))
+        return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
