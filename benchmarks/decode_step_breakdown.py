@@ -26,7 +26,7 @@ ENGINE_PARTS = {  # (attribute path from the engine, method) -> part
     ("executor.runner", "prepare_inputs"): "runner.prepare_inputs",
     ("executor.runner.model.model", "forward"): "decoder (embedding, rope, layers)",
     ("executor.runner.model.model.norm", "forward"): "final norm",
-    ("executor.runner.model.lm_head", "forward"): "LM head (+ fp32 rescoring of the top 16)",
+    ("executor.runner.model.lm_head", "forward"): "LM head (screen or fast head, + fp32 rescoring)",
     ("executor.runner", "sampler"): "sampler",
     ("scheduler", "update_from_output"): "scheduler.update (stops, detokenizer)",
 }

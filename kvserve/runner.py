@@ -198,8 +198,9 @@ class ModelRunner:
                 n_decode += n
 
         # Every integer the step needs in two buffers (int64, int32), each moved to the device in
-        # one copy and cut into views: a dozen small tensors built one by one from Python cost
-        # ~0.1 ms a step on the CPU (their code and data evicted by the last step's weights).
+        # one copy and cut into views, where a dozen small tensors were built (and copied to the
+        # device) one by one: a few microseconds each on the CPU, more with their code and data
+        # evicted by the weights the last step streamed.
         num_rows = len(logits_indices) + len(prompt_rows)
         wide = np.empty((2 + num_groups) * n_tokens + num_rows, dtype=np.int64)
         wide[:n_tokens], wide[n_tokens:2 * n_tokens] = input_ids, positions
