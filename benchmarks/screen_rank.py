@@ -17,7 +17,7 @@ from kvserve.attention import build_attention_metadata
 from kvserve.engine import load_tokenizer
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.loader import load_model, resolve_model
-from kvserve.quant import SCREEN_TOP_K
+from kvserve.quant import SCREEN_TOP_K, quantize_min_max, screen_activations
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 
@@ -46,22 +46,16 @@ def head_inputs(model, config, token_ids: list[int]) -> torch.Tensor:
 
 
 def min_max_weights(weight: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """The weights as a min/max screen holds them, with fp16 d and m (kvserve.quant.
-    quantize_min_max's rounding, which is this at 4 bits per 32)."""
+    """The weights as a min/max screen of ``bits`` per ``group`` holds them (fp16 d and m)."""
     n, k = weight.shape
-    g = weight.view(n, k // group, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    levels = 2 ** bits - 1
-    step = ((hi - lo) / levels).clamp(min=1e-6).half().float()
-    lo = lo.half().float()
-    q = torch.round((g - lo) / step).clamp(0, levels)
-    return (q * step + lo).view(n, k)
+    q, d, m = quantize_min_max(weight, bits, group)
+    return (q.view(n, k // group, group) * d[..., None] + m[..., None]).view(n, k)
 
 
 def int8_activations(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    g = x.view(x.shape[0], -1, group)
-    scale = g.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(g / torch.where(scale > 0, scale, 1)) * scale).view_as(x)
+    """The activations as the screen's kernel rounds them (per group of 32), back in float."""
+    q, scale = screen_activations(x.view(x.shape[0], -1, group))
+    return (q * scale[..., None]).view_as(x)
 
 
 def main() -> None:

@@ -77,6 +77,12 @@ class AttentionMetadata:
         return all(q == 1 for q in self.query_lens)
 
     @property
+    def max_seq_len(self) -> int:
+        """The longest sequence after this step (0 without any): every position of the step
+        is below it, so rope tables of this many positions cover the step."""
+        return max(self.seq_lens, default=0)
+
+    @property
     def query_lens(self) -> list[int]:
         qsl = self.query_start_loc
         return [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]

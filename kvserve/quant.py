@@ -335,15 +335,18 @@ def untile_nibbles(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     return values, per_row(offset), None if q5 else per_row(offset + width)
 
 
-def quantize_min_max(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_min_max(weight: torch.Tensor, bits: int = 4,
+                     group: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max quantization of each group of 32 input weights (as Q4_1): (q ``[N, K]``
-    in 0..15, d, m ``[N, K / 32]`` fp32 holding fp16 values), ``w ~ d * q + m``."""
+    in 0..15, d, m ``[N, K / 32]`` fp32 holding fp16 values), ``w ~ d * q + m``. Other ``bits``
+    and ``group`` sizes the same way (benchmarks/screen_rank.py tries coarser screens)."""
     n, k = weight.shape
-    w = weight.detach().float().view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    levels = float(2 ** bits - 1)
+    w = weight.detach().float().view(n, k // group, group)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    d = ((hi - lo) / 15.0).clamp(min=1e-6).half().float()
+    d = ((hi - lo) / levels).clamp(min=1e-6).half().float()
     m = lo.half().float()
-    q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15).view(n, k)
+    q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, levels).view(n, k)
     return q, d, m
 
 
@@ -577,6 +580,13 @@ def _block_quantized_forward_into(layer: nn.Module, x: torch.Tensor, buffer: Cal
     return out
 
 
+def screen_activations(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The screen kernel's activations: each group (last dimension, 32 inputs) rounded to
+    integers in -127..127 against its largest magnitude; (the integers, the groups' scales)."""
+    scale = groups.abs().amax(-1) / 127.0
+    return torch.round(groups / torch.where(scale > 0, scale, 1.0)[..., None]).clamp(-127, 127), scale
+
+
 class Q4Screen(nn.Module):
     """Approximate logits for ranking only: the weights at 4 bits (asymmetric min/max per group
     of 32, ``d`` and ``m`` fp16: 0.625 bytes a weight, against Q8_0's 1.06) times activations
@@ -621,8 +631,7 @@ class Q4Screen(nn.Module):
         q = values.view(self.out_features, groups, g32).float()
         scales = torch.stack([d, m])
         xg = x.float().view(x.shape[0], groups, g32)
-        dx = xg.abs().amax(-1) / 127.0
-        xq = torch.round(xg / torch.where(dx > 0, dx, 1.0)[..., None]).clamp(-127, 127)
+        xq, dx = screen_activations(xg)
         dots = torch.einsum("sgj,ngj->sng", xq, q)
         return (dots * scales[0][None] * dx[:, None]).sum(-1) + xg.sum(-1) @ scales[1].T
 

@@ -55,8 +55,8 @@ def test_rope_qk_in_place(qk_norm, heads):
     assert torch.equal(got[:, v_start:], qkv[:, v_start:])  # values untouched
 
 
-def test_rope_tables_from_kept_frequencies_match_the_plain_ones():
-    """RopeFrequencies.cos_sin (its frequencies kept twice over) gives rope_cos_sin's tables."""
+def test_rope_rows_from_the_kept_tables_match_the_plain_ones():
+    """RopeFrequencies.cos_sin (rows of its kept tables) gives rope_cos_sin's tables."""
     freqs = RopeFrequencies(64, 10_000.0, {"rope_type": "linear", "factor": 2.0})
     positions = torch.tensor([0, 5, 511, 100_000])
     for dtype in (torch.float32, torch.bfloat16):
@@ -78,7 +78,7 @@ def test_rope_tables_grow_and_hold_the_plain_rows():
     want = rope_cos_sin(torch.arange(grown_cos.shape[0]), rope_inv_freq(64, 10_000.0, None, "cpu"), torch.float32)
     assert torch.equal(grown_cos, want[0]) and torch.equal(grown_sin, want[1])
     positions = torch.tensor([3, 0, first + 1, 7])
-    got = freqs.cos_sin(positions, torch.float32, max_position=first + 1)
+    got = freqs.cos_sin(positions, torch.float32, num_positions=first + 2)
     assert all(torch.equal(g, w[positions]) for g, w in zip(got, want))
 
 

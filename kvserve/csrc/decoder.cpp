@@ -267,11 +267,12 @@ class FusedDecoderLayers {
                   "rope tables must be contiguous float32 [positions, head_dim]");
       auto out = torch::empty({T, head_dim_}, rope_table.options());
       const int64_t* pos = positions.data_ptr<int64_t>();
+      const float* rope = rope_table.data_ptr<float>();
+      float* o = out.data_ptr<float>();
       for (int64_t t = 0; t < T; ++t) {
         TORCH_CHECK(pos[t] >= 0 && pos[t] < rope_table.size(0), "position ", pos[t], " is past the rope table's ",
                     rope_table.size(0));
-        const float* row = rope_table.data_ptr<float>() + pos[t] * head_dim_;
-        std::copy(row, row + head_dim_, out.data_ptr<float>() + t * head_dim_);
+        std::copy(rope + pos[t] * head_dim_, rope + (pos[t] + 1) * head_dim_, o + t * head_dim_);
       }
       return out;
     };
@@ -285,10 +286,12 @@ class FusedDecoderLayers {
     const auto index_options = torch::TensorOptions().dtype(torch::kInt64);
     auto seq_ids = torch::empty({S}, index_options), query_starts = torch::empty({S}, index_options),
          query_lens = torch::empty({S}, index_options);
+    int64_t *ids_out = seq_ids.data_ptr<int64_t>(), *starts_out = query_starts.data_ptr<int64_t>(),
+            *lens_out = query_lens.data_ptr<int64_t>();
     for (int64_t i = 0; i < S; ++i) {
-      seq_ids.data_ptr<int64_t>()[i] = i;
-      query_starts.data_ptr<int64_t>()[i] = qsl[i];
-      query_lens.data_ptr<int64_t>()[i] = qsl[i + 1] - qsl[i];
+      ids_out[i] = i;
+      starts_out[i] = qsl[i];
+      lens_out[i] = qsl[i + 1] - qsl[i];
     }
     const auto cos = rows(cos_table), sin = rows(sin_table);
     const bool shared = local_cos_table.is_same(cos_table) && local_sin_table.is_same(sin_table);

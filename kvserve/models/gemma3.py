@@ -110,7 +110,7 @@ class Gemma3Model(nn.Module):
         cfg = self.config
         fused = self.fused_layers
         if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
-            num_positions = max(attn_metadata.seq_lens, default=0)
+            num_positions = attn_metadata.max_seq_len
             return fused(input_ids, positions, self.embed_tokens.weight, self._embed_scale(torch.float32),
                          self.rope_inv_freq.tables(num_positions, input_ids.device),
                          self.local_rope_inv_freq.tables(num_positions, input_ids.device), attn_metadata, kv_caches)
@@ -122,10 +122,9 @@ class Gemma3Model(nn.Module):
         else:
             hidden = self.pp.recv(input_ids.shape[0], cfg.hidden_size, self.norm.weight.dtype,
                                   input_ids.device)
-        max_position = max(attn_metadata.seq_lens, default=0) - 1
         rope = {
-            False: self.rope_inv_freq.cos_sin(positions, hidden.dtype, max_position),
-            True: self.local_rope_inv_freq.cos_sin(positions, hidden.dtype, max_position),
+            False: self.rope_inv_freq.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len),
+            True: self.local_rope_inv_freq.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len),
         }
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, rope, attn_metadata, kv_cache)

@@ -109,15 +109,13 @@ class RopeFrequencies:
         return tables
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
-                max_position: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                num_positions: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``rope_cos_sin(positions, self(device), dtype)``, read from the tables.
-        ``max_position``: the largest of ``positions`` where the caller knows it (else read
-        from the tensor)."""
-        if positions.numel() == 0:
-            return rope_cos_sin(positions, self(positions.device), dtype)
-        if max_position is None:
-            max_position = int(positions.max())
-        cos, sin = (t.index_select(0, positions) for t in self.tables(max_position + 1, positions.device))
+        ``num_positions``: a bound on ``positions`` (all below it) where the caller knows one,
+        such as the step's ``AttentionMetadata.max_seq_len``; else read from the tensor."""
+        if num_positions is None:
+            num_positions = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = (t.index_select(0, positions) for t in self.tables(num_positions, positions.device))
         return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 

@@ -108,7 +108,7 @@ class LlamaModel(nn.Module):
                 attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
         fused = self.fused_layers
         if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
-            tables = self.rope_inv_freq.tables(max(attn_metadata.seq_lens, default=0), input_ids.device)
+            tables = self.rope_inv_freq.tables(attn_metadata.max_seq_len, input_ids.device)
             return fused(input_ids, positions, self.embed_tokens.weight, 1.0, tables, tables, attn_metadata, kv_caches)
         if self.pp is None or self.pp.is_first:
             hidden = self.embed_tokens(input_ids)
@@ -116,7 +116,7 @@ class LlamaModel(nn.Module):
             hidden = self.pp.recv(input_ids.shape[0], self.config.hidden_size, self.norm.weight.dtype,
                                   input_ids.device)
         # Rope rows for this step's positions only, shared by all layers.
-        cos, sin = self.rope_inv_freq.cos_sin(positions, hidden.dtype, max(attn_metadata.seq_lens, default=0) - 1)
+        cos, sin = self.rope_inv_freq.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, attn_metadata, kv_cache)
         if self.pp is not None and not self.pp.is_last:
