@@ -1,5 +1,6 @@
 """int4 mode's prompt rows, layer by layer: through the layer's own blocks (the 4-bit tiles,
-Q5_0, Q8_0/Q6_K kernels) or through its bf16 copy, at one prompt length, on this CPU. It is
+Q5_0, Q8_0/Q6_K kernels), through its bf16 copy or through an int8 copy under int8 activations
+(``--int4-prefill int8``, W8A8Linear), at one prompt length, on this CPU. It is
 the measurement behind ``--int4-prefill auto`` (``DecodeFormatLinear.prefill_copy_pays``):
 the table says, per layer kind, which way is faster here and what ``auto`` chose, and the
 totals over the decoder's linear layers compare all blocks, all copies, ``auto`` and the
@@ -19,7 +20,7 @@ import torch
 from kvserve.bench.machine import cpu_info
 from kvserve.loader import load_model
 from kvserve.loader.resolve import resolve_model
-from kvserve.quant import DecodeFormatLinear
+from kvserve.quant import DecodeFormatLinear, W8A8Linear
 
 
 def _min_ms(fn, x: torch.Tensor, repeats: int) -> float:
@@ -52,29 +53,32 @@ def main() -> None:
                           int4_prefill="bf16")
     layers = [(n, m) for n, m in model.named_modules()
               if isinstance(m, DecodeFormatLinear) and m.prefill is not None and ".layers." in n]
-    per_kind: dict[str, list[tuple[float, float, bool]]] = defaultdict(list)
+    per_kind: dict[str, list[tuple[float, float, bool, float]]] = defaultdict(list)
     with torch.inference_mode():
         for name, layer in layers:
             x = torch.randn(args.rows, layer.in_features, dtype=torch.bfloat16)
-            layer.forward_blocks(x), layer.prefill(x)  # warm: page in, pack caches
-            blocks = copy = float("inf")
+            int8_copy = W8A8Linear(layer.dequantized(), layer.bias)
+            layer.forward_blocks(x), layer.prefill(x), int8_copy(x)  # warm: page in, pack caches
+            blocks = copy = int8 = float("inf")
             for _ in range(args.repeats):
                 blocks = min(blocks, _min_ms(layer.forward_blocks, x, 1))
                 copy = min(copy, _min_ms(layer.prefill, x, 1))
-            per_kind[_kind(name, layer)].append((blocks, copy, layer.prefill_copy_pays()))
+                int8 = min(int8, _min_ms(int8_copy, x, 1))
+            per_kind[_kind(name, layer)].append((blocks, copy, layer.prefill_copy_pays(), int8))
     print(f"\n{args.model}, int4, {args.rows} prompt rows per call, min of {args.repeats} alternated calls\n")
-    print("| layer kind | layers | blocks ms | bf16 copy ms | blocks / copy | auto keeps the copy |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| layer kind | layers | blocks ms | bf16 copy ms | blocks / copy | auto keeps the copy | int8 copy ms | bf16 / int8 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     totals = defaultdict(float)
     for kind, rows in per_kind.items():
-        blocks, copy = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        blocks, copy, int8 = sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[3] for r in rows)
         keeps = {r[2] for r in rows}
         totals["blocks"] += blocks
         totals["copies"] += copy
         totals["auto"] += sum(r[1] if r[2] else r[0] for r in rows)
         totals["best per kind"] += min(blocks, copy)
+        totals["int8 copies"] += int8
         print(f"| {kind} | {len(rows)} | {blocks:.1f} | {copy:.1f} | {blocks / copy:.2f} | "
-              f"{'yes' if keeps == {True} else 'no' if keeps == {False} else 'mixed'} |")
+              f"{'yes' if keeps == {True} else 'no' if keeps == {False} else 'mixed'} | {int8:.1f} | {copy / int8:.2f} |")
     print("\nDecoder linear layers in all:", ", ".join(f"{k} {v:.1f} ms" for k, v in totals.items()))
 
 

@@ -31,7 +31,7 @@ from kvserve.loader import load_config, load_model
 from kvserve.loader.resolve import ModelSource, resolve_model
 from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
-from kvserve.quant import has_prefill_copies, prefill_copy_bytes
+from kvserve.quant import has_prefill_copies, prefill_copy_bytes, prefill_copy_format
 from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected, RequestStatus,
                              SamplingParams)
 from kvserve.scheduler import Scheduler
@@ -172,7 +172,7 @@ class LLMEngine:
                 self.model, self.model_config = load_model(self.source, dtype=self.dtype, device=self.device,
                                                            quantization=self.weight_format,
                                                            int4_prefill=args.int4_prefill)
-            # int4 layers with bf16 prefill copies compute prompt and generated tokens in different
+            # int4 layers with prefill copies compute prompt and generated tokens in different
             # formats. The workers of a parallel engine hold the layers: assume so for int4 unless
             # told "blocks" (the prefix cache then only shares fewer blocks, never wrong ones).
             if self.model is None:
@@ -180,6 +180,7 @@ class LLMEngine:
             else:
                 self.prefill_copies = has_prefill_copies(self.model)
             self.prefill_copy_bytes = 0 if self.model is None else prefill_copy_bytes(self.model)
+            self.prefill_copy_format = None if self.model is None else prefill_copy_format(self.model)
             self.tokenizer = load_tokenizer(self.source)
         self.load_time_s = time.perf_counter() - t0
         cfg: ModelConfig = self.model_config
@@ -297,7 +298,7 @@ class LLMEngine:
                      f"({self.max_model_len * spec.bytes_per_token / 2**20:.1f} MiB without reclaim); ")
         return (text + f"activations {str(self.dtype).removeprefix('torch.')}, linear weights "
                 f"{self.weight_format or str(self.dtype).removeprefix('torch.')}"
-                + (f" (Q4_1 for generated tokens, bf16 copies for prompt tokens: "
+                + (f" (Q4_1 for generated tokens, {self.prefill_copy_format} copies for prompt tokens: "
                    f"+{self.prefill_copy_bytes / 2**20:.1f} MiB)" if self.prefill_copy_bytes else "")
                 + (f"; with the draft model's KV ({self.draft_model.kv_spec.describe_token()}"
                    + (f", {self.num_blocks * self.draft_model.kv_spec.bytes_per_block / 2**20:.1f} MiB in the "

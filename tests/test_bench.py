@@ -310,7 +310,7 @@ def test_bench_latency_end_to_end(tmp_path):
     assert (tmp_path / "lat.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("int4_prefill", ["blocks", "bf16"])
+@pytest.mark.parametrize("int4_prefill", ["blocks", "bf16", "int8"])
 def test_bench_results_name_the_int4_prefill_mode(tmp_path, int4_prefill):
     out = tmp_path / "lat.json"
     assert kvserve_main(["bench", "latency", *TINY, "--quantization", "int4", "--int4-prefill", int4_prefill,
@@ -318,7 +318,7 @@ def test_bench_results_name_the_int4_prefill_mode(tmp_path, int4_prefill):
                          "--json", str(out)]) == 0
     r = _load(out)
     assert r["weights"] == "int4" and r["int4_prefill"] == int4_prefill
-    assert (r["prefill_copy_mib"] > 0) == (int4_prefill == "bf16")
+    assert (r["prefill_copy_mib"] > 0) == (int4_prefill != "blocks")
 
 
 def test_profile_end_to_end(tmp_path, capsys):

@@ -29,8 +29,10 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, igno
 NOISE = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)
 
-# (dtype, quantization): fp32 weights, then the three stored formats under fp32 activations.
-FORMATS = [("float32", "none"), ("float32", "bf16"), ("float32", "int8"), ("float32", "int4")]
+# (dtype, quantization): fp32 weights, then the three stored formats under fp32 activations,
+# and int4 with int8 prefill copies under int8 activations ("int4+int8", int4_prefill "int8").
+FORMATS = [("float32", "none"), ("float32", "bf16"), ("float32", "int8"), ("float32", "int4"),
+           ("float32", "int4+int8")]
 KV_DTYPES = ["float32", "bfloat16"]
 
 
@@ -47,6 +49,8 @@ OTHERS = _prompts(63, seed=5)
 def _tiny(model: str, dtype: str, quantization: str, kv: str, **kwargs) -> LLM:
     if "num_blocks" not in kwargs:
         kwargs["kv_cache_memory"] = 8 << 20  # the default budget is zero-filled up front: keep engines cheap
+    if quantization == "int4+int8":
+        quantization, kwargs["int4_prefill"] = "int4", "int8"
     if quantization == "int4":
         # Every int4 layer with its bf16 prefill copy, whichever this machine's kernels favour:
         # prompt and generated tokens in two formats is the case the invariances must survive.

@@ -200,28 +200,32 @@ def test_stop_string_and_stream_deltas(llm_factory):
     assert cut.outputs[0].text == full[:full.index(stop)]
 
 
-@pytest.mark.parametrize("quantization,int4_prefill", [("int4", "bf16"), ("int4", "blocks"), ("int4", "auto"),
-                                                       ("bf16", "bf16")])
+@pytest.mark.parametrize("quantization,int4_prefill", [("int4", "bf16"), ("int4", "int8"), ("int4", "blocks"),
+                                                       ("int4", "auto"), ("bf16", "bf16")])
 def test_int4_prefill_copies_in_the_start_up_line_and_the_prefix_cache_keys(llm_factory, quantization, int4_prefill):
-    """int4's block-quantized layers may hold bf16 copies for prompt tokens (all with
-    int4_prefill "bf16", none with "blocks", where they pay here with "auto"): the start-up line
-    says what they cost, and cached blocks are keyed by where the prompt ends (kv_manager).
-    Other formats: neither."""
-    from kvserve.quant import DecodeFormatLinear, prefill_copy_bytes
+    """int4's block-quantized layers may hold copies for prompt tokens (all, bf16 or int8, with
+    int4_prefill "bf16" or "int8", none with "blocks", bf16 where they pay here with "auto"): the
+    start-up line says what they are and cost, and cached blocks are keyed by where the prompt
+    ends (kv_manager). Other formats: neither."""
+    from kvserve.quant import Bf16Linear, DecodeFormatLinear, W8A8Linear, prefill_copy_bytes
 
     engine = llm_factory(model="tiny-llama", dtype="float32", quantization=quantization, int4_prefill=int4_prefill,
                          num_blocks=16).engine
     layers = [m for m in engine.model.model.modules() if isinstance(m, DecodeFormatLinear)]  # the LM head has none
     assert bool(layers) == (quantization == "int4")
-    expected = {"bf16": bool(layers), "blocks": False, "auto": any(m.prefill_copy_pays() for m in layers)}[int4_prefill]
-    assert all((m.prefill is not None) == (int4_prefill == "bf16" or int4_prefill == "auto" and m.prefill_copy_pays())
+    pays = any(m.prefill_copy_pays() for m in layers)
+    expected = {"bf16": bool(layers), "int8": True, "blocks": False, "auto": pays}[int4_prefill]
+    assert all((m.prefill is not None) == (int4_prefill in ("bf16", "int8") or int4_prefill == "auto" and m.prefill_copy_pays())
                for m in layers)
+    copy_type = W8A8Linear if int4_prefill == "int8" else Bf16Linear
+    assert all(isinstance(m.prefill, copy_type) for m in layers if m.prefill is not None)
     copies = prefill_copy_bytes(engine.model)
     assert engine.prefill_copies == engine.kv_manager.hash_prompt_boundary == expected
     assert (copies > 0) == expected
     assert engine.executor.runner.wants_token_roles == expected
     line = engine.describe_kv_cache()
-    assert (f"bf16 copies for prompt tokens: +{copies / 2**20:.1f} MiB" in line) == expected
+    name = "int8" if int4_prefill == "int8" else "bf16"
+    assert (f"{name} copies for prompt tokens: +{copies / 2**20:.1f} MiB" in line) == expected
 
 
 def test_int4_prefill_mode_is_checked():

@@ -83,14 +83,15 @@ def test_fused_layers_match_the_python_model_exactly(name, weight_format):
         assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
 
 
+@pytest.mark.parametrize("copies", ["bf16", "int8"])
 @pytest.mark.parametrize("prompt_lens", [[40, 10], [100, 5], [150, 10]])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
-def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prompt_lens):
-    """int4 with bf16 prefill copies: prompt rows through the copies, the others through the
-    Q4_1 blocks, in the native loop as in the Python model. [40, 10]: the first step's prompt
-    rows are two runs (gathered); [100, 5]: one run per role; [150, 10]: an all-prompt step,
-    then one run per role, then all generated."""
-    model, cfg = load_model(resolve_model(name), quantization="int4", int4_prefill="bf16")
+def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prompt_lens, copies):
+    """int4 with prefill copies (bf16, or int8 under int8 activations): prompt rows through the
+    copies, the others through the Q4_1 blocks, in the native loop as in the Python model.
+    [40, 10]: the first step's prompt rows are two runs (gathered); [100, 5]: one run per role;
+    [150, 10]: an all-prompt step, then one run per role, then all generated."""
+    model, cfg = load_model(resolve_model(name), quantization="int4", int4_prefill=copies)
     fused = model.model.fused_layers
     native = _three_steps(model, cfg, prompt_lens=prompt_lens)
     model.model.fused_layers = None

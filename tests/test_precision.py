@@ -63,29 +63,43 @@ def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 INT8_MISSES_BAR = {"smollm2-135m-instruct": True, "gemma-3-270m": False}  # name -> strict
 
 
+# int4's int8 prefill copies (int4_prefill "int8", opt-in): int8 activations per 64 inputs and
+# int8 weights per output column cost the prompt rows 3-4 points of top-1 agreement on this
+# text (SmolLM2 95.5 %, Gemma 3 96.5 %; perplexity +0.4 %, within its bar). Measured on SmolLM2
+# in plain torch, each rounding alone: activations per 64 (or 32) inputs 96.5 %, per 16 99.4 %;
+# weights per column 97.4 %, per 64 inputs 98.1 %; bf16 both 99.7 %. The reference is the file's
+# own Q4_1 weights, so every extra rounding flips this text's near-ties. A miss, recorded strict.
+INT8_PREFILL_MISSES_BAR = True
+
+
 def _agreement_and_perplexities(logits, ref_logits, ids) -> tuple[float, float, float]:
     """Top-1 agreement of ``logits`` with ``ref_logits``, and the perplexity of each on ``ids``."""
     agreement = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
     return agreement, _perplexity(logits, ids), _perplexity(ref_logits, ids)
 
 
-@pytest.mark.parametrize("weight_format", ["bf16", "int4", "int8"])
-def test_weight_format_tolerance(reference, weight_format, request):
+@pytest.mark.parametrize("weight_format,int4_prefill", [("bf16", "bf16"), ("int4", "bf16"), ("int4", "int8"),
+                                                        ("int8", "bf16")],
+                         ids=["bf16", "int4", "int4-int8-prefill", "int8"])
+def test_weight_format_tolerance(reference, weight_format, int4_prefill, request):
     source, ids, ref_logits, _, _ = reference
     if weight_format == "int8" and source.name in INT8_MISSES_BAR:
         request.applymarker(pytest.mark.xfail(strict=INT8_MISSES_BAR[source.name],
                                               reason="per-channel int8 misses the bar"))
-    # int4_prefill "bf16": every int4 layer gets its bf16 copy, so both ways of computing a token
-    # are checked whichever this machine's "auto" picks.
-    model, config = load_model(source, dtype=torch.float32, quantization=weight_format, int4_prefill="bf16")
+    if int4_prefill == "int8" and weight_format == "int4":
+        request.applymarker(pytest.mark.xfail(strict=INT8_PREFILL_MISSES_BAR,
+                                              reason="int8 prefill copies miss the top-1 bar"))
+    # int4_prefill "bf16" or "int8": every int4 layer gets its copy in that format, so every way of
+    # computing a token is checked whichever this machine's "auto" picks.
+    model, config = load_model(source, dtype=torch.float32, quantization=weight_format, int4_prefill=int4_prefill)
     # int4 computes generated tokens with the Q4_1 blocks (no roles: every row generated) and
-    # prompt tokens with their bf16 copies where the layers have them: both meet the bar.
+    # prompt tokens with their copies where the layers have them: both meet the bar.
     roles = [{}] + ([{"token_roles": TokenRoles(ALL_PROMPT)}] if has_prefill_copies(model) else [])
     for kwargs in roles:
         # As the engine runs these formats: fp32 activations, bf16 KV cache (EngineArgs auto).
         logits = _all_position_logits(model, config, ids, kv_dtype=torch.bfloat16, **kwargs)
         agreement, ppl, ref_ppl = _agreement_and_perplexities(logits, ref_logits, ids)
-        print(f"\n{source.name} {weight_format}{' (prompt rows)' if kwargs else ''}: top-1 agreement "
+        print(f"\n{source.name} {weight_format}{f' (prompt rows, {int4_prefill} copies)' if kwargs else ''}: top-1 agreement "
               f"{agreement:.4f}, perplexity {ppl:.3f} vs fp32 {ref_ppl:.3f} ({ppl / ref_ppl - 1:+.4f})")
         assert agreement >= MIN_TOP1_AGREEMENT
         assert abs(ppl / ref_ppl - 1) <= MAX_PERPLEXITY_RATIO_DELTA

@@ -16,6 +16,7 @@
 #include "dense_linear.h"
 #include "quant_linear.h"
 #include "screen_linear.h"
+#include "w8a8_linear.h"
 #include "row_dispatch.h"
 
 #include <sys/mman.h>
@@ -2099,6 +2100,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gathered_rows_dot", &gathered_rows_dot);
   m.def("set_portable_dense_kernels", &set_portable_dense_kernels);
   m.def("bf16_kernel_route", &bf16_kernel_route);
+  m.def("w8a8_linear", &w8a8_linear);
+  m.def("w8a8_linear_out", &w8a8_linear_out);
+  m.def("w8a8_activations", &w8a8_activations);
+  m.def("w8a8_kernel_route", &w8a8_kernel_route);
+  m.def("set_portable_w8a8_kernel", &set_portable_w8a8_kernel);
   m.def("set_bf16_kernel_route", &set_bf16_kernel_route);
   register_fused_decoder(m);
 }

@@ -11,6 +11,7 @@
 #include "cpu_ops.h"
 #include "dense_linear.h"
 #include "quant_linear.h"
+#include "w8a8_linear.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -46,16 +47,18 @@ std::pair<int64_t, int64_t> row_run(const torch::Tensor& rows) {
 
 // One linear layer, as kvserve.quant / torch store it (see kvserve/models/fused.py).
 struct Linear {
-  enum class Kind { kQ4, kQ5, kTiles, kQ8, kBf16, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
+  enum class Kind { kQ4, kQ5, kTiles, kQ8, kBf16, kW8A8, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
   Kind kind = Kind::kDense;
   // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); tiles (Q4 / Q5 on AVX512): packed, out_features
-  // given; Q8: qs, d; int8: weight, scales; bf16: packed; fp32 / oneDNN / dense: weight
+  // given; Q8: qs, d; int8: weight, scales; bf16: packed; w8a8: packed, column scales;
+  // fp32 / oneDNN / dense: weight
   torch::Tensor weight, scales, extra;
   // kSegments (kvserve.quant.SegmentedLinear): consecutive output rows in their own formats.
   std::vector<Linear> segments;
   c10::optional<torch::Tensor> bias;
   int64_t out_features = 0;
-  // Int4Linear's bf16 copy of its weights, for the prompt rows (null: every row uses the above).
+  // A block-quantized layer's copy of its weights for the prompt rows, bf16 or w8a8 (null: every
+  // row uses the above).
   std::shared_ptr<const Linear> prefill;
 
   // The rows of x each with the weights of its role, as TokenRoles.apply does in Python, into
@@ -88,6 +91,7 @@ struct Linear {
       case Kind::kTiles: tiled_nibble_linear_out(out, x, weight, bias); return;  // Int4Linear / Q5Linear on AVX512
       case Kind::kQ8: q8_linear_out(out, x, weight, scales, bias); return;
       case Kind::kBf16: bf16_linear_out(out, x, weight, bias); return;  // kvserve.quant.Bf16Linear, packed for kvserve's kernel
+      case Kind::kW8A8: w8a8_linear_out(out, x, weight, scales, bias); return;  // kvserve.quant.W8A8Linear
       case Kind::kFp32: fp32_linear_out(out, x, weight, bias); return;  // kvserve.quant.Fp32Linear
       case Kind::kSegments: {  // each segment straight into its own columns (the kernels take a row stride)
         int64_t column = 0;
@@ -105,7 +109,7 @@ struct Linear {
   // The kinds whose kernels write into a given output; the others return a tensor of their own.
   bool writes_in_place() const {
     return kind == Kind::kQ4 || kind == Kind::kQ5 || kind == Kind::kTiles || kind == Kind::kQ8 ||
-           kind == Kind::kBf16 || kind == Kind::kFp32 || kind == Kind::kSegments;
+           kind == Kind::kBf16 || kind == Kind::kW8A8 || kind == Kind::kFp32 || kind == Kind::kSegments;
   }
 
   torch::Tensor computed(const torch::Tensor& x) const {
@@ -149,6 +153,7 @@ Linear make_linear(const pybind11::tuple& spec) {
   else if (kind == "tiles") linear.kind = Linear::Kind::kTiles;
   else if (kind == "segments") linear.kind = Linear::Kind::kSegments;
   else if (kind == "bf16") linear.kind = Linear::Kind::kBf16;
+  else if (kind == "w8a8") linear.kind = Linear::Kind::kW8A8;
   else if (kind == "fp32") linear.kind = Linear::Kind::kFp32;
   else if (kind == "q8") linear.kind = Linear::Kind::kQ8;
   else if (kind == "onednn_bf16") linear.kind = Linear::Kind::kOneDnnBf16;

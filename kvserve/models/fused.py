@@ -26,7 +26,7 @@ from kvserve import ops
 from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
 from kvserve.quant import (Bf16Linear, DecodeFormatLinear, Fp32Linear, Int4Linear, Int8Linear, Q5Linear, Q8Linear,
-                           SegmentedLinear)
+                           SegmentedLinear, W8A8Linear)
 from kvserve.token_roles import ALL_GENERATED, current_token_roles
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 def _linear_spec(layer: nn.Module) -> Optional[tuple]:
     """(kind, weight, scales, bias[, out_features[, prefill[, extra[, segments]]]]) as
     decoder.cpp's ``Linear`` takes them, or None (out_features where the weight's shape does not
-    say it; prefill: a block-quantized layer's bf16 copy for the prompt rows, itself such a
+    say it; prefill: a block-quantized layer's copy for the prompt rows, itself such a
     spec; extra: Q5_0's fifth bits; segments: a SegmentedLinear's parts' specs)."""
     if isinstance(layer, DecodeFormatLinear):
         blocks = _block_spec(layer)
@@ -45,6 +45,8 @@ def _linear_spec(layer: nn.Module) -> Optional[tuple]:
         return None if prefill is None else (*blocks[:5], prefill, *blocks[6:])
     if isinstance(layer, Int8Linear):
         return "int8", layer.weight, layer.scales, layer.bias
+    if isinstance(layer, W8A8Linear):
+        return "w8a8", layer.weight, layer.scales, layer.bias, layer.out_features
     if isinstance(layer, Bf16Linear):
         if layer.packed:
             return "bf16", layer.weight, None, layer.bias, layer.out_features

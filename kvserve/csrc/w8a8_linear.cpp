@@ -1,0 +1,265 @@
+// int8 weights times int8 activations: int4 mode's prompt rows with int4_prefill "int8" (issue #17).
+//
+// A prompt of hundreds of tokens makes each linear layer compute-bound, where a 4-bit format's
+// unpacking costs more than the bytes it saves: int4 mode computes prompt rows through copies of
+// its weights (kvserve.quant.DecodeFormatLinear), bf16 by default. On a CPU with AVX512-VNNI,
+// vpdpbusd adds 64 products of bytes per instruction where vdpbf16ps adds 32 of bf16 pairs, at
+// the same instruction rate (measured on Zen 4: 937 against 468 G multiply-adds per second, 2
+// cores), so int8 copies compute faster, with half the bytes of bf16 ones. They are also less
+// exact (kvserve.quant.W8A8Linear has the measurements), so they are opt-in.
+//
+// Numbers. Each weight row is rounded to int8 against its largest magnitude (one scale per output
+// column: the copy of a 4-bit layer sits on a grid ~10x finer than the 4-bit one), and each
+// activation row per group of 64 inputs against that group's largest magnitude (llama.cpp rounds
+// its activations to int8 per 32 for every quantized format). vpdpbusd multiplies unsigned bytes
+// by signed ones, so the weights are stored as w + 128 and each group's sum starts at
+// -128 * (the sum of its activations), which takes the offset out exactly. Per output:
+//
+//   acc_g = -128 * sum(q) + sum((w + 128) * q)   over the group's 64 inputs, exact in int32
+//   sum   = fma(float(acc_g), scale_g, sum)      over the groups in ascending order, from 0
+//   y     = fma(sum, column_scale, bias)          (bias 0 when there is none)
+//
+// Integer sums are exact in any order, and the fp32 steps are the same for every row whatever
+// the tile: a row's result does not depend on how many rows share the call (batch invariant),
+// and the portable loop gives the same bits as the VNNI kernel.
+#include "w8a8_linear.h"
+#include "row_dispatch.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define KVSERVE_W8A8_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 64;  // activation inputs per scale
+constexpr int64_t kPanel = 16;  // output columns per packed panel (one 16-lane vector)
+constexpr int64_t kRowBlock = 96;  // activation rows kept in cache while a thread's panels pass over them
+constexpr int64_t kSmallWork = 1 << 18;  // multiply-adds below which one thread does the whole call
+
+bool g_portable = false;
+
+// One call's activations, in the calling thread's scratch memory (valid until its next call).
+struct Activations {
+  const int8_t* q;  // [M][Kp]
+  const float* scale;  // [M][G]
+  const int32_t* offset;  // [M][G]: -128 * the group's sum of q
+};
+
+Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, int64_t Kp) {
+  const int64_t G = Kp / kGroup;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scale;
+  thread_local std::vector<int32_t> offset;
+  if (static_cast<int64_t>(q.size()) < M * Kp) q.resize(M * Kp);
+  if (static_cast<int64_t>(scale.size()) < M * G) {
+    scale.resize(M * G);
+    offset.resize(M * G);
+  }
+  int8_t* const qd = q.data();  // the caller's buffers (inside the workers the thread_locals are theirs)
+  float* const sd = scale.data();
+  int32_t* const od = offset.data();
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = x + m * stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t k0 = g * kGroup, n = std::min(kGroup, K - k0);
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xr[k0 + i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* qg = qd + m * Kp + k0;
+        int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xr[k0 + i] * inv));  // |v| <= 127
+          qg[i] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        for (int64_t i = n; i < kGroup; ++i) qg[i] = 0;  // K's padding
+        sd[m * G + g] = amax / 127.f;
+        od[m * G + g] = -128 * sum;
+      }
+    }
+  });
+  return {qd, sd, od};
+}
+
+struct Call {
+  Activations x;
+  const uint8_t* w;  // [P][Kp / 4][16][4]
+  const float* column_scale;  // [Np]
+  const float* bias;  // [N] or null
+  int64_t Kp, G, N;
+  float* out;
+  int64_t out_stride;
+};
+
+#ifdef KVSERVE_W8A8_VNNI
+// MR activation rows x NV panels of 16 columns: MR * NV int32 sums for the current group and as
+// many fp32 sums across groups (4 x 3: 24 registers, the 3 weight vectors beside them; each
+// activation word is broadcast from memory by vpdpbusd itself).
+template <int MR, int NV>
+void w8a8_tile(const Call& c, int64_t m0, int64_t p0) {
+  __m512 total[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) total[r][v] = _mm512_setzero_ps();
+  const uint8_t* w[NV];
+  for (int v = 0; v < NV; ++v) w[v] = c.w + (p0 + v) * c.Kp * kPanel;
+  const int32_t* x[MR];  // each int32 word: one row's 4 consecutive inputs
+  for (int r = 0; r < MR; ++r) x[r] = reinterpret_cast<const int32_t*>(c.x.q + (m0 + r) * c.Kp);
+  for (int64_t g = 0; g < c.G; ++g) {
+    __m512i acc[MR][NV];
+    for (int r = 0; r < MR; ++r) {
+      const __m512i start = _mm512_set1_epi32(c.x.offset[(m0 + r) * c.G + g]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = start;
+    }
+    for (int64_t kq = g * (kGroup / 4); kq < (g + 1) * (kGroup / 4); ++kq) {
+      __m512i b[NV];
+      for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(w[v] + kq * 4 * kPanel);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i a = _mm512_set1_epi32(x[r][kq]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], b[v], a);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 scale = _mm512_set1_ps(c.x.scale[(m0 + r) * c.G + g]);
+      for (int v = 0; v < NV; ++v) total[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][v]), scale, total[r][v]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = (p0 + v) * kPanel;
+    if (col >= c.N) continue;
+    const __mmask16 keep = static_cast<__mmask16>((1u << std::min<int64_t>(kPanel, c.N - col)) - 1);
+    const __m512 column_scale = _mm512_loadu_ps(c.column_scale + col);
+    const __m512 bias = c.bias ? _mm512_maskz_loadu_ps(keep, c.bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r)
+      _mm512_mask_storeu_ps(c.out + (m0 + r) * c.out_stride + col, keep, _mm512_fmadd_ps(total[r][v], column_scale, bias));
+  }
+}
+
+template <int MR>
+void w8a8_tile_np(const Call& c, int64_t m0, int64_t p0, int64_t np) {
+  switch (np) {
+    case 1: w8a8_tile<MR, 1>(c, m0, p0); break;
+    case 2: w8a8_tile<MR, 2>(c, m0, p0); break;
+    default: w8a8_tile<MR, 3>(c, m0, p0); break;
+  }
+}
+
+// Panels [pb, pe) for all rows: blocks of kRowBlock rows (their activations stay in cache),
+// three panels at a time, four rows at a time over them (measured on Zen 4 at 256 rows: 4 x 3
+// 670-730 G multiply-adds per second on SmolLM2's shapes, 6 x 2 the same, 4 x 4 ~8 % slower).
+void w8a8_panels_vnni(const Call& c, int64_t M, int64_t pb, int64_t pe) {
+  for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+    const int64_t me = std::min(M, mb + kRowBlock);
+    for (int64_t p = pb; p < pe; p += 3) {
+      const int64_t np = std::min<int64_t>(3, pe - p);
+      for (int64_t m = mb; m < me; m += 4)
+        dispatch_rows<4>(std::min<int64_t>(4, me - m), [&](auto mr) { w8a8_tile_np<decltype(mr)::value>(c, m, p, np); });
+    }
+  }
+}
+#endif
+
+// The same integers and fp32 operations, one row and panel at a time (columns innermost, so
+// that nothing reorders a sum across groups).
+void w8a8_panels_portable(const Call& c, int64_t M, int64_t pb, int64_t pe) {
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xq = c.x.q + m * c.Kp;
+    for (int64_t p = pb; p < pe; ++p) {
+      const uint8_t* w = c.w + p * c.Kp * kPanel;
+      float total[kPanel] = {};
+      for (int64_t g = 0; g < c.G; ++g) {
+        int32_t acc[kPanel];
+        for (int j = 0; j < kPanel; ++j) acc[j] = c.x.offset[m * c.G + g];
+        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+          const uint8_t* wk = w + (k / 4) * 4 * kPanel + k % 4;
+          for (int j = 0; j < kPanel; ++j) acc[j] += static_cast<int32_t>(wk[4 * j]) * xq[k];
+        }
+        const float scale = c.x.scale[m * c.G + g];
+        for (int j = 0; j < kPanel; ++j) total[j] = std::fma(static_cast<float>(acc[j]), scale, total[j]);
+      }
+      for (int j = 0; j < kPanel; ++j) {
+        const int64_t col = p * kPanel + j;
+        if (col < c.N) c.out[m * c.out_stride + col] = std::fma(total[j], c.column_scale[col], c.bias ? c.bias[col] : 0.f);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void set_portable_w8a8_kernel(bool portable) { g_portable = portable; }
+
+std::string w8a8_kernel_route() {
+#ifdef KVSERVE_W8A8_VNNI
+  if (!g_portable) return "avx512vnni";
+#endif
+  return "portable";
+}
+
+std::vector<torch::Tensor> w8a8_activations(torch::Tensor x, int64_t padded_k) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(padded_k % kGroup == 0 && K <= padded_k && padded_k - K < kGroup, "padded_k must be K rounded up to 64");
+  const Activations a = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, padded_k);
+  auto q = torch::from_blob(const_cast<int8_t*>(a.q), {M, padded_k}, torch::kInt8).clone();
+  auto scale = torch::from_blob(const_cast<float*>(a.scale), {M, padded_k / kGroup}, torch::kFloat32).clone();
+  return {q, scale};
+}
+
+void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch::Tensor scales,
+                     c10::optional<torch::Tensor> bias) {
+  RECORD_FUNCTION("kvserve::w8a8_linear", std::vector<c10::IValue>());  // kvserve profile's label
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK(wp.scalar_type() == torch::kUInt8 && wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == kPanel &&
+                  wp.size(3) == 4,
+              "wp must be uint8 [Np / 16, Kp / 4, 16, 4] (kvserve.quant.pack_w8a8_weight)");
+  const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), Kp = wp.size(1) * 4, N = out.size(1);
+  TORCH_CHECK(Kp % kGroup == 0 && K <= Kp && Kp - K < kGroup, "x has ", K, " inputs; the weights ", Kp, " padded");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == P * kPanel,
+              "scales must be a contiguous float32 [Np]");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
+                  N <= P * kPanel && N > (P - 1) * kPanel,
+              "out must be float32 [M, N] with contiguous rows, N the weights' output columns");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "bias must be a contiguous float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  if (M == 0) return;
+  const Call call{quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, Kp), wp.data_ptr<uint8_t>(),
+                  scales.data_ptr<float>(), b, Kp, Kp / kGroup, N, out.data_ptr<float>(), out.stride(0)};
+  const int64_t threads = std::min(P, M * N * K < kSmallWork ? int64_t{1} : static_cast<int64_t>(at::get_num_threads()));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pb = P * t / threads, pe = P * (t + 1) / threads;
+      if (pb == pe) continue;
+#ifdef KVSERVE_W8A8_VNNI
+      if (!g_portable) {
+        w8a8_panels_vnni(call, M, pb, pe);
+        continue;
+      }
+#endif
+      w8a8_panels_portable(call, M, pb, pe);
+    }
+  });
+}
+
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor scales, int64_t n,
+                          c10::optional<torch::Tensor> bias) {
+  auto out = torch::empty({x.size(0), n}, x.options());
+  w8a8_linear_out(out, x, wp, scales, bias);
+  return out;
+}
