@@ -138,8 +138,12 @@ def test_mixed_type_projection_runs_each_part_in_its_own_format():
     x = torch.randn(3, k)
     ref = x @ w.T + layer.bias
     assert ((layer(x) - ref).norm() / ref.norm()) < 5e-3
-    assert layer.add_prefill_copy() == 96 * k * 2
+    assert layer.add_prefill_copy() == 96 * k * 2 + 96 * 4  # bf16 weights, fp32 bias
     assert layer.prefill.out_features == 96
+    # The int8 copy: one byte a weight (96 columns, 640 inputs: no padding), a scale a column.
+    assert layer.add_prefill_copy("int8") == 96 * k + 96 * 4 + 96 * 4
+    assert layer.prefill.out_features == 96
+    assert ((layer(x) - ref).norm() / ref.norm()) < 5e-3  # no roles: the blocks
 
 
 def test_same_type_parts_merge_into_one_layer():
