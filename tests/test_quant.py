@@ -79,8 +79,9 @@ def test_int4_prefill_copy_gives_each_row_the_format_of_its_role(kernels):
     layer = Int4Linear.from_nibble_blocks(unpack_q4_1(raw, (n, k)), torch.randn(n))
     w = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1)).view(n, k).float()
     assert torch.equal(layer.dequantized(), w)
+    copy_bytes = layer.add_prefill_copy()
     bias = layer.prefill.bias  # (the copy keeps its own, fp32 on the kernels' route)
-    assert layer.add_prefill_copy() == layer.prefill.weight.numel() * 2 + bias.numel() * bias.element_size()
+    assert copy_bytes == layer.prefill.weight.numel() * 2 + bias.numel() * bias.element_size()
     if layer.prefill.packed:
         assert torch.equal(unpack_bf16_weight(layer.prefill.weight, n, k), w.to(torch.bfloat16))
     x = torch.randn(9, k)
