@@ -56,6 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                            "and the engine stops")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--num-scheduler-steps", type=int, default=EngineArgs.num_scheduler_steps, metavar="N",
+                   help="multi-step decoding: up to N decode steps per scheduling round while every "
+                        "running request decodes greedily and none waits (streams get bursts of up to N "
+                        "tokens)")
 
 
 def _parse_bytes(text: str) -> int:
@@ -78,6 +82,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         disable_sliding_window_reclaim=ns.no_sliding_window_reclaim,
         seed=ns.seed, quantization=ns.quantization, int4_prefill=ns.int4_prefill, kv_cache_dtype=ns.kv_cache_dtype,
         speculative_config=parse_speculative_config(ns.speculative_config),
+        num_scheduler_steps=ns.num_scheduler_steps,
         tensor_parallel_size=ns.tensor_parallel_size, pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_timeout_s=ns.distributed_timeout,
     )

@@ -132,6 +132,12 @@ class EngineArgs:
     # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4}
     # (a dict or its JSON string); None: off. See kvserve/spec/config.py for every key.
     speculative_config: Optional[Any] = None
+    # Multi-step decoding (vLLM's --num-scheduler-steps): up to this many decode steps per
+    # scheduling round while every running request decodes greedily (argmax only, no logprobs
+    # or grammar) and none waits: the engine's per-step work is paid once per round, and a
+    # stream's tokens arrive in bursts of up to this many. 1: a round per step. Single process,
+    # without speculative decoding.
+    num_scheduler_steps: int = 1
     # Parallelism: one worker process per rank (kvserve.executor.multiproc); 1 x 1 runs the
     # model in the engine's process.
     tensor_parallel_size: int = 1
@@ -166,6 +172,8 @@ class EngineArgs:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.distributed_timeout_s <= 0:
             raise ConfigError("distributed_timeout_s must be positive")
+        if self.num_scheduler_steps < 1:
+            raise ConfigError("num_scheduler_steps must be >= 1")
         self.cache_config()
         from kvserve.spec.config import parse_speculative_config  # spec imports this module
         parse_speculative_config(self.speculative_config)

@@ -17,7 +17,7 @@ from kvserve.config import ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.executor.step import NewRequestData, StepInput, StepOutput
 from kvserve.quant import has_prefill_copies
-from kvserve.sampler import Sampler, argmax_suffices, build_sampling_metadata, make_generator
+from kvserve.sampler import Sampler, SamplingMetadata, argmax_suffices, build_sampling_metadata, make_generator
 from kvserve.spec.rejection import rejection_sample
 from kvserve.spec.verify import accept_run
 from kvserve.token_roles import TokenRoles
@@ -255,9 +255,10 @@ class ModelRunner:
         with label(phase):
             # (Only a model with dual-format linears is given the roles: others take no such argument.)
             roles = {} if inputs.token_roles is None else {"token_roles": inputs.token_roles}
+            argmax_only = self._argmax_only(inputs)
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache,
-                inputs.logits_indices, **roles, argmax_only=self._argmax_only(inputs), transient_logits=True,
+                inputs.logits_indices, **roles, argmax_only=argmax_only, transient_logits=True,
             )
         out = StepOutput(num_prefill_tokens=inputs.num_prefill_tokens,
                          num_decode_tokens=inputs.num_decode_tokens)
@@ -278,6 +279,8 @@ class ModelRunner:
             md = build_sampling_metadata(inputs.sampled_requests, logits.shape[-1], logits.device)
             sampler_out = self.sampler(logits, md)
             token_ids = sampler_out.sampled_token_ids.tolist()
+        if step.num_steps > 1:
+            return self._decode_steps(inputs, md, argmax_only, token_ids, step.num_steps, out)
         row = 0
         for spec in inputs.drafts:
             req = inputs.sampled_requests[row]
@@ -287,6 +290,45 @@ class ModelRunner:
             if sampler_out.logprobs is not None and sampler_out.logprobs[row] is not None:
                 out.logprobs[req.request_id] = sampler_out.logprobs[row:row + len(tokens)]
             row += num_rows
+        return out
+
+    def _decode_steps(self, inputs: ModelInputs, sampling: SamplingMetadata, argmax_only: bool,
+                      token_ids: list[int], num_steps: int, out: StepOutput) -> StepOutput:
+        """The rest of a multi-step round (StepInput.num_steps; the scheduler sends only rounds
+        where every row is one request's greedy decode): each step feeds every request the token
+        the step before sampled, one position on, into the lookahead slots its block tables
+        hold, through the same model call and sampler as a step of its own (the same kernels on
+        the same rows: the same tokens). What it saves is the engine's work between steps:
+        scheduling, building and preparing the step, applying its outputs."""
+        md = inputs.attn_metadata
+        block_size = self.block_size
+        positions, input_ids = inputs.positions, inputs.input_ids
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        groups = list(zip(md.all_slot_mappings(), md.all_block_tables()))
+        forward = self.model.forward  # (the module's __call__ adds nothing here but its cost)
+        sampled = [[t] for t in token_ids]
+        for _ in range(num_steps - 1):
+            input_ids.copy_(torch.tensor(token_ids, dtype=input_ids.dtype))
+            positions += 1
+            blocks, offsets = positions // block_size, positions % block_size
+            for slots, tables in groups:
+                torch.add(offsets, tables[rows, blocks], alpha=block_size, out=slots)
+            md.seq_lens_tensor += 1
+            # The step's metadata is this step's own: advance it in place, and drop what the
+            # layers derived from the last step's.
+            md.context_lens[:] = [n + 1 for n in md.context_lens]
+            md.seq_lens[:] = [n + 1 for n in md.seq_lens]
+            md.derived.clear()
+            with label("model.forward.decode"):
+                logits = forward(input_ids, positions, md, self.kv_cache, inputs.logits_indices,
+                                 argmax_only=argmax_only, transient_logits=True)
+            with label("sampler"):
+                token_ids = self.sampler(logits, sampling).sampled_token_ids.tolist()
+            for tokens, token in zip(sampled, token_ids):
+                tokens.append(token)
+        for req, tokens in zip(inputs.sampled_requests, sampled):
+            out.sampled[req.request_id] = tokens
+        out.num_decode_tokens *= num_steps
         return out
 
     @staticmethod

@@ -34,10 +34,13 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         num_micro_batches: int = 1,
+        num_scheduler_steps: int = 1,
+        multi_step_eligible: Optional[Callable[[Request], bool]] = None,
     ) -> None:
-        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or num_micro_batches < 1:
-            raise ValueError("max_num_batched_tokens, max_num_seqs and num_micro_batches must be >= 1, "
-                             "max_model_len >= 2")
+        if (max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or num_micro_batches < 1
+                or num_scheduler_steps < 1):
+            raise ValueError("max_num_batched_tokens, max_num_seqs, num_micro_batches and num_scheduler_steps "
+                             "must be >= 1, max_model_len >= 2")
         self.kv_manager = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -49,6 +52,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_micro_batches = num_micro_batches
         self._micro_batch_load = [0] * num_micro_batches  # unfinished requests in each
+        # Multi-step decoding: up to this many decode steps per scheduling round, for rounds
+        # where ``multi_step_eligible`` accepts every running request (see _num_steps).
+        self.num_scheduler_steps = num_scheduler_steps
+        self.multi_step_eligible = multi_step_eligible
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -117,7 +124,7 @@ class Scheduler:
     def schedule(self, micro_batch: int = 0) -> SchedulerOutput:
         """Pick this step's work (among ``micro_batch``'s requests). Does not advance
         ``num_computed_tokens`` past the cache hits."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(num_steps=self._num_steps(micro_batch))
         budget = self._schedule_running(out, self.max_num_batched_tokens, micro_batch)
         # After a preemption the victims head the waiting queue and cannot fit yet, and
         # admission is first come first served: nobody jumps in to thrash the cache.
@@ -130,6 +137,23 @@ class Scheduler:
             return self.running
         return [r for r in self.running if r.micro_batch == micro_batch]
 
+    def _num_steps(self, micro_batch: int) -> int:
+        """How many decode steps this round runs (multi-step decoding, vLLM's
+        ``--num-scheduler-steps``): more than one only when nothing waits for admission (a
+        waiting request's first token would wait for the whole round), every running request
+        decodes one token with no drafts and ``multi_step_eligible`` accepts it (the engine's
+        rule: greedy, nothing read but the argmax), and never past any request's length limits,
+        so each takes every step's token up to a stop. A stop found in the middle (EOS, a stop
+        string) ends the request there, as a stop in a speculative run does."""
+        running = self.running
+        if (self.num_scheduler_steps == 1 or self.waiting or not running or self.num_micro_batches > 1
+                or self.multi_step_eligible is None):
+            return 1
+        if any(r.num_tokens - r.num_computed_tokens != 1 or r.spec_token_ids or not self.multi_step_eligible(r)
+               for r in running):
+            return 1
+        return max(1, min(self.num_scheduler_steps, *(max_new_tokens(r, self.max_model_len) for r in running)))
+
     def _schedule_running(self, out: SchedulerOutput, budget: int, micro_batch: int) -> int:
         mine = self.running_in(micro_batch)
         i = 0
@@ -138,12 +162,15 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             spec = self._spec_tokens(request, num_new, budget)
-            # Drafts ride on lookahead slots; without room for them the request just decodes.
-            block_ids = self.kv_manager.allocate_slots(request, num_new, lookahead=len(spec))
-            if block_ids is None and spec:
-                spec = []
+            # Drafts, and a multi-step round's later steps, ride on lookahead slots; without room
+            # for them the request just decodes (and the round takes one step).
+            lookahead = len(spec) + out.num_steps - 1
+            block_ids = self.kv_manager.allocate_slots(request, num_new, lookahead=lookahead)
+            if block_ids is None and lookahead:
+                spec, out.num_steps = [], 1
                 block_ids = self.kv_manager.allocate_slots(request, num_new)
             while block_ids is None:
+                out.num_steps = 1  # the victims wait for room: no longer than one step
                 victim = mine.pop()
                 if mine is not self.running:
                     self.running.remove(victim)
@@ -252,10 +279,16 @@ class Scheduler:
             if isinstance(new_tokens, int):
                 new_tokens = (new_tokens,)
             num_drafts = len(chunk.spec_token_ids)
-            if not 1 <= len(new_tokens) <= num_drafts + 1:
+            if scheduler_output.num_steps > 1:
+                # Every step of the round computed one more of the request's tokens.
+                if len(new_tokens) != scheduler_output.num_steps:
+                    raise ValueError(f"request {request.request_id}: {len(new_tokens)} tokens for "
+                                     f"{scheduler_output.num_steps} steps")
+                request.num_computed_tokens += len(new_tokens) - 1
+            elif not 1 <= len(new_tokens) <= num_drafts + 1:
                 raise ValueError(f"request {request.request_id}: {len(new_tokens)} tokens for "
                                  f"{num_drafts} drafts")
-            num_rejected = num_drafts + 1 - len(new_tokens)
+            num_rejected = max(0, num_drafts + 1 - len(new_tokens))
             if num_rejected:
                 # The rejected drafts' KV is garbage: forget it, and the blocks only it used.
                 request.num_computed_tokens -= num_rejected

@@ -75,14 +75,28 @@ class FakeRunner:
                 n = c.start_position + c.num_new_tokens
                 seen = [self.store.get(self._slot(c.block_ids, p)) for p in range(n)]
                 sampled[c.request.request_id] = next_token(seen)
+        if out.num_steps > 1:  # a multi-step round: each later step decodes the token before
+            sampled = {rid: [tok] for rid, tok in sampled.items()}
+            for _ in range(out.num_steps - 1):
+                for c in out.chunks:
+                    tokens = sampled[c.request.request_id]
+                    pos = c.start_position + len(tokens)  # the lookahead slot of this step's input
+                    assert len(c.block_ids) * self.block_size > pos, "no lookahead slot"
+                    slot = self._slot(c.block_ids, pos)
+                    generation = self.kv.block_pool.blocks[slot // self.block_size].generation
+                    assert self.written_in_generation.get(slot) != generation, f"slot {slot} rewritten"
+                    self.written_in_generation[slot] = generation
+                    self.store[slot] = tokens[-1]
+                    tokens.append(next_token([self.store.get(self._slot(c.block_ids, p)) for p in range(pos + 1)]))
         return sampled
 
 
 def make(num_blocks=16, block_size=4, budget=16, max_num_seqs=8, max_model_len=64, chunked=True, caching=True,
-         micro_batches=1):
+         micro_batches=1, steps=1, eligible=None):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
     return Scheduler(kv, budget, max_num_seqs, max_model_len, enable_chunked_prefill=chunked,
-                     num_micro_batches=micro_batches), FakeRunner(kv)
+                     num_micro_batches=micro_batches, num_scheduler_steps=steps,
+                     multi_step_eligible=eligible), FakeRunner(kv)
 
 
 def req(rid, prompt, max_tokens=4, **params):
@@ -384,7 +398,7 @@ def _check_invariants(sched, out, micro_batch=0, in_flight=()):
     assert kv.num_used_blocks == len(holders)
 
 
-def _simulate(seed, micro_batches=1):
+def _simulate(seed, micro_batches=1, steps=1):
     """Random arrivals, n > 1 siblings, aborts, a tight cache. With ``micro_batches`` > 1 it
     runs like the pipeline-parallel engine: a step per idle micro-batch is scheduled before
     the oldest step in flight is run and applied (steps run in the order scheduled)."""
@@ -394,8 +408,11 @@ def _simulate(seed, micro_batches=1):
     capacity = num_blocks * block_size
     chunked = rng.random() < 0.75
     budget = rng.randint(3, 24) if chunked else rng.randint(12, 24)
+    # Multi-step rounds for the requests whose id ends in an even digit (the others, the
+    # engine's ungreedy ones, keep rounds to one step while they run).
     sched, runner = make(num_blocks, block_size, budget, rng.randint(1, 6), capacity + 1, chunked,
-                         caching=rng.random() < 0.85, micro_batches=micro_batches)
+                         caching=rng.random() < 0.85, micro_batches=micro_batches, steps=steps,
+                         eligible=lambda r: int(r.request_id.split(".")[0][1:]) % 2 == 0)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 10))] for _ in range(3)]
 
     arrivals = []  # (step, requests)
@@ -413,6 +430,7 @@ def _simulate(seed, micro_batches=1):
 
     everyone, aborted = [], set()
     in_flight = deque()
+    multi_step_rounds = 0
     for t in range(5000):
         for when, group in arrivals:
             if when == t:
@@ -428,6 +446,7 @@ def _simulate(seed, micro_batches=1):
                 _check_invariants(sched, out, mb, [o for _, o in in_flight])
                 in_flight.append((mb, out))
         _, out = in_flight.popleft()
+        multi_step_rounds += out.num_steps > 1
         sched.update_from_output(out, runner.run(out))
         if everyone and rng.random() < 0.03:
             victim = rng.choice(everyone)
@@ -446,6 +465,7 @@ def _simulate(seed, micro_batches=1):
         assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params.max_tokens, eos), (seed, r.request_id)
     assert sched.kv_manager.num_used_blocks == 0
     assert sched.num_running == sched.num_waiting == 0
+    sched.multi_step_rounds = multi_step_rounds
     return sched
 
 
@@ -482,3 +502,68 @@ def test_micro_batches_split_requests_and_schedule_apart():
     late = req("late", [3, 3])
     sched.add_request(late)
     assert late.micro_batch == 0  # micro-batch 0 emptied: the newcomer balances the load
+
+
+def test_multi_step_simulation_matches_running_alone():
+    """Rounds of up to 4 decode steps where every running request is eligible and none waits:
+    the same tokens as alone, each lookahead slot written once, every block back at the end."""
+    preemptions = rounds = 0
+    for seed in range(60):
+        sched = _simulate(seed, steps=4)
+        preemptions += sched.num_preemptions
+        rounds += sched.multi_step_rounds
+    assert preemptions > 10 and rounds > 30
+
+
+def test_multi_step_rounds_only_when_every_running_request_decodes_and_nothing_waits():
+    sched, runner = make(num_blocks=32, budget=16, steps=4, eligible=lambda r: r.request_id != "sampled")
+    a = req("a", [1, 2, 3], max_tokens=20)
+    sched.add_request(a)
+    out, _ = step(sched, runner)  # the prefill: one step
+    assert out.num_steps == 1 and a.num_output_tokens == 1
+    out, _ = step(sched, runner)
+    assert out.num_steps == 4 and a.num_output_tokens == 5 and a.num_computed_tokens == 7
+    sched.add_request(req("b", [4, 5], max_tokens=20))
+    out, _ = step(sched, runner)  # b waits: one step, which admits it
+    assert out.num_steps == 1 and plan(out) == [("a", 1), ("b", 2)]
+    out, _ = step(sched, runner)
+    assert out.num_steps == 4 and a.num_output_tokens == 10
+    sched.add_request(req("sampled", [6], max_tokens=20))
+    step(sched, runner)
+    out, _ = step(sched, runner)  # an ineligible request runs: one step
+    assert out.num_steps == 1 and a.num_output_tokens == 12
+    sched.finish_requests(["sampled"], RequestStatus.FINISHED_ABORTED)
+    run_to_end(sched, runner)
+    assert a.output_token_ids == reference([1, 2, 3], 20)
+    # Never past a length limit: 2 tokens left, a round of 2.
+    c = req("c", [7, 8], max_tokens=3)
+    sched.add_request(c)
+    step(sched, runner)
+    out, _ = step(sched, runner)
+    assert out.num_steps == 2 and c.is_finished and c.output_token_ids == reference([7, 8], 3)
+
+
+def test_multi_step_round_stops_at_eos_and_falls_back_without_lookahead_room():
+    prompt = [3, 1, 4]
+    ref = reference(prompt, 20, eos=EOS)
+    assert EOS in ref  # the fake model ends this one early
+    sched, runner = make(num_blocks=32, steps=8, eligible=lambda r: True)
+    r = req("r", prompt, max_tokens=20, ignore_eos=False)
+    sched.add_request(r)
+    run_to_end(sched, runner)
+    assert r.output_token_ids == ref and r.status is RequestStatus.FINISHED_STOPPED
+    assert sched.kv_manager.num_used_blocks == 0
+    # Three usable blocks of 4 for two requests: after their prompts and first tokens (a block
+    # each), a round of 4 needs a second block for each; a gets the last one, b cannot, and the
+    # round falls back to one step (b's next token fits its own block).
+    sched, runner = make(num_blocks=3, block_size=4, steps=4, eligible=lambda r: True)
+    assert sched.kv_manager.num_usable_blocks == 3
+    a, b = req("a", [1, 2], max_tokens=6), req("b", [3, 4], max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, runner)
+    out, _ = step(sched, runner)
+    assert out.num_steps == 1 and not out.preempted_request_ids
+    run_to_end(sched, runner)
+    assert a.output_token_ids == reference([1, 2], 6) and b.output_token_ids == reference([3, 4], 6)
+    assert sched.kv_manager.num_used_blocks == 0

@@ -43,7 +43,7 @@ class StepBuilder:
         return len(self._known)
 
     def build(self, sched: SchedulerOutput) -> StepInput:
-        step = StepInput(finished_request_ids=self._finished)
+        step = StepInput(finished_request_ids=self._finished, num_steps=sched.num_steps)
         self._finished = []
         constrained: list[tuple[str, Request]] = []
         for chunk in sched.chunks:

@@ -61,6 +61,9 @@ class StepInput:
     # Structured outputs: request id -> this step's allowed-token bitmask (int32 words, one bit
     # per token, the grammar's own layout), computed engine-side where the grammar lives.
     grammar_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
+    # Decode steps to take (SchedulerOutput.num_steps): each later one feeds every request the
+    # token the step before sampled, into the lookahead slots its block tables already hold.
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
