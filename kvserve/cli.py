@@ -57,9 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--num-scheduler-steps", type=int, default=EngineArgs.num_scheduler_steps, metavar="N",
-                   help="multi-step decoding: up to N decode steps per scheduling round while every "
-                        "running request decodes greedily and none waits (streams get bursts of up to N "
-                        "tokens)")
+                   help="multi-step decoding: up to N decode steps per scheduling round while no "
+                        "running request asks for logprobs, a grammar or penalties and none waits "
+                        "(streams get bursts of up to N tokens)")
 
 
 def _parse_bytes(text: str) -> int:

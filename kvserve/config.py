@@ -133,8 +133,9 @@ class EngineArgs:
     # (a dict or its JSON string); None: off. See kvserve/spec/config.py for every key.
     speculative_config: Optional[Any] = None
     # Multi-step decoding (vLLM's --num-scheduler-steps): up to this many decode steps per
-    # scheduling round while every running request decodes greedily (argmax only, no logprobs
-    # or grammar) and none waits: the engine's per-step work is paid once per round, and a
+    # scheduling round while every running request decodes with sampling that needs nothing
+    # from the step before (no logprobs, grammar, penalties or unmet min_tokens) and none
+    # waits: the engine's per-step work is paid once per round, and a
     # stream's tokens arrive in bursts of up to this many. 1: a round per step. Single process,
     # without speculative decoding.
     num_scheduler_steps: int = 1

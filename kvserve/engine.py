@@ -34,7 +34,7 @@ from kvserve.output_processor import OutputProcessor
 from kvserve.quant import has_prefill_copies, prefill_copy_bytes, prefill_copy_format
 from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected, RequestStatus,
                              SamplingParams)
-from kvserve.sampler import argmax_suffices
+from kvserve.sampler import needs_no_step_state
 from kvserve.scheduler import Scheduler
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.spec import Speculator, build_speculator, parse_speculative_config
@@ -269,11 +269,11 @@ class LLMEngine:
                    if self.draft_model is not None else None)
         self.speculator: Optional[Speculator] = (build_speculator(self.spec_config, drafter)
                                                  if self.spec_config else None)
-        # Multi-step rounds run in this process's runner, for greedy decodes that read only the
-        # argmax (the runner's later steps feed sampled tokens straight back).
+        # Multi-step rounds run in this process's runner, for decodes whose sampling needs
+        # nothing from the step before (the runner's later steps feed sampled tokens back).
         if args.num_scheduler_steps > 1 and not self.parallel and self.speculator is None:
             self.scheduler.num_scheduler_steps = args.num_scheduler_steps
-            self.scheduler.multi_step_eligible = lambda request: argmax_suffices((request,))
+            self.scheduler.multi_step_eligible = needs_no_step_state
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
         self._pending_finished: set[str] = set()

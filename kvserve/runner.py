@@ -295,7 +295,8 @@ class ModelRunner:
     def _decode_steps(self, inputs: ModelInputs, sampling: SamplingMetadata, argmax_only: bool,
                       token_ids: list[int], num_steps: int, out: StepOutput) -> StepOutput:
         """The rest of a multi-step round (StepInput.num_steps; the scheduler sends only rounds
-        where every row is one request's greedy decode): each step feeds every request the token
+        where every row is one request's decode whose sampling reads nothing the last token
+        changed, so ``sampling`` serves every step): each step feeds every request the token
         the step before sampled, one position on, into the lookahead slots its block tables
         hold, through the same model call and sampler as a step of its own (the same kernels on
         the same rows: the same tokens). What it saves is the engine's work between steps:

@@ -107,6 +107,17 @@ def argmax_suffices(requests: Sequence[Request]) -> bool:
     return True
 
 
+def needs_no_step_state(request: Request) -> bool:
+    """Whether sampling this request's next token reads nothing that its last token changed:
+    no penalties (they count the output), no min_tokens still blocking EOS, no grammar (advanced
+    by the engine after each token) and no logprobs (gathered per step). Its SamplingMetadata
+    then serves several steps in a row (multi-step decoding); greedy or sampled alike, a
+    seeded request's generator advancing one draw per step as it would step by step."""
+    p = request.sampling_params
+    return (p.logprobs is None and request.grammar is None and request.num_output_tokens >= p.min_tokens
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+
+
 def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
                             device: torch.device | str) -> SamplingMetadata:
     """Gather the batch's sampling parameters into device tensors (runs once per step)."""

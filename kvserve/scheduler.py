@@ -142,7 +142,8 @@ class Scheduler:
         ``--num-scheduler-steps``): more than one only when nothing waits for admission (a
         waiting request's first token would wait for the whole round), every running request
         decodes one token with no drafts and ``multi_step_eligible`` accepts it (the engine's
-        rule: greedy, nothing read but the argmax), and never past any request's length limits,
+        rule, sampler.needs_no_step_state: no logprobs, grammar, penalties or min_tokens still to
+        reach), and never past any request's length limits,
         so each takes every step's token up to a stop. A stop found in the middle (EOS, a stop
         string) ends the request there, as a stop in a speculative run does."""
         running = self.running

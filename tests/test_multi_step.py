@@ -1,8 +1,8 @@
 """Multi-step decoding (EngineArgs.num_scheduler_steps): rounds of several decode steps give
 every request the tokens, text and finish it gets one step at a time, whatever stops it (EOS,
-a stop string, max_tokens in the middle of a round), with other requests arriving, with
-logprob or sampled requests among them (their rounds take one step), after preemption, and
-over prefix-cache hits of its output."""
+a stop string, max_tokens in the middle of a round), greedy or sampled with a seed, with other
+requests arriving, with logprob or penalty requests among them (their rounds take one step),
+after preemption, and over prefix-cache hits of its output."""
 from __future__ import annotations
 
 import random
@@ -50,13 +50,23 @@ def test_rounds_give_the_same_tokens_text_and_finish(engines):
     assert _results(multi.generate([prompts[5]], stopped)) == cut
 
 
-def test_rounds_beside_logprob_and_sampled_requests_and_arrivals(engines):
+def test_sampled_requests_draw_the_same_tokens_in_rounds(engines):
+    single, multi = engines
+    prompts = _prompts(4, seed=5)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=11 + i, max_tokens=23, ignore_eos=True)
+              for i in range(3)] + [SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)]
+    steps_before = multi.engine.counters.steps
+    assert _results(multi.generate(prompts, params)) == _results(single.generate(prompts, params))
+    assert multi.engine.counters.steps - steps_before <= 1 + 23 // STEPS + 1
+
+
+def test_rounds_beside_logprob_and_penalty_requests_and_arrivals(engines):
     single, multi = engines
     prompts = _prompts(5, seed=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=5, logprobs=2, ignore_eos=True)
-    sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True)
-    params = [greedy, with_logprobs, greedy, sampled, greedy]
+    penalised = SamplingParams(temperature=0.9, seed=7, max_tokens=6, presence_penalty=0.5, ignore_eos=True)
+    params = [greedy, with_logprobs, greedy, penalised, greedy]
     expected = single.generate(prompts, params)
     got = multi.generate(prompts, params)
     assert _results(got) == _results(expected)
