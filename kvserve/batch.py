@@ -61,8 +61,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # Decode steps the runner takes before the next scheduling round (EngineArgs.
-    # num_scheduler_steps): every chunk is then one request's decode, with lookahead slots for
-    # the steps after the first, and each request gets this many new tokens.
+    # num_scheduler_steps): every chunk is then one request's decode of a generated token,
+    # with lookahead slots for the steps after the first, and each request gets this many new
+    # tokens.
     num_steps: int = 1
 
     @property

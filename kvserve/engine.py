@@ -274,6 +274,9 @@ class LLMEngine:
         if args.num_scheduler_steps > 1 and not self.parallel and self.speculator is None:
             self.scheduler.num_scheduler_steps = args.num_scheduler_steps
             self.scheduler.multi_step_eligible = needs_no_step_state
+        elif args.num_scheduler_steps > 1:
+            logger.warning("num_scheduler_steps %d ignored: multi-step decoding runs in a single process "
+                           "without speculative decoding", args.num_scheduler_steps)
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
         self._pending_finished: set[str] = set()

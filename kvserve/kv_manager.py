@@ -239,6 +239,15 @@ class KVCacheManager:
             self._cache_full_blocks(request, tables, min(num_known_tokens, request.num_tokens) // self.block_size)
         return [[b.block_id for b in blocks] for blocks in tables]
 
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Make findable the full blocks whose every token ``request`` holds and has computed
+        (a multi-step round computes several of its tokens after allocation, which caches only
+        the blocks full by then)."""
+        tables = self._req_blocks.get(request.request_id)
+        if tables and self.enable_prefix_caching:
+            num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+            self._cache_full_blocks(request, tables, min(num_full, len(tables[0])))
+
     def trim(self, request: Request, num_tokens: int) -> None:
         """Give back the tail blocks beyond the first ``num_tokens`` tokens (rejected
         speculative drafts' lookahead). Those blocks were never hashed: only tokens the

@@ -115,7 +115,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.samples = samples
         self.requests: dict[str, RequestState] = {}
-        # Int4 layers with bf16 prefill copies: the model is told each row's role.
+        # Int4 layers with prefill copies (bf16 or int8): the model is told each row's role.
         self.wants_token_roles = has_prefill_copies(model)
 
     def update_states(self, step: StepInput) -> None:
@@ -280,7 +280,7 @@ class ModelRunner:
             sampler_out = self.sampler(logits, md)
             token_ids = sampler_out.sampled_token_ids.tolist()
         if step.num_steps > 1:
-            return self._decode_steps(inputs, md, argmax_only, token_ids, step.num_steps, out)
+            return self._decode_steps(step, inputs, md, argmax_only, token_ids, out)
         row = 0
         for spec in inputs.drafts:
             req = inputs.sampled_requests[row]
@@ -292,17 +292,21 @@ class ModelRunner:
             row += num_rows
         return out
 
-    def _decode_steps(self, inputs: ModelInputs, sampling: SamplingMetadata, argmax_only: bool,
-                      token_ids: list[int], num_steps: int, out: StepOutput) -> StepOutput:
+    def _decode_steps(self, step: StepInput, inputs: ModelInputs, sampling: SamplingMetadata, argmax_only: bool,
+                      token_ids: list[int], out: StepOutput) -> StepOutput:
         """The rest of a multi-step round (StepInput.num_steps; the scheduler sends only rounds
-        where every row is one request's decode whose sampling reads nothing the last token
+        where every row is one request's decode whose sampling reads nothing the token before
         changed, so ``sampling`` serves every step): each step feeds every request the token
         the step before sampled, one position on, into the lookahead slots its block tables
         hold, through the same model call and sampler as a step of its own (the same kernels on
         the same rows: the same tokens). What it saves is the engine's work between steps:
         scheduling, building and preparing the step, applying its outputs."""
+        num_steps, block_size = step.num_steps, self.block_size
+        for chunk in step.chunks:  # one row each, and a slot for every step (else block 0 takes the writes)
+            if len(chunk.token_ids) != 1 or chunk.is_prefill or not chunk.needs_sample or chunk.num_drafts or any(
+                    len(table) * block_size < chunk.start_position + num_steps for table in chunk.block_tables):
+                raise RuntimeError(f"request {chunk.request_id}: not a row a {num_steps}-step round can take")
         md = inputs.attn_metadata
-        block_size = self.block_size
         positions, input_ids = inputs.positions, inputs.input_ids
         rows = torch.arange(positions.shape[0], device=positions.device)
         groups = list(zip(md.all_slot_mappings(), md.all_block_tables()))

@@ -141,7 +141,7 @@ class Scheduler:
         """How many decode steps this round runs (multi-step decoding, vLLM's
         ``--num-scheduler-steps``): more than one only when nothing waits for admission (a
         waiting request's first token would wait for the whole round), every running request
-        decodes one token with no drafts and ``multi_step_eligible`` accepts it (the engine's
+        decodes one generated token (not a prompt's last) with no drafts and ``multi_step_eligible`` accepts it (the engine's
         rule, sampler.needs_no_step_state: no logprobs, grammar, penalties or min_tokens still to
         reach), and never past any request's length limits,
         so each takes every step's token up to a stop. A stop found in the middle (EOS, a stop
@@ -150,8 +150,8 @@ class Scheduler:
         if (self.num_scheduler_steps == 1 or self.waiting or not running or self.num_micro_batches > 1
                 or self.multi_step_eligible is None):
             return 1
-        if any(r.num_tokens - r.num_computed_tokens != 1 or r.spec_token_ids or not self.multi_step_eligible(r)
-               for r in running):
+        if any(r.num_tokens - r.num_computed_tokens != 1 or r.num_computed_tokens < r.num_prompt_tokens
+               or r.spec_token_ids or not self.multi_step_eligible(r) for r in running):
             return 1
         return max(1, min(self.num_scheduler_steps, *(max_new_tokens(r, self.max_model_len) for r in running)))
 
@@ -168,10 +168,11 @@ class Scheduler:
             lookahead = len(spec) + out.num_steps - 1
             block_ids = self.kv_manager.allocate_slots(request, num_new, lookahead=lookahead)
             if block_ids is None and lookahead:
-                spec, out.num_steps = [], 1
+                spec = []
+                self._single_step(out)
                 block_ids = self.kv_manager.allocate_slots(request, num_new)
             while block_ids is None:
-                out.num_steps = 1  # the victims wait for room: no longer than one step
+                self._single_step(out)  # the victims wait for room: no longer than one step
                 victim = mine.pop()
                 if mine is not self.running:
                     self.running.remove(victim)
@@ -189,6 +190,18 @@ class Scheduler:
             budget -= num_new + len(spec)
             i += 1
         return budget
+
+    def _single_step(self, out: SchedulerOutput) -> None:
+        """Turn ``out`` into a round of one step: the requests already in it give back the
+        lookahead blocks they took for the later steps, so that a round that does not fit
+        preempts nobody a single step would not."""
+        if out.num_steps == 1:
+            return
+        out.num_steps = 1
+        for chunk in out.chunks:
+            request = chunk.request
+            self.kv_manager.trim(request, request.num_computed_tokens + chunk.num_new_tokens)
+            chunk.block_tables = self.kv_manager.get_block_tables(request.request_id)
 
     def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The drafts this step verifies for ``request``: only on a decode, within the token
@@ -296,16 +309,22 @@ class Scheduler:
                 self.kv_manager.trim(request, request.num_computed_tokens)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
+            status: Optional[RequestStatus] = None
             for j, token in enumerate(new_tokens):
                 request.output_token_ids.append(token)
                 if on_token is not None and on_token(request, j):
-                    status: Optional[RequestStatus] = RequestStatus.FINISHED_STOPPED
+                    status = RequestStatus.FINISHED_STOPPED
                 else:
                     status = check_token_stop(request, self.max_model_len)
                 if status is not None:
-                    self._finish(request, status)
-                    any_finished = True
                     break
+            if scheduler_output.num_steps > 1:
+                # The round filled blocks past the ones allocation found full: make them
+                # findable now, before a finish frees them or a sliding group releases them.
+                self.kv_manager.cache_computed_blocks(request)
+            if status is not None:
+                self._finish(request, status)
+                any_finished = True
             with_new_token.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from kvserve.config import ConfigError, EngineArgs
 from kvserve.llm import LLM
@@ -25,29 +26,74 @@ def _results(outs) -> list[tuple]:
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3", "tiny-gemma3-swa"])
 def engines(request):
-    """One engine a step at a time, one with rounds of STEPS (tiny-gemma3: sliding windows)."""
+    """One engine a step at a time, one with rounds of STEPS (tiny-gemma3: KV groups of its own
+    for the sliding-window layers; -swa: a 32-token window, so blocks are released mid-request)."""
     kwargs = dict(model=request.param, dtype="float32", kv_cache_memory=16 << 20)
     return LLM(**kwargs), LLM(**kwargs, num_scheduler_steps=STEPS)
 
 
-def test_rounds_give_the_same_tokens_text_and_finish(engines):
+def _recorded_logits(llm: LLM, prompts, params) -> list:
+    """Every logits tensor the runner's sampler was handed while ``llm`` generated (the exact
+    fp32 values of the candidates it ranked): a KV slot, position or length off by one in a
+    round moves them, where the tiny models' tokens may not move."""
+    runner = llm.engine.executor.runner
+    sampler, seen = runner.sampler, []
+
+    def recording(logits, md):
+        seen.append(logits.clone())
+        return sampler(logits, md)
+
+    runner.sampler = recording
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        runner.sampler = sampler
+    return seen, outs
+
+
+def test_rounds_compute_the_same_logits_tokens_text_and_finish(engines):
     single, multi = engines
     prompts = _prompts(6, seed=1)
-    # max_tokens not multiples of the round; EOS honoured (the tiny models emit it at random).
+    # max_tokens not multiples of the round, EOS honoured (it may end some early).
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (1, 2, 9, 17, 31, 40)]
     steps_before = multi.engine.counters.steps
-    expected = _results(single.generate(prompts, params))
-    assert _results(multi.generate(prompts, params)) == expected
-    assert multi.engine.counters.steps - steps_before < sum(p.max_tokens for p in params) // 2
-    # A stop string in the middle of a round ends the request where one step at a time does.
-    text = expected[5][1]
-    stop = text[len(text) // 2:len(text) // 2 + 3]
-    stopped = SamplingParams(temperature=0.0, max_tokens=40, stop=[stop])
-    cut = _results(single.generate([prompts[5]], stopped))
-    assert cut[0][2] == "stop" and len(cut[0][0]) < 40
-    assert _results(multi.generate([prompts[5]], stopped)) == cut
+    expected_logits, expected = _recorded_logits(single, prompts, params)
+    logits, got = _recorded_logits(multi, prompts, params)
+    assert _results(got) == _results(expected)
+    # Every step samples (a round's later steps too), from the same rows: the same bits.
+    assert len(logits) == len(expected_logits)
+    for step, (a, b) in enumerate(zip(expected_logits, logits)):
+        assert torch.equal(a, b), f"step {step}"
+    assert multi.engine.counters.steps - steps_before < len(expected_logits) // 2
+
+
+def test_a_stop_in_the_middle_of_a_round_ends_the_request_there(engines):
+    single, multi = engines
+    prompts = _prompts(8, seed=6)
+    # Seeded sampling at a high temperature gives the tiny models varied tokens (at 1.0 they
+    # repeat one): find a token
+    # whose first appearance falls strictly inside a round (round r covers outputs 8r-7..8r).
+    base = [SamplingParams(temperature=50.0, seed=3 + i, max_tokens=40, ignore_eos=True) for i in range(len(prompts))]
+    for prompt, params, out in zip(prompts, base, single.generate(prompts, base)):
+        tokens = out.outputs[0].token_ids
+        inside = [k for k in range(2, len(tokens)) if k % STEPS not in (0, 1) and tokens[k] not in tokens[:k]]
+        if inside:
+            k = inside[0]
+            break
+    else:
+        pytest.fail("no token first seen inside a round")
+    stop = SamplingParams(temperature=50.0, seed=params.seed, max_tokens=40, stop_token_ids=[tokens[k]])
+    expected = _results(single.generate([prompt], stop))
+    assert expected[0][2] == "stop" and len(expected[0][0]) in (k, k + 1)
+    assert _results(multi.generate([prompt], stop)) == expected
+    # A stop string there too.
+    text = out.outputs[0].text
+    cut = multi.engine.tokenizer.decode(tokens[:k + 1])
+    if len(cut) > len(multi.engine.tokenizer.decode(tokens[:k])) and cut in text:
+        stop_text = SamplingParams(temperature=50.0, seed=params.seed, max_tokens=40, stop=[cut[-2:]])
+        assert _results(multi.generate([prompt], stop_text)) == _results(single.generate([prompt], stop_text))
 
 
 def test_sampled_requests_draw_the_same_tokens_in_rounds(engines):
@@ -97,11 +143,18 @@ def test_rounds_after_preemption_and_over_cached_output(engines):
     small = LLM(model=multi.engine.args.model, dtype="float32", num_blocks=room, num_scheduler_steps=STEPS)
     assert _results(small.generate(prompts, greedy)) == expected
     assert small.engine.scheduler.num_preemptions > 0
-    # A next turn over a cached output: the same as cold.
+    # A next turn over the cached output of a request that ran in rounds: the blocks its rounds
+    # filled are found as one step at a time finds them, and the result is the same as cold.
     follow = prompts[0] + list(expected[0][0]) + [5, 6, 7]
-    warm = _results(multi.generate([follow], greedy))
+    hits = []
+    for llm in engines:
+        llm.engine.kv_manager.reset_prefix_cache()
+        llm.generate([prompts[0]], greedy)
+        before = llm.engine.kv_manager.prefix_cache_hits
+        hits.append((_results(llm.generate([follow], greedy)), llm.engine.kv_manager.prefix_cache_hits - before))
+    assert hits[0] == hits[1] and hits[1][1] > len(prompts[0]) // 2
     multi.engine.kv_manager.reset_prefix_cache()
-    assert _results(multi.generate([follow], greedy)) == warm == _results(single.generate([follow], greedy))
+    assert _results(multi.generate([follow], greedy)) == hits[0][0]
 
 
 def test_streams_get_every_token_in_order(engines):

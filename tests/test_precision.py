@@ -68,8 +68,10 @@ INT8_MISSES_BAR = {"smollm2-135m-instruct": True, "gemma-3-270m": False}  # name
 # text (SmolLM2 95.5 %, Gemma 3 96.5 %; perplexity +0.4 %, within its bar). Measured on SmolLM2
 # in plain torch, each rounding alone: activations per 64 (or 32) inputs 96.5 %, per 16 99.4 %;
 # weights per column 97.4 %, per 64 inputs 98.1 %; bf16 both 99.7 %. The reference is the file's
-# own Q4_1 weights, so every extra rounding flips this text's near-ties. A miss, recorded strict.
-INT8_PREFILL_MISSES_BAR = True
+# own Q4_1 weights, so every extra rounding flips this text's near-ties. Recorded as a miss
+# (xfail) once the perplexity bar and a floor below the measured agreement hold, so that a worse
+# int8 path still fails.
+INT8_PREFILL_TOP1_FLOOR = 0.94
 
 
 def _agreement_and_perplexities(logits, ref_logits, ids) -> tuple[float, float, float]:
@@ -86,9 +88,6 @@ def test_weight_format_tolerance(reference, weight_format, int4_prefill, request
     if weight_format == "int8" and source.name in INT8_MISSES_BAR:
         request.applymarker(pytest.mark.xfail(strict=INT8_MISSES_BAR[source.name],
                                               reason="per-channel int8 misses the bar"))
-    if int4_prefill == "int8" and weight_format == "int4":
-        request.applymarker(pytest.mark.xfail(strict=INT8_PREFILL_MISSES_BAR,
-                                              reason="int8 prefill copies miss the top-1 bar"))
     # int4_prefill "bf16" or "int8": every int4 layer gets its copy in that format, so every way of
     # computing a token is checked whichever this machine's "auto" picks.
     model, config = load_model(source, dtype=torch.float32, quantization=weight_format, int4_prefill=int4_prefill)
@@ -101,8 +100,11 @@ def test_weight_format_tolerance(reference, weight_format, int4_prefill, request
         agreement, ppl, ref_ppl = _agreement_and_perplexities(logits, ref_logits, ids)
         print(f"\n{source.name} {weight_format}{f' (prompt rows, {int4_prefill} copies)' if kwargs else ''}: top-1 agreement "
               f"{agreement:.4f}, perplexity {ppl:.3f} vs fp32 {ref_ppl:.3f} ({ppl / ref_ppl - 1:+.4f})")
-        assert agreement >= MIN_TOP1_AGREEMENT
         assert abs(ppl / ref_ppl - 1) <= MAX_PERPLEXITY_RATIO_DELTA
+        if kwargs and int4_prefill == "int8" and agreement < MIN_TOP1_AGREEMENT:
+            assert agreement >= INT8_PREFILL_TOP1_FLOOR
+            pytest.xfail(f"int8 prefill copies: top-1 agreement {agreement:.4f}, below the bar")
+        assert agreement >= MIN_TOP1_AGREEMENT
 
 
 # INT8 KV against the bf16 KV cache it replaces (the engine's default cache), fp32 model

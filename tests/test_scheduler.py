@@ -408,8 +408,8 @@ def _simulate(seed, micro_batches=1, steps=1):
     capacity = num_blocks * block_size
     chunked = rng.random() < 0.75
     budget = rng.randint(3, 24) if chunked else rng.randint(12, 24)
-    # Multi-step rounds for the requests whose id ends in an even digit (the others, the
-    # engine's ungreedy ones, keep rounds to one step while they run).
+    # Multi-step rounds for the requests whose number (r<number>[.<sibling>]) is even (the others, the
+    # engine's ineligible ones, keep rounds to one step while they run).
     sched, runner = make(num_blocks, block_size, budget, rng.randint(1, 6), capacity + 1, chunked,
                          caching=rng.random() < 0.85, micro_batches=micro_batches, steps=steps,
                          eligible=lambda r: int(r.request_id.split(".")[0][1:]) % 2 == 0)
@@ -567,3 +567,21 @@ def test_multi_step_round_stops_at_eos_and_falls_back_without_lookahead_room():
     run_to_end(sched, runner)
     assert a.output_token_ids == reference([1, 2], 6) and b.output_token_ids == reference([3, 4], 6)
     assert sched.kv_manager.num_used_blocks == 0
+
+
+def test_a_round_that_does_not_fit_preempts_nobody_a_single_step_would_not():
+    """a takes its lookahead block, b's next token then finds no room: the round falls back to
+    one step and a gives its lookahead back, so b's token fits as it does one step at a time
+    (before, b was preempted there)."""
+    for steps in (1, 4):
+        sched, runner = make(num_blocks=3, block_size=4, steps=steps, eligible=lambda r: True)
+        a, b = req("a", [1, 2], max_tokens=6), req("b", [3, 4, 5, 6], max_tokens=4)
+        sched.add_request(a)
+        sched.add_request(b)
+        step(sched, runner)
+        out, _ = step(sched, runner)
+        assert out.num_steps == 1 and out.preempted_request_ids == [], steps
+        assert len(sched.kv_manager.get_block_ids("a")) == 1  # its lookahead given back
+        run_to_end(sched, runner)
+        assert a.output_token_ids == reference([1, 2], 6) and b.output_token_ids == reference([3, 4, 5, 6], 4)
+        assert sched.kv_manager.num_used_blocks == 0

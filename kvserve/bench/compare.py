@@ -55,6 +55,8 @@ class BenchSession:
                     "prefill_copy_mib": round(engine.prefill_copy_bytes / 2**20, 1)}
                    if engine.weight_format == "int4" else {}),
                 "device": str(engine.device),
+                # Multi-step decoding (--num-scheduler-steps), as the engine runs it (1: off).
+                "num_scheduler_steps": engine.scheduler.num_scheduler_steps,
                 "num_threads": torch.get_num_threads(), "machine": self.machine,
                 "load_average": machine_load()}
 

@@ -30,6 +30,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -43,6 +45,7 @@ constexpr int64_t kGroup = 64;  // activation inputs per scale
 constexpr int64_t kPanel = 16;  // output columns per packed panel (one 16-lane vector)
 constexpr int64_t kRowBlock = 96;  // activation rows kept in cache while a thread's panels pass over them
 constexpr int64_t kSmallWork = 1 << 18;  // multiply-adds below which one thread does the whole call
+constexpr float kSmallestGroup = 127.f / std::numeric_limits<float>::max();  // largest magnitude of a group read as zeros
 
 bool g_portable = false;
 
@@ -74,7 +77,8 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
         float amax = 0.f;
 #pragma omp simd reduction(max : amax)
         for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xr[k0 + i]));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        // (A group below 127 / FLT_MAX would overflow 127 / amax: it counts as zeros.)
+        const float inv = amax > kSmallestGroup ? 127.f / amax : 0.f;
         int8_t* qg = qd + m * Kp + k0;
         int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -113,8 +117,8 @@ void w8a8_tile(const Call& c, int64_t m0, int64_t p0) {
     for (int v = 0; v < NV; ++v) total[r][v] = _mm512_setzero_ps();
   const uint8_t* w[NV];
   for (int v = 0; v < NV; ++v) w[v] = c.w + (p0 + v) * c.Kp * kPanel;
-  const int32_t* x[MR];  // each int32 word: one row's 4 consecutive inputs
-  for (int r = 0; r < MR; ++r) x[r] = reinterpret_cast<const int32_t*>(c.x.q + (m0 + r) * c.Kp);
+  const int8_t* x[MR];  // each 4 bytes: one row's 4 consecutive inputs, broadcast as one word
+  for (int r = 0; r < MR; ++r) x[r] = c.x.q + (m0 + r) * c.Kp;
   for (int64_t g = 0; g < c.G; ++g) {
     __m512i acc[MR][NV];
     for (int r = 0; r < MR; ++r) {
@@ -125,7 +129,9 @@ void w8a8_tile(const Call& c, int64_t m0, int64_t p0) {
       __m512i b[NV];
       for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(w[v] + kq * 4 * kPanel);
       for (int r = 0; r < MR; ++r) {
-        const __m512i a = _mm512_set1_epi32(x[r][kq]);
+        int32_t word;
+        std::memcpy(&word, x[r] + 4 * kq, sizeof(word));  // (no int32 alias of the int8 buffer)
+        const __m512i a = _mm512_set1_epi32(word);
         for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], b[v], a);
       }
     }

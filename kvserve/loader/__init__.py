@@ -84,7 +84,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     """Build the model (this rank's shard with ``tp``, its stage's layers with ``pp``);
     ``quantization`` ("bf16" | "int8" | "int4") stores the linear layers' weights in that format (activations stay in ``dtype``),
     reusing the GGUF's Q4_1 blocks for int4 where there are any; ``int4_prefill``: which int4
-    layers also hold bf16 weights for prompt tokens (kvserve.quant.convert_linear_layers)."""
+    layers also hold a copy of their weights (bf16 or int8) for prompt tokens
+    (kvserve.quant.convert_linear_layers)."""
     sharded = tp is not None and tp.world_size > 1
     model, config = _load_float_model(source, dtype, device, tp if sharded else None, pp)
     if quantization:
