@@ -750,6 +750,17 @@ class RescoredLMHead(nn.Module):
         self.screen = screen
         self._kept_logits: Optional[torch.Tensor] = None  # see _kept_buffer
 
+    def native_screen(self, rows: int, x: torch.Tensor) -> Optional[tuple]:
+        """(logits buffer, screen weights, exact weights, top_k): the arguments of forward's
+        one-call argmax path (``screened_logits_out``) for ``rows`` rows like ``x`` (contiguous
+        [rows, hidden]), or None where forward takes another path."""
+        exact = self.exact_weight
+        if (self.screen is None or not rows or not ops.enabled_for(x) or exact.dtype != torch.float32
+                or not exact.is_contiguous()):
+            return None
+        out = self._kept_buffer(rows, self.screen.out_features, x)
+        return out, self.screen.packed, exact, min(SCREEN_TOP_K, out.shape[-1])
+
     def _kept_buffer(self, rows: int, columns: int, x: torch.Tensor) -> torch.Tensor:
         """The transient logits' memory, kept from call to call and grown as needed: what a
         transient call returns is valid until the next one (the runner samples from it in the
@@ -779,14 +790,13 @@ class RescoredLMHead(nn.Module):
         screened = argmax_only and self.screen is not None
         if screened:
             rows = x.numel() // x.shape[-1]
+            call = self.native_screen(rows, x) if x.dim() == 2 and x.is_contiguous() else None
+            if call is not None:
+                # The same kernels as below, in one native call (see screened_logits_out).
+                ops.cpu_extension().screened_logits_out(call[0], x, *call[1:])
+                return call[0]
             out = self._kept_buffer(rows, self.screen.out_features, x)
             top_k = min(SCREEN_TOP_K, out.shape[-1])
-            exact = self.exact_weight
-            if (rows and ops.enabled_for(x) and x.dim() == 2 and x.is_contiguous()
-                    and exact.dtype == torch.float32 and exact.is_contiguous()):
-                # The same kernels as below, in one native call (see screened_logits_out).
-                ops.cpu_extension().screened_logits_out(out, x, self.screen.packed, exact, top_k)
-                return out
             logits = self.screen(x, out=out)
         else:
             logits, top_k = self._full_logits(x, transient or argmax_only), self.top_k

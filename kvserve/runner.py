@@ -117,6 +117,10 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # Int4 layers with prefill copies (bf16 or int8): the model is told each row's role.
         self.wants_token_roles = has_prefill_copies(model)
+        # Multi-step rounds of greedy decodes in one native call where the model allows
+        # (PagedCausalLM.decode_round); off, the round steps through the model in Python (tests
+        # compare the two).
+        self.native_rounds = True
 
     def update_states(self, step: StepInput) -> None:
         for rid in step.finished_request_ids:
@@ -308,10 +312,20 @@ class ModelRunner:
                 raise RuntimeError(f"request {chunk.request_id}: not a row a {num_steps}-step round can take")
         md = inputs.attn_metadata
         positions, input_ids = inputs.positions, inputs.input_ids
+        sampled = [[t] for t in token_ids]
+        if self.native_rounds and argmax_only and sampling.all_greedy:
+            # Greedy rows reading only the argmax: the whole round in one native call, where the
+            # model runs on its fused layers and one-call screen.
+            with label("model.forward.decode"):
+                tokens = self.model.decode_round(num_steps - 1, torch.tensor(token_ids, dtype=input_ids.dtype),
+                                                 input_ids, positions, md, self.kv_cache, block_size)
+            if tokens is not None:
+                for row, column in zip(sampled, tokens.t().tolist()):
+                    row.extend(column)
+                return self._round_output(inputs, sampled, num_steps, out)
         rows = torch.arange(positions.shape[0], device=positions.device)
         groups = list(zip(md.all_slot_mappings(), md.all_block_tables()))
         forward = self.model.forward  # (the module's __call__ adds nothing here but its cost)
-        sampled = [[t] for t in token_ids]
         for _ in range(num_steps - 1):
             input_ids.copy_(torch.tensor(token_ids, dtype=input_ids.dtype))
             positions += 1
@@ -331,6 +345,10 @@ class ModelRunner:
                 token_ids = self.sampler(logits, sampling).sampled_token_ids.tolist()
             for tokens, token in zip(sampled, token_ids):
                 tokens.append(token)
+        return self._round_output(inputs, sampled, num_steps, out)
+
+    @staticmethod
+    def _round_output(inputs: ModelInputs, sampled: list[list[int]], num_steps: int, out: StepOutput) -> StepOutput:
         for req, tokens in zip(inputs.sampled_requests, sampled):
             out.sampled[req.request_id] = tokens
         out.num_decode_tokens *= num_steps

@@ -169,3 +169,32 @@ def test_streams_get_every_token_in_order(engines):
 def test_num_scheduler_steps_is_checked():
     with pytest.raises(ConfigError, match="num_scheduler_steps"):
         EngineArgs(model="tiny-llama", num_scheduler_steps=0).validate()
+
+
+@pytest.mark.parametrize("quantization", ["bf16", "int4"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3", "tiny-gemma3-swa"])
+def test_native_rounds_match_rounds_in_python_and_single_steps(model, quantization):
+    """Greedy argmax-only rounds on the fused layers and the LM head's screen run in one native
+    call (PagedCausalLM.decode_round): the same tokens as the round stepped in Python and as one
+    step at a time, and the same KV cache, bit for bit."""
+    kwargs = dict(model=model, dtype="float32", quantization=quantization, kv_cache_memory=16 << 20)
+    single, native, python = LLM(**kwargs), LLM(**kwargs, num_scheduler_steps=STEPS), LLM(**kwargs, num_scheduler_steps=STEPS)
+    python.engine.executor.runner.native_rounds = False
+    model_obj = native.engine.executor.runner.model
+    rounds = []
+    decode_round = model_obj.decode_round
+
+    def counting(*args, **kw):
+        tokens = decode_round(*args, **kw)
+        rounds.append(tokens is not None)
+        return tokens
+
+    model_obj.decode_round = counting
+    prompts = _prompts(5, seed=7)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 12, 19, 33, 40)]
+    expected = _results(single.generate(prompts, params))
+    assert _results(native.generate(prompts, params)) == expected
+    assert _results(python.generate(prompts, params)) == expected
+    assert rounds and all(rounds)
+    for a, b in zip(native.engine.executor.runner.kv_cache.layers, python.engine.executor.runner.kv_cache.layers):
+        assert torch.equal(a.data, b.data)

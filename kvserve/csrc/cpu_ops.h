@@ -16,3 +16,5 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
                      torch::Tensor query_lens, double scale, int64_t window, double softcap);
 torch::Tensor act_and_mul(torch::Tensor x, int64_t act);
 void act_and_mul_out(torch::Tensor out, const torch::Tensor& x, int64_t act);
+std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k);
+void screened_logits_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor exact, int64_t k);

@@ -66,6 +66,27 @@ class PagedCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def decode_round(self, num_steps: int, last_tokens: torch.Tensor, input_ids: torch.Tensor,
+                     positions: torch.Tensor, attn_metadata: AttentionMetadata, kv_caches: KVCache,
+                     block_size: int) -> Optional[torch.Tensor]:
+        """The later steps of a multi-step round of greedy, argmax-only decodes in one native
+        call (FusedDecoderLayers.decode_round: the calls forward makes per step, in its order):
+        the tokens ``[num_steps, rows]``, with ``input_ids``, ``positions`` and the metadata's
+        slot mappings and ``seq_lens_tensor`` advanced in place; None where forward would not
+        run on the fused layers and the head's one-call screen (the caller steps in Python)."""
+        fused = getattr(self.model, "fused_layers", None)
+        head, norm = self.lm_head, self.model.norm
+        if (fused is None or self.tp is not None or self.pp is not None or self.config.final_logit_softcapping
+                or not isinstance(head, RescoredLMHead) or norm.weight.dtype != torch.float32
+                or not fused.applies_to(self.model.embed_tokens.weight, kv_caches)):
+            return None
+        screen_call = head.native_screen(input_ids.shape[0], self.model.embed_tokens.weight)
+        if screen_call is None:
+            return None
+        fused_inputs = self.model.fused_inputs(attn_metadata.max_seq_len + num_steps, input_ids.device)
+        return fused.decode_round(num_steps, last_tokens, input_ids, positions, block_size, fused_inputs,
+                                  attn_metadata, kv_caches, norm, screen_call)
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -128,6 +128,24 @@ class FusedDecoderLayers:
                                           kind, None if roles is None else roles.prompt_rows,
                                           None if roles is None else roles.generated_rows)
 
+    def decode_round(self, num_steps: int, last_tokens: torch.Tensor, input_ids: torch.Tensor,
+                     positions: torch.Tensor, block_size: int, fused_inputs: tuple, attn_metadata: AttentionMetadata,
+                     kv_caches: KVCache, norm: Any, screen_call: tuple) -> torch.Tensor:
+        """``num_steps`` greedy decode steps after this step, natively (decoder.cpp's
+        decode_round: each feeds back the argmax of the last, one position on, advancing
+        ``input_ids``, ``positions`` and the metadata's slots and lengths in place): the tokens
+        ``[num_steps, rows]``. ``fused_inputs``: the model's ``fused_inputs`` covering the round's
+        last position; ``norm``: the final norm; ``screen_call``: RescoredLMHead.native_screen's."""
+        md = attn_metadata
+        data, scales, groups = kv_caches.native_views
+        embed_weight, embed_scale, tables, local_tables = fused_inputs
+        logits, screen, exact, top_k = screen_call
+        return self.native.decode_round(num_steps, last_tokens, input_ids, positions, block_size, embed_weight,
+                                        embed_scale, *tables, *local_tables, data, scales, groups,
+                                        md.all_slot_mappings(), md.all_block_tables(), md.seq_lens_tensor,
+                                        md.query_start_loc_tensor, norm.weight, norm.eps, norm.offset, screen, exact,
+                                        top_k, logits)
+
     def applies_to(self, embed_weight: torch.Tensor, kv_caches: KVCache) -> bool:
         return ops.enabled_for(embed_weight) and kv_caches.is_contiguous
 

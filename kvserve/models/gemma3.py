@@ -105,15 +105,19 @@ class Gemma3Model(nn.Module):
             self._embed_scales[dtype] = torch.tensor(self.config.hidden_size ** 0.5).to(dtype).item()
         return self._embed_scales[dtype]
 
+    def fused_inputs(self, num_positions: int, device: torch.device) -> tuple:
+        """What the fused layers read besides the step: (embedding, its scale, global and local
+        rope tables covering ``num_positions``)."""
+        return (self.embed_tokens.weight, self._embed_scale(torch.float32),
+                self.rope_inv_freq.tables(num_positions, device), self.local_rope_inv_freq.tables(num_positions, device))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
         cfg = self.config
         fused = self.fused_layers
         if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
-            num_positions = attn_metadata.max_seq_len
-            return fused(input_ids, positions, self.embed_tokens.weight, self._embed_scale(torch.float32),
-                         self.rope_inv_freq.tables(num_positions, input_ids.device),
-                         self.local_rope_inv_freq.tables(num_positions, input_ids.device), attn_metadata, kv_caches)
+            return fused(input_ids, positions, *self.fused_inputs(attn_metadata.max_seq_len, input_ids.device),
+                         attn_metadata, kv_caches)
         if self.pp is None or self.pp.is_first:
             hidden = self.embed_tokens(input_ids)
             # HF rounds the scale to float32 and then to the weights' dtype before multiplying;

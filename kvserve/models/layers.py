@@ -19,17 +19,21 @@ from kvserve.config import ConfigError
 class RMSNorm(nn.Module):
     """LLaMA RMSNorm: ``w * normalize(x)``, the product taken in the input dtype."""
 
+    offset = 0.0  # ops.rms_norm's: the weight as stored
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps, offset=0.0)
+        return ops.rms_norm(x, self.weight, self.eps, offset=self.offset)
 
 
 class GemmaRMSNorm(nn.Module):
     """Gemma RMSNorm: ``normalize(x) * (1 + w)`` in float32, then cast (zero-initialised w)."""
+
+    offset = 1.0  # ops.rms_norm's: 1 + the weight
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -37,7 +41,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps, offset=1.0)
+        return ops.rms_norm(x, self.weight, self.eps, offset=self.offset)
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict], device: torch.device) -> torch.Tensor:

@@ -104,12 +104,18 @@ class LlamaModel(nn.Module):
         self.rope_inv_freq = RopeFrequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
 
+    def fused_inputs(self, num_positions: int, device: torch.device) -> tuple:
+        """What the fused layers read besides the step: (embedding, its scale, rope tables
+        covering ``num_positions``, for global and local layers alike)."""
+        tables = self.rope_inv_freq.tables(num_positions, device)
+        return self.embed_tokens.weight, 1.0, tables, tables
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
         fused = self.fused_layers
         if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
-            tables = self.rope_inv_freq.tables(attn_metadata.max_seq_len, input_ids.device)
-            return fused(input_ids, positions, self.embed_tokens.weight, 1.0, tables, tables, attn_metadata, kv_caches)
+            return fused(input_ids, positions, *self.fused_inputs(attn_metadata.max_seq_len, input_ids.device),
+                         attn_metadata, kv_caches)
         if self.pp is None or self.pp.is_first:
             hidden = self.embed_tokens(input_ids)
         else:
