@@ -241,9 +241,17 @@ class LLMEngine:
                                          hash_prompt_boundary=self.prefill_copies)
         # Pipeline stages work on different micro-batches at once: one step in flight per stage.
         self.num_micro_batches = args.pipeline_parallel_size
+        # Multi-step rounds run in this process's runner, for decodes whose sampling needs
+        # nothing from the step before (the runner's later steps feed sampled tokens back).
+        multi_step = args.num_scheduler_steps > 1 and not self.parallel and not self.spec_config
+        if args.num_scheduler_steps > 1 and not multi_step:
+            logger.warning("num_scheduler_steps %d ignored: multi-step decoding runs in a single process "
+                           "without speculative decoding", args.num_scheduler_steps)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_batched_tokens, args.max_num_seqs,
                                    self.max_model_len, args.enable_chunked_prefill,
-                                   num_micro_batches=self.num_micro_batches)
+                                   num_micro_batches=self.num_micro_batches,
+                                   num_scheduler_steps=args.num_scheduler_steps if multi_step else 1,
+                                   multi_step_eligible=needs_no_step_state if multi_step else None)
         self._in_flight: deque[tuple[int, SchedulerOutput]] = deque()
         self.executor: Executor
         if self.parallel:
@@ -269,14 +277,6 @@ class LLMEngine:
                    if self.draft_model is not None else None)
         self.speculator: Optional[Speculator] = (build_speculator(self.spec_config, drafter)
                                                  if self.spec_config else None)
-        # Multi-step rounds run in this process's runner, for decodes whose sampling needs
-        # nothing from the step before (the runner's later steps feed sampled tokens back).
-        if args.num_scheduler_steps > 1 and not self.parallel and self.speculator is None:
-            self.scheduler.num_scheduler_steps = args.num_scheduler_steps
-            self.scheduler.multi_step_eligible = needs_no_step_state
-        elif args.num_scheduler_steps > 1:
-            logger.warning("num_scheduler_steps %d ignored: multi-step decoding runs in a single process "
-                           "without speculative decoding", args.num_scheduler_steps)
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
         self._pending_finished: set[str] = set()

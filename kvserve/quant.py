@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -940,23 +940,25 @@ def _buffer_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
 
 
+def _prefill_copies(model: nn.Module) -> Iterator[nn.Module]:
+    """The prefill copies (Bf16Linear, W8A8Linear) of the model's block-quantized layers."""
+    return (m.prefill for m in model.modules() if isinstance(m, DecodeFormatLinear) and m.prefill is not None)
+
+
 def prefill_copy_bytes(model: nn.Module) -> int:
     """The bytes of the int4 layers' prefill weights (0: none)."""
-    return sum(_buffer_bytes(m.prefill) for m in model.modules()
-               if isinstance(m, DecodeFormatLinear) and m.prefill is not None)
+    return sum(_buffer_bytes(copy) for copy in _prefill_copies(model))
 
 
 def prefill_copy_format(model: nn.Module) -> Optional[str]:
     """The format of the int4 layers' prefill copies: "bf16", "int8" (or both, "bf16+int8"); None."""
     names = {W8A8Linear: "int8", Bf16Linear: "bf16"}
-    kinds = sorted({names[type(m.prefill)] for m in model.modules()
-                    if isinstance(m, DecodeFormatLinear) and m.prefill is not None})
-    return "+".join(kinds) or None
+    return "+".join(sorted({names[type(copy)] for copy in _prefill_copies(model)})) or None
 
 
 def has_prefill_copies(model: nn.Module) -> bool:
     """Whether some linear layer computes prompt rows in another format than generated ones."""
-    return any(isinstance(m, DecodeFormatLinear) and m.prefill is not None for m in model.modules())
+    return any(True for _ in _prefill_copies(model))
 
 
 # The buffers each format streams per token, in the order a step reads them. (oneDNN's

@@ -139,13 +139,13 @@ class Scheduler:
 
     def _num_steps(self, micro_batch: int) -> int:
         """How many decode steps this round runs (multi-step decoding, vLLM's
-        ``--num-scheduler-steps``): more than one only when nothing waits for admission (a
-        waiting request's first token would wait for the whole round), every running request
-        decodes one generated token (not a prompt's last) with no drafts and ``multi_step_eligible`` accepts it (the engine's
-        rule, sampler.needs_no_step_state: no logprobs, grammar, penalties or min_tokens still to
-        reach), and never past any request's length limits,
-        so each takes every step's token up to a stop. A stop found in the middle (EOS, a stop
-        string) ends the request there, as a stop in a speculative run does."""
+        ``--num-scheduler-steps``). More than one only when nothing waits for admission (a
+        waiting request's first token would wait for the whole round) and every running request
+        decodes one generated token (not a prompt's last), with no drafts, that
+        ``multi_step_eligible`` accepts (the engine's rule, sampler.needs_no_step_state: no
+        logprobs, grammar, penalties or min_tokens still to reach); never past any request's
+        length limits, so each takes every step's token up to a stop. A stop found in the middle
+        (EOS, a stop string) ends the request there, as a stop in a speculative run does."""
         running = self.running
         if (self.num_scheduler_steps == 1 or self.waiting or not running or self.num_micro_batches > 1
                 or self.multi_step_eligible is None):

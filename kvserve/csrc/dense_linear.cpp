@@ -24,6 +24,7 @@
 // order (not the same bits as the vector kernels, equally batch invariant).
 #include "dense_linear.h"
 #include "bf16.h"
+#include "linear_args.h"
 #include "row_dispatch.h"
 
 #include <ATen/Parallel.h>
@@ -72,21 +73,6 @@ void over_column_ranges(int64_t units, int64_t threads, const Range& range) {
       if (begin < end) range(begin, end);
     }
   });
-}
-
-const float* optional_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
-              "bias must be a contiguous float32 [N]");
-  return bias->data_ptr<float>();
-}
-
-void check_rows(const torch::Tensor& x, const torch::Tensor& out, int64_t N) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a float32 CPU [M, K] tensor with contiguous rows");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) == N && out.stride(1) == 1,
-              "out must be float32 [M, N] with contiguous rows");
 }
 
 // ------------------------------------------------------------------------------ bf16
@@ -697,7 +683,7 @@ void set_bf16_kernel_route(const std::string& route) {
 void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
   RECORD_FUNCTION("kvserve::bf16_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  check_rows(x, out, N);
+  check_linear_rows(x, out, N);
   TORCH_CHECK(wp.scalar_type() == torch::kInt16 && wp.is_contiguous() && wp.dim() == 4 && wp.size(2) == kPanel &&
                   wp.size(3) == 2,
               "wp must be int16 [Np / 32, Kp / 2, 32, 2] (kvserve.quant.pack_bf16_weight)");
@@ -739,7 +725,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t n, c10::opt
 void fp32_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   RECORD_FUNCTION("kvserve::fp32_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check_rows(x, out, N);
+  check_linear_rows(x, out, N);
   TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.stride(1) == 1 && w.size(1) == K,
               "w must be float32 [N, K] with contiguous rows");
   if (M == 0) return;

@@ -25,6 +25,7 @@
 // chain per lane); a portable loop computes the nibble formats on bf16 activations elsewhere
 // (each path in its own fixed order).
 #include "quant_linear.h"
+#include "linear_args.h"
 #include "nibble_tiles.h"
 #include "row_dispatch.h"
 
@@ -579,14 +580,6 @@ void nibble_rows_portable(const Format& f, int64_t n_begin, int64_t n_end, const
   }
 }
 
-void check_weight_rows(const torch::Tensor& x, const torch::Tensor& out, int64_t N) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a float32 CPU [M, K] tensor with contiguous rows");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) == N && out.stride(1) == 1,
-              "out must be float32 [M, N] with contiguous rows");
-}
-
 // Output rows in tasks of kRowsPerTask spread over the threads (one thread for a call too small
 // to be worth waking the others), input rows in blocks of kInputRowBlock within each task:
 // calls block(first output row, end output row, first input row, input rows).
@@ -600,13 +593,6 @@ void over_row_blocks(int64_t N, int64_t M, int64_t work, const Block& block) {
   });
 }
 
-const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
-              "bias must be a contiguous float32 [N]");
-  return bias->data_ptr<float>();
-}
-
 // y = x @ W^T + bias for a nibble format in the row layout (the AVX2 kernel and the portable
 // loop; the AVX512 kernel reads the tiled layout): the activations laid out once, then every
 // block of output rows with every block of input rows.
@@ -616,7 +602,7 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
   const int64_t Kp = f.chunks * kChunk, M = x.size(0), K = x.size(1);
   float* o = out.data_ptr<float>();
   const int64_t o_stride = out.stride(0);
-  const float* b = bias_ptr(bias, N);
+  const float* b = optional_bias(bias, N);
 #ifdef KVSERVE_Q4_AVX512
   TORCH_CHECK(g_portable, "this CPU's nibble kernel reads the tiled layout (kvserve.quant.tile_nibbles)");
 #endif
@@ -644,7 +630,7 @@ void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x
   if (M == 0) return;  // (dispatch_rows needs a row)
   float* o = out.data_ptr<float>();
   const int64_t o_stride = out.stride(0);
-  const float* b = bias_ptr(bias, N);
+  const float* b = optional_bias(bias, N);
 #ifdef KVSERVE_Q4_AVX512
   if (!g_portable) {
     const SplitInt16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
@@ -675,7 +661,7 @@ void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x
 // x, out and the nibbles of a nibble-format call: qs uint8 [N, ceil(K / 64) * 32].
 void check_nibble_rows(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor& qs) {
   const int64_t Kp = qs.size(1) * 2, K = x.size(1);
-  check_weight_rows(x, out, qs.size(0));
+  check_linear_rows(x, out, qs.size(0));
   TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && Kp % kChunk == 0 && K <= Kp &&
                   Kp - K < kChunk,
               "qs must be uint8 [N, ceil(K / 64) * 32]");
@@ -757,7 +743,7 @@ void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor p
                   (q5 || group_bytes == Q4Tiles<uint16_t>::kGroupBytes || group_bytes == Q4Tiles<float>::kGroupBytes),
               "packed must be uint8 [ceil(N / 16), Kp / 32, 320 | 384 | 352] (kvserve.quant.tile_nibbles)");
   const int64_t N = out.size(1), groups = packed.size(1), Kp = groups * kGroup, K = x.size(1);
-  check_weight_rows(x, out, N);
+  check_linear_rows(x, out, N);
   TORCH_CHECK(packed.size(0) == (N + kTileRows - 1) / kTileRows, "packed holds ", packed.size(0) * kTileRows,
               " rows, out ", N);
   TORCH_CHECK(Kp % kChunk == 0 && K <= Kp && Kp - K < kChunk, "x has ", K, " features, the weights ", Kp);
@@ -909,7 +895,7 @@ void q8_linear_impl(torch::Tensor& out, const torch::Tensor& x, const int8_t* q,
   const int64_t x_stride = x.stride(0);
   float* o = out.data_ptr<float>();
   const int64_t o_stride = out.stride(0);
-  const float* b = bias_ptr(bias, N);
+  const float* b = optional_bias(bias, N);
   over_row_blocks(N, M, M * N * K, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
 #ifdef KVSERVE_Q4_AVX512
     if (!g_portable) {
@@ -933,7 +919,7 @@ void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
                    c10::optional<torch::Tensor> bias) {
   RECORD_FUNCTION("kvserve::q8_linear", std::vector<c10::IValue>());  // kvserve profile's label, every caller
   const int64_t N = qs.size(0), K = qs.size(1);
-  check_weight_rows(x, out, N);
+  check_linear_rows(x, out, N);
   TORCH_CHECK(qs.scalar_type() == torch::kInt8 && qs.is_contiguous() && K % kGroup == 0 && x.size(1) == K,
               "qs must be int8 [N, K] with K a multiple of 32");
   TORCH_CHECK(d.is_contiguous() && ((d.scalar_type() == torch::kInt16 && d.numel() == N * (K / kGroup)) ||

@@ -21,6 +21,7 @@
 // fused multiply-adds per group in the same order: their results are bit-identical, and every
 // row's result is independent of the number of activation rows.
 #include "screen_linear.h"
+#include "linear_args.h"
 #include "nibble_tiles.h"
 #include "row_dispatch.h"
 
@@ -245,8 +246,7 @@ void set_portable_screen_kernel(bool portable) { g_portable = portable; }
 
 void q4_screen_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
   RECORD_FUNCTION("kvserve::q4_screen_linear", std::vector<c10::IValue>());
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  check_activation_rows(x);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(2) == kTileBytes,
               "packed must be uint8 [ceil(N / 16), K / 32, 320]");

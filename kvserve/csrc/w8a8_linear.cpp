@@ -23,6 +23,7 @@
 // the tile: a row's result does not depend on how many rows share the call (batch invariant),
 // and the portable loop gives the same bits as the VNNI kernel.
 #include "w8a8_linear.h"
+#include "linear_args.h"
 #include "row_dispatch.h"
 
 #include <ATen/Parallel.h>
@@ -213,8 +214,7 @@ std::string w8a8_kernel_route() {
 }
 
 std::vector<torch::Tensor> w8a8_activations(torch::Tensor x, int64_t padded_k) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  check_activation_rows(x);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(padded_k % kGroup == 0 && K <= padded_k && padded_k - K < kGroup, "padded_k must be K rounded up to 64");
   const Activations a = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, padded_k);
@@ -226,24 +226,17 @@ std::vector<torch::Tensor> w8a8_activations(torch::Tensor x, int64_t padded_k) {
 void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch::Tensor scales,
                      c10::optional<torch::Tensor> bias) {
   RECORD_FUNCTION("kvserve::w8a8_linear", std::vector<c10::IValue>());  // kvserve profile's label
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  const int64_t N = out.size(1);
+  check_linear_rows(x, out, N);
   TORCH_CHECK(wp.scalar_type() == torch::kUInt8 && wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == kPanel &&
                   wp.size(3) == 4,
               "wp must be uint8 [Np / 16, Kp / 4, 16, 4] (kvserve.quant.pack_w8a8_weight)");
-  const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), Kp = wp.size(1) * 4, N = out.size(1);
+  const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), Kp = wp.size(1) * 4;
   TORCH_CHECK(Kp % kGroup == 0 && K <= Kp && Kp - K < kGroup, "x has ", K, " inputs; the weights ", Kp, " padded");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == P * kPanel,
               "scales must be a contiguous float32 [Np]");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
-                  N <= P * kPanel && N > (P - 1) * kPanel,
-              "out must be float32 [M, N] with contiguous rows, N the weights' output columns");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
-                "bias must be a contiguous float32 [N]");
-    b = bias->data_ptr<float>();
-  }
+  TORCH_CHECK(N <= P * kPanel && N > (P - 1) * kPanel, "out has ", N, " columns, not the weights' output columns");
+  const float* b = optional_bias(bias, N);
   if (M == 0) return;
   const Call call{quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, Kp), wp.data_ptr<uint8_t>(),
                   scales.data_ptr<float>(), b, Kp, Kp / kGroup, N, out.data_ptr<float>(), out.stride(0)};
