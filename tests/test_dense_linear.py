@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 13, 33, 97, 200)
 
 
+# The route this process took before any test changed it.
+TILE_FREE_ROUTE = ops.load_extension().bf16_kernel_route() if os.environ.get("KVSERVE_CPU_OPS") != "0" else None
+
+
 def _other_bf16_route(ext) -> str | None:
     """The AVX512 bf16 route this CPU does not take by default, where the build has both."""
     route = ext.bf16_kernel_route()
@@ -33,12 +37,16 @@ def _other_bf16_route(ext) -> str | None:
     return other
 
 
-# "other route": on an AVX512-BF16 machine, the bf16 route this CPU does not take by default
-# (vdpbf16ps on Intel, the widened FMAs on AMD), so that both are checked on either.
-@pytest.fixture(params=["vector", "other route", "portable"])
+# "vector": this machine's own route (on a machine with AMX, its tiles). "other route": on an
+# AVX512-BF16 machine, the bf16 route this CPU does not take by default (vdpbf16ps on Intel,
+# the widened FMAs on AMD), so that both are checked on either. "tiles": the AMX route's tile
+# program on its emulation (amx_linear.cpp), on any CPU.
+@pytest.fixture(params=["vector", "other route", "tiles", "portable"])
 def portable(request):
     ext = ops.load_extension()
     default_route = ext.bf16_kernel_route()
+    if request.param == "tiles":
+        ext.set_bf16_kernel_route("amx-emulated")
     if request.param == "other route":
         other = _other_bf16_route(ext)
         if other is None:
@@ -97,6 +105,68 @@ def test_every_format_is_batch_invariant(portable, n, k):
             for start in (0, 3):  # and wherever the row sits in the call
                 y = layer(x[start:start + rows])
                 assert torch.equal(y, single[start:start + rows]), (name, rows, start)
+
+
+@pytest.fixture
+def tile_route():
+    """The AMX tile program on its emulation for the test's bf16 calls."""
+    ext = ops.load_extension()
+    default_route = ext.bf16_kernel_route()
+    ext.set_bf16_kernel_route("amx-emulated")
+    yield ext
+    ext.set_bf16_kernel_route(default_route)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 130, 300])
+def test_tile_route_blocks_every_row_count(tile_route, rows):
+    """Partial tiles (fewer than 16 rows: the tiles shrink; a ragged last tile of a larger call:
+    its padding rows are computed and dropped), one or two row tiles per block, several blocks
+    of 128 rows, a ragged last panel, a bias, a strided output: each row as the portable loop
+    computes it, within fp32 rounding (the emulation adds each k pair's products in the same
+    order; the portable loop's sum is vectorised), and bit for bit as in a call of its own."""
+    torch.manual_seed(rows)
+    n, k = 70, 96
+    w, b = torch.randn(n, k) * 0.1, torch.randn(n)
+    layer, x = Bf16Linear(w, b), torch.randn(rows, k)
+    out = torch.full((rows, n + 5), float("nan"))[:, 2:n + 2]
+    tile_route.bf16_linear_out(out, x, layer.weight, layer.bias)
+    tile_route.set_portable_dense_kernels(True)
+    try:
+        ref = layer(x)
+    finally:
+        tile_route.set_portable_dense_kernels(False)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+    assert torch.equal(out, alone)
+
+
+def test_tile_route_leaves_other_depths_on_the_vector_route(tile_route):
+    """A tile step takes 32 inputs: a layer whose K is not a multiple (none of the shipped
+    models') keeps the vector route for every call, so its rows stay batch invariant too."""
+    torch.manual_seed(2)
+    layer, x = Bf16Linear(torch.randn(40, 48), None), torch.randn(9, 48)
+    tiled = layer(x)
+    assert torch.equal(tiled, torch.cat([layer(x[i:i + 1]) for i in range(9)]))
+    if TILE_FREE_ROUTE != "amx":  # this machine's vector route, as it runs without tiles
+        tile_route.set_bf16_kernel_route(TILE_FREE_ROUTE)
+        assert torch.equal(layer(x), tiled)
+
+
+def test_amx_route_where_the_machine_has_it():
+    """The tile route is taken exactly where the CPU, the OS and the forked self-test allow it
+    (never on the AMD and AMX-less Intel machines these tests usually run on), unless
+    KVSERVE_BF16_ROUTE names a vector route. The self-test's own machinery (fork, compare, wait)
+    passes with the emulation in the child."""
+    ext = ops.load_extension()
+    assert ext.amx_self_test_machinery()
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if "amx_bf16" not in flags:
+        assert not ext.amx_bf16_available()
+    forced_vector = os.environ.get("KVSERVE_BF16_ROUTE") in ("dot", "widened")
+    assert (ext.bf16_kernel_route() == "amx") == (ext.amx_bf16_available() and not forced_vector)
+    if not ext.amx_bf16_available():
+        with pytest.raises(RuntimeError, match="no AMX"):
+            ext.set_bf16_kernel_route("amx")
 
 
 def test_gathered_rows_dot_is_fp32_linear_bit_for_bit():

@@ -99,6 +99,38 @@ def test_tiny_batch_size_and_composition(tiny_model, dtype, quantization, kv):
     assert _in_crowd(llm, 1, SAMPLED) == _in_crowd(llm, 17, SAMPLED)
 
 
+@pytest.fixture
+def tile_route():
+    """Every bf16 call of the test through the AMX route's tile program (on its emulation where
+    the machine has no AMX): the route Intel's AMX machines take for every bf16 layer."""
+    from kvserve import ops
+
+    ext = ops.load_extension()
+    default_route = ext.bf16_kernel_route()
+    ext.set_bf16_kernel_route("amx" if ext.amx_bf16_available() else "amx-emulated")
+    yield
+    ext.set_bf16_kernel_route(default_route)
+
+
+@pytest.mark.parametrize("quantization", ["bf16", "int4"])
+def test_tiny_tile_route(tiny_model, quantization, tile_route):
+    """On the tile route (decode rows and prompt rows alike in bf16; int4's prompt rows through
+    its bf16 copies): the same tokens and logprobs beside others, chunked, and over a cached
+    prefix."""
+    llm = _tiny(tiny_model, "float32", quantization, "bfloat16", max_num_seqs=64)
+    alone = _in_crowd(llm, 1)
+    for b in (9, 64):
+        assert _in_crowd(llm, b) == alone, f"batch size {b}"
+    for budget in (7, 37):
+        chunked = _tiny(tiny_model, "float32", quantization, "bfloat16", max_num_batched_tokens=budget,
+                        enable_prefix_caching=False)
+        outs = chunked.generate([OTHERS[0], TARGET, OTHERS[1]], [NOISE, PARAMS, NOISE])
+        assert signature(outs[1]) == alone, f"chunk budget {budget}"
+    llm.engine.kv_manager.reset_prefix_cache()
+    llm.generate([TARGET[:48] + [7]], NOISE)
+    assert signature(llm.generate([TARGET], PARAMS)[0]) == alone
+
+
 @pytest.mark.parametrize("quantization", ["bf16", "int4"])
 def test_tiny_argmax_screen_keeps_greedy_tokens(tiny_model, quantization):
     """A greedy request that asks for nothing else lets its steps rank the vocabulary with the

@@ -69,9 +69,19 @@ def cpu_info() -> dict:
     return {"model": model, "features": [f for f in CPU_FEATURES if f in flags]}
 
 
+def kernel_routes() -> dict:
+    """Which of kvserve's routes this process's kernels take (they differ in speed and in the
+    last bits): the bf16 linear layers' (amx, dot, widened512, widened256, portable)."""
+    from kvserve import ops
+
+    ext = ops.load_extension()
+    return {"bf16": ext.bf16_kernel_route()} if ext is not None else {}
+
+
 def machine_limit(size: int = 1024, seconds: float = 1.0, device: str = "cpu") -> dict:
     return {
         "cpu": cpu_info(),
+        "kernel_routes": kernel_routes() if device == "cpu" else {},
         "matmul_size": size,
         "num_threads": torch.get_num_threads(),
         "gflops": {"bfloat16": matmul_gflops(torch.bfloat16, size, seconds, device),

@@ -109,7 +109,9 @@ def machine_line(machine: Optional[dict]) -> str:
             f"threads): bf16 {g['bfloat16']:.1f} GFLOP/s, fp32 {g['float32']:.1f} GFLOP/s")
     cpu = machine.get("cpu")
     if cpu:
-        line = f"cpu: {cpu['model']} [{' '.join(cpu['features']) or 'no AVX2'}]\n" + line
+        routes = machine.get("kernel_routes") or {}
+        route = f"; bf16 kernel route {routes['bf16']}" if "bf16" in routes else ""
+        line = f"cpu: {cpu['model']} [{' '.join(cpu['features']) or 'no AVX2'}]{route}\n" + line
     return line
 
 

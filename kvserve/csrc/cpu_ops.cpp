@@ -13,6 +13,7 @@
 
 #include "cpu_ops.h"
 #include "bf16.h"
+#include "amx_linear.h"
 #include "dense_linear.h"
 #include "quant_linear.h"
 #include "screen_linear.h"
@@ -2106,5 +2107,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_kernel_route", &w8a8_kernel_route);
   m.def("set_portable_w8a8_kernel", &set_portable_w8a8_kernel);
   m.def("set_bf16_kernel_route", &set_bf16_kernel_route);
+  m.def("amx_bf16_available", &amx_bf16_available);
+  m.def("amx_self_test_machinery", &amx_self_test_machinery);
   register_fused_decoder(m);
 }

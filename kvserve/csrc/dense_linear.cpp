@@ -23,6 +23,7 @@
 // the AVX2 route). Without either, a portable loop computes each output in its own fixed
 // order (not the same bits as the vector kernels, equally batch invariant).
 #include "dense_linear.h"
+#include "amx_linear.h"
 #include "bf16.h"
 #include "linear_args.h"
 #include "row_dispatch.h"
@@ -32,6 +33,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -62,6 +64,24 @@ bool g_portable = false;
 bool g_widen_bf16 = !bf16_dot_route("KVSERVE_BF16_ROUTE");
 #endif
 
+// The tile route (amx_linear.cpp): 0 none, 1 the hardware's tiles, 2 their emulation (tests).
+// Decided at the first bf16 call (the hardware needs a self-test) and then fixed for the
+// process like the vector route: on a machine with AMX every bf16 call whose K is a multiple
+// of 32 takes it, decode rows and prompt rows alike, so a row's bits never depend on the call.
+// KVSERVE_BF16_ROUTE=dot|widened keeps the vector routes there.
+int g_amx = -1;
+std::once_flag g_amx_resolved;
+
+int amx_mode() {
+  std::call_once(g_amx_resolved, [] {
+    if (g_amx >= 0) return;  // set by set_bf16_kernel_route before any call
+    const char* route = std::getenv("KVSERVE_BF16_ROUTE");
+    const bool vector_asked = route && (std::strcmp(route, "dot") == 0 || std::strcmp(route, "widened") == 0);
+    g_amx = !vector_asked && amx_bf16_available() ? 1 : 0;
+  });
+  return g_amx;
+}
+
 int64_t threads_for(int64_t work) { return work < kSmallWork ? 1 : at::get_num_threads(); }
 
 // Columns [0, n) split into `threads` contiguous ranges (in units of `unit`), one per thread.
@@ -80,10 +100,12 @@ void over_column_ranges(int64_t units, int64_t threads, const Range& range) {
 // The activations rounded to bf16, as k pairs: [M][Kh] words, word kk = x[2kk] | x[2kk + 1] << 16.
 // In the calling thread's scratch memory (every word written), valid until its next call: a
 // decode step makes hundreds of calls, each with a fresh zero-filled vector before.
-const uint32_t* bf16_pairs(const float* x, int64_t stride, int64_t M, int64_t K, int64_t Kh) {
+// `rows` >= M words rows are provided, those past M zero (the tile route reads whole tiles).
+const uint32_t* bf16_pairs(const float* x, int64_t stride, int64_t M, int64_t K, int64_t Kh, int64_t rows) {
   thread_local std::vector<uint32_t> pairs;
-  if (static_cast<int64_t>(pairs.size()) < M * Kh) pairs.resize(M * Kh);
+  if (static_cast<int64_t>(pairs.size()) < rows * Kh) pairs.resize(rows * Kh);
   uint32_t* const words = pairs.data();  // the caller's buffer (inside the workers `pairs` is theirs)
+  std::fill(words + M * Kh, words + rows * Kh, 0u);
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xr = x + m * stride;
@@ -662,6 +684,7 @@ void fp32_block(const float* x, int64_t x_stride, const float* w, int64_t w_stri
 void set_portable_dense_kernels(bool portable) { g_portable = portable; }
 
 std::string bf16_kernel_route() {
+  if (amx_mode()) return g_amx == 1 ? "amx" : "amx-emulated";
 #if defined(KVSERVE_DENSE_BF16)
   return g_widen_bf16 ? "widened512" : "dot";
 #elif defined(KVSERVE_DENSE_AVX2)
@@ -672,6 +695,13 @@ std::string bf16_kernel_route() {
 }
 
 void set_bf16_kernel_route(const std::string& route) {
+  amx_mode();  // resolved first, so that the choice below stays
+  if (route == "amx" || route == "amx-emulated") {
+    TORCH_CHECK(route == "amx-emulated" || amx_bf16_available(), "no AMX tiles on this machine");
+    g_amx = route == "amx" ? 1 : 2;
+    return;
+  }
+  g_amx = 0;
 #if defined(KVSERVE_DENSE_BF16)
   TORCH_CHECK(route == "dot" || route == "widened512", "bf16 route must be dot or widened512 here");
   g_widen_bf16 = route == "widened512";
@@ -690,9 +720,17 @@ void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::
   const int64_t P = wp.size(0), Kh = wp.size(1);
   TORCH_CHECK(Kh == (K + 1) / 2 && P == (N + kPanel - 1) / kPanel, "wp does not match x [M, K] and N");
   if (M == 0) return;
-  const uint32_t* pairs = bf16_pairs(x.data_ptr<float>(), x.stride(0), M, K, Kh);
+  const int amx = g_portable || Kh % (kAmxDepth / 2) ? 0 : amx_mode();
+  const int64_t rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
+  const uint32_t* pairs = bf16_pairs(x.data_ptr<float>(), x.stride(0), M, K, Kh, rows);
   const Bf16Call call{pairs, reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>()), Kh, N,
                       out.data_ptr<float>(), out.stride(0), optional_bias(bias, N)};
+  if (amx) {
+    const AmxBf16Call tiles{pairs, call.w, Kh, N, call.out, call.out_stride, call.bias};
+    over_column_ranges(P, std::min(P, threads_for(M * N * K)),
+                       [&](int64_t pb, int64_t pe) { amx_bf16_panels(tiles, M, pb, pe, amx == 2); });
+    return;
+  }
 #ifdef KVSERVE_DENSE_AVX2
   const float* xf = widened_pairs(pairs, M, Kh);  // the caller's scratch, read by every worker
 #elif defined(KVSERVE_DENSE_BF16)

@@ -23,8 +23,10 @@ torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor 
 // Tests: force the portable loops on a machine that has the AVX512 ones.
 void set_portable_dense_kernels(bool portable);
 
-// The bf16 kernel's route here: "dot" (vdpbf16ps), "widened512" (the weights widened to fp32 for
-// 16-lane FMAs: Intel's cores, where vdpbf16ps is slow), "widened256" (AVX2) or "portable".
+// The bf16 kernel's route here: "amx" (Intel's tile unit, amx_linear.cpp), "dot" (vdpbf16ps),
+// "widened512" (the weights widened to fp32 for 16-lane FMAs: Intel's cores without AMX, where
+// vdpbf16ps is slow), "widened256" (AVX2) or "portable"; "amx-emulated" where a test set it.
 std::string bf16_kernel_route();
-// Tests: take the other AVX512-BF16 route ("dot" or "widened512"); elsewhere only the one route.
+// Tests: take the other AVX512-BF16 route ("dot" or "widened512"), "amx" where the machine has
+// it, or "amx-emulated" (the tile program on a C++ model of the tiles, on any CPU).
 void set_bf16_kernel_route(const std::string& route);
