@@ -59,7 +59,25 @@ def load_extension() -> Optional[Any]:
     except Exception as exc:  # no compiler, no ninja, a build error: run on the torch path
         logger.warning("fused CPU kernels unavailable (%s); using the plain-torch path", exc)
         _ext = None
+        return _ext
+    _choose_bf16_route(_ext)
     return _ext
+
+
+def _choose_bf16_route(ext: Any) -> None:
+    """Settles the bf16 kernel's route now, while the process is small: on a CPU with AMX that
+    runs the tiles' self-test in a forked child. A CPU that lists AMX but whose tiles cannot run
+    (the OS, the kernel's permission, the self-test) is said once, with the reason, since its
+    bits and speed are then the vector route's. KVSERVE_BF16_ROUTE=amx where the tiles cannot
+    run raises here."""
+    route = ext.bf16_kernel_route()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            has_amx = any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        has_amx = False
+    if has_amx and route != "amx" and os.environ.get("KVSERVE_BF16_ROUTE") not in ("dot", "widened"):
+        logger.warning("the CPU lists AMX but bf16 layers take the %s route: %s", route, ext.amx_bf16_status())
 
 
 def _build_directory() -> Optional[str]:

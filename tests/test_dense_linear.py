@@ -5,6 +5,9 @@ K = 1536, MKL's sgemm at any row count above 1)."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -153,20 +156,39 @@ def test_tile_route_leaves_other_depths_on_the_vector_route(tile_route):
 
 
 def test_amx_route_where_the_machine_has_it():
-    """The tile route is taken exactly where the CPU, the OS and the forked self-test allow it
-    (never on the AMD and AMX-less Intel machines these tests usually run on), unless
-    KVSERVE_BF16_ROUTE names a vector route. The self-test's own machinery (fork, compare, wait)
-    passes with the emulation in the child."""
+    """The tile route is taken exactly where the CPU, the OS and the forked self-test allow it:
+    on every machine whose CPU lists AMX-BF16 (the self-test must pass there), never on the AMD
+    and AMX-less Intel machines these tests usually run on; KVSERVE_BF16_ROUTE=dot|widened keeps
+    the vector routes. The self-test's own machinery (fork, pipe, comparison, reaping) agrees
+    when the child runs the emulation, also with SIGCHLD ignored (the child reaped by the kernel)."""
     ext = ops.load_extension()
-    assert ext.amx_self_test_machinery()
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if "amx_bf16" not in flags:
-        assert not ext.amx_bf16_available()
+    assert ext.amx_bf16_available() == (" amx_bf16" in flags), ext.amx_bf16_status()
     forced_vector = os.environ.get("KVSERVE_BF16_ROUTE") in ("dot", "widened")
-    assert (ext.bf16_kernel_route() == "amx") == (ext.amx_bf16_available() and not forced_vector)
+    assert (TILE_FREE_ROUTE == "amx") == (ext.amx_bf16_available() and not forced_vector)
     if not ext.amx_bf16_available():
+        assert ext.amx_bf16_status() != "available"
         with pytest.raises(RuntimeError, match="no AMX"):
             ext.set_bf16_kernel_route("amx")
+    assert ext.amx_self_test_machinery()
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        assert ext.amx_self_test_machinery()
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def test_amx_route_demanded_where_it_cannot_run_fails_clearly(tmp_path):
+    """KVSERVE_BF16_ROUTE=amx on a machine whose tiles cannot run: loading the kernels raises
+    with the reason, instead of running another route's bits."""
+    ext = ops.load_extension()
+    if ext.amx_bf16_available():
+        pytest.skip("this machine runs the tiles")
+    code = ("from kvserve import ops\n"
+            "try:\n    ops.load_extension()\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    env = {**os.environ, "KVSERVE_BF16_ROUTE": "amx"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert "refused: KVSERVE_BF16_ROUTE=amx, but the AMX tiles cannot run here" in out.stdout, out.stderr[-2000:]
 
 
 def test_gathered_rows_dot_is_fp32_linear_bit_for_bit():

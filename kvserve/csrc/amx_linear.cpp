@@ -11,8 +11,9 @@
 // the process (dense_linear.cpp picks one route at start-up).
 //
 // Blocking: 2 x 2 C tiles (32 rows x one 32-column panel), A tiles in tmm4-5, B in tmm6-7; for
-// each thread's panels, row blocks of kRowBlock rows so that the block's activations stay in
-// L2 while the panels pass over them (a panel is Kh x 128 bytes: 36 KB at K = 576).
+// each thread's panels, row blocks of about 1 MB of activations (kRowBlockBytes) so that they
+// stay in L2 while the panels pass over them (a panel is Kh x 128 bytes: 36 KB at K = 576).
+// Whole blocks of tiles are stored straight into the output, partial ones through a buffer.
 //
 // This file was written on machines without AMX: the tile program runs here on
 // EmulatedTiles (the instruction set reference's pseudo-code), which the tests check against
@@ -23,12 +24,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
 #define KVSERVE_AMX_HW 1
 #include <cpuid.h>
+#include <errno.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -37,7 +44,9 @@
 
 namespace {
 
-constexpr int64_t kRowBlock = 128;
+// Activation bytes a thread keeps in cache while its panels pass over them (L2 is 1-2 MB on
+// the AMX cores): each row block reads the thread's panels once more.
+constexpr int64_t kRowBlockBytes = 1 << 20;
 
 struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes, palette 1
   uint8_t palette = 1, start_row = 0;
@@ -65,28 +74,42 @@ float bf16_float(uint16_t bits) {
 }
 
 // The tile unit as the instruction set reference describes it: each C row takes, for each
-// k pair in order, its column's first product and then its second.
+// k pair in order, its column's first product and then its second. It accepts the same tile
+// numbers as HardwareTiles and checks the shape rules whose breach would fault there
+// (LDTILECFG: at most 16 rows of at most 64 bytes; TDPBF16PS: C and A rows equal, A's k pairs
+// are B's rows, C and B rows equally wide), so that the tests catch what the hardware would.
 class EmulatedTiles {
  public:
   void configure(const TileConfig& cfg) {
+    require(cfg.palette == 1 && cfg.start_row == 0, "palette 1, start row 0");
+    for (int t = 0; t < 8; ++t) require(cfg.rows[t] <= 16 && cfg.colsb[t] <= 64, "at most 16 rows of 64 bytes");
     std::memcpy(rows_, cfg.rows, sizeof(rows_));
+    std::memcpy(colsb_, cfg.colsb, sizeof(colsb_));
     std::memset(data_, 0, sizeof(data_));
   }
   void release() {}
   template <int T>
   void zero() {
+    static_assert(T >= 0 && T < 4, "the program zeroes C tiles 0-3");
     std::memset(data_[T], 0, sizeof(data_[T]));
   }
   template <int T>
   void load(const void* base, int64_t stride) {
-    for (int r = 0; r < rows_[T]; ++r) std::memcpy(data_[T][r], static_cast<const char*>(base) + r * stride, 64);
+    static_assert(T >= 4 && T < 8, "the program loads A tiles 4-5 and B tiles 6-7");
+    for (int r = 0; r < rows_[T]; ++r) std::memcpy(data_[T][r], static_cast<const char*>(base) + r * stride, colsb_[T]);
   }
   template <int T>
   void store(void* base, int64_t stride) const {
-    for (int r = 0; r < rows_[T]; ++r) std::memcpy(static_cast<char*>(base) + r * stride, data_[T][r], 64);
+    static_assert(T >= 0 && T < 4, "the program stores C tiles 0-3");
+    for (int r = 0; r < rows_[T]; ++r) std::memcpy(static_cast<char*>(base) + r * stride, data_[T][r], colsb_[T]);
   }
   template <int C, int A, int B>
   void dot() {
+    static_assert((C == 0 && A == 4 && B == 6) || (C == 1 && A == 4 && B == 7) || (C == 2 && A == 5 && B == 6) ||
+                      (C == 3 && A == 5 && B == 7),
+                  "the program's products are C0 = A4 B6, C1 = A4 B7, C2 = A5 B6, C3 = A5 B7");
+    require(rows_[C] == rows_[A] && colsb_[A] / 4 == rows_[B] && colsb_[C] == colsb_[B] && colsb_[C] % 4 == 0,
+            "TDPBF16PS tile shapes");
     for (int m = 0; m < rows_[C]; ++m) {
       float acc[16];
       std::memcpy(acc, data_[C][m], sizeof(acc));
@@ -95,7 +118,7 @@ class EmulatedTiles {
         std::memcpy(a, data_[A][m] + 4 * k, sizeof(a));
         std::memcpy(b, data_[B][k], sizeof(b));
         const float a0 = bf16_float(a[0]), a1 = bf16_float(a[1]);
-        for (int n = 0; n < 16; ++n) {
+        for (int n = 0; n < colsb_[C] / 4; ++n) {
           acc[n] = std::fma(a0, bf16_float(b[2 * n]), acc[n]);
           acc[n] = std::fma(a1, bf16_float(b[2 * n + 1]), acc[n]);
         }
@@ -105,46 +128,61 @@ class EmulatedTiles {
   }
 
  private:
+  static void require(bool ok, const char* rule) {
+    if (!ok) throw std::logic_error(std::string("AMX tile program breaks a rule: ") + rule);
+  }
   uint8_t rows_[16] = {};
+  uint16_t colsb_[16] = {};
   alignas(64) uint8_t data_[8][16][64];
 };
 
 #ifdef KVSERVE_AMX_HW
-// The hardware's tiles. Inline assembly with memory clobbers (GCC's _tile_* macros have none,
-// so the compiler could keep a tile's source in registers or read a stored tile's memory
-// before the store); the register numbers must be literals, hence one statement per tile.
+template <int>
+constexpr bool kNoSuchTile = false;
+
+// The hardware's tiles, as fixed encodings (the base address in rax, the row stride in rdx)
+// rather than mnemonics, which need binutils >= 2.36: with an older assembler the whole
+// extension would fail to build, on every CPU. Memory clobbers throughout (GCC's _tile_*
+// macros have none, so the compiler could keep a tile's source in registers or read a stored
+// tile's memory before the store). The tile numbers are part of the encodings, hence one
+// statement per tile, and a call this program does not make fails to compile.
 class HardwareTiles {
  public:
-  void configure(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory"); }
-  void release() { __asm__ volatile("tilerelease" ::: "memory"); }
+  void configure(const TileConfig& cfg) {  // ldtilecfg (%rax)
+    __asm__ volatile(".byte 0xc4, 0xe2, 0x78, 0x49, 0x00" ::"a"(&cfg) : "memory");
+  }
+  void release() { __asm__ volatile(".byte 0xc4, 0xe2, 0x78, 0x49, 0xc0" ::: "memory"); }  // tilerelease
   template <int T>
-  void zero() {
-#define KVSERVE_TILE_ZERO(n) \
-  if constexpr (T == n) __asm__ volatile("tilezero %%tmm" #n ::: "memory");
-    KVSERVE_TILE_ZERO(0) KVSERVE_TILE_ZERO(1) KVSERVE_TILE_ZERO(2) KVSERVE_TILE_ZERO(3)
-#undef KVSERVE_TILE_ZERO
+  void zero() {  // tilezero %tmmT
+    if constexpr (T == 0) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x49, 0xc0" ::: "memory");
+    else if constexpr (T == 1) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x49, 0xc8" ::: "memory");
+    else if constexpr (T == 2) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x49, 0xd0" ::: "memory");
+    else if constexpr (T == 3) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x49, 0xd8" ::: "memory");
+    else static_assert(kNoSuchTile<T>, "the program zeroes C tiles 0-3");
   }
   template <int T>
-  void load(const void* base, int64_t stride) {
-#define KVSERVE_TILE_LOAD(n) \
-  if constexpr (T == n) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #n ::"r"(base), "r"(stride) : "memory");
-    KVSERVE_TILE_LOAD(4) KVSERVE_TILE_LOAD(5) KVSERVE_TILE_LOAD(6) KVSERVE_TILE_LOAD(7)
-#undef KVSERVE_TILE_LOAD
+  void load(const void* base, int64_t stride) {  // tileloadd (%rax,%rdx,1), %tmmT
+    if constexpr (T == 4) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x4b, 0x24, 0x10" ::"a"(base), "d"(stride) : "memory");
+    else if constexpr (T == 5) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x4b, 0x2c, 0x10" ::"a"(base), "d"(stride) : "memory");
+    else if constexpr (T == 6) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x4b, 0x34, 0x10" ::"a"(base), "d"(stride) : "memory");
+    else if constexpr (T == 7) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x4b, 0x3c, 0x10" ::"a"(base), "d"(stride) : "memory");
+    else static_assert(kNoSuchTile<T>, "the program loads A tiles 4-5 and B tiles 6-7");
   }
   template <int T>
-  void store(void* base, int64_t stride) const {
-#define KVSERVE_TILE_STORE(n) \
-  if constexpr (T == n) __asm__ volatile("tilestored %%tmm" #n ", (%0,%1,1)" ::"r"(base), "r"(stride) : "memory");
-    KVSERVE_TILE_STORE(0) KVSERVE_TILE_STORE(1) KVSERVE_TILE_STORE(2) KVSERVE_TILE_STORE(3)
-#undef KVSERVE_TILE_STORE
+  void store(void* base, int64_t stride) const {  // tilestored %tmmT, (%rax,%rdx,1)
+    if constexpr (T == 0) __asm__ volatile(".byte 0xc4, 0xe2, 0x7a, 0x4b, 0x04, 0x10" ::"a"(base), "d"(stride) : "memory");
+    else if constexpr (T == 1) __asm__ volatile(".byte 0xc4, 0xe2, 0x7a, 0x4b, 0x0c, 0x10" ::"a"(base), "d"(stride) : "memory");
+    else if constexpr (T == 2) __asm__ volatile(".byte 0xc4, 0xe2, 0x7a, 0x4b, 0x14, 0x10" ::"a"(base), "d"(stride) : "memory");
+    else if constexpr (T == 3) __asm__ volatile(".byte 0xc4, 0xe2, 0x7a, 0x4b, 0x1c, 0x10" ::"a"(base), "d"(stride) : "memory");
+    else static_assert(kNoSuchTile<T>, "the program stores C tiles 0-3");
   }
   template <int C, int A, int B>
-  void dot() {  // AT&T order: B, A, C
-#define KVSERVE_TILE_DOT(c, a, b)                   \
-  if constexpr (C == c && A == a && B == b)         \
-    __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory");
-    KVSERVE_TILE_DOT(0, 4, 6) KVSERVE_TILE_DOT(1, 4, 7) KVSERVE_TILE_DOT(2, 5, 6) KVSERVE_TILE_DOT(3, 5, 7)
-#undef KVSERVE_TILE_DOT
+  void dot() {  // tdpbf16ps %tmmB, %tmmA, %tmmC: C += A . B
+    if constexpr (C == 0 && A == 4 && B == 6) __asm__ volatile(".byte 0xc4, 0xe2, 0x4a, 0x5c, 0xc4" ::: "memory");
+    else if constexpr (C == 1 && A == 4 && B == 7) __asm__ volatile(".byte 0xc4, 0xe2, 0x42, 0x5c, 0xcc" ::: "memory");
+    else if constexpr (C == 2 && A == 5 && B == 6) __asm__ volatile(".byte 0xc4, 0xe2, 0x4a, 0x5c, 0xd5" ::: "memory");
+    else if constexpr (C == 3 && A == 5 && B == 7) __asm__ volatile(".byte 0xc4, 0xe2, 0x42, 0x5c, 0xdd" ::: "memory");
+    else static_assert(kNoSuchTile<C>, "the program's products are C0 = A4 B6, C1 = A4 B7, C2 = A5 B6, C3 = A5 B7");
   }
 };
 #endif
@@ -176,6 +214,21 @@ void panel_block(Tiles& tiles, const AmxBf16Call& c, int64_t m0, int64_t rows, i
       tiles.template dot<3, 5, 7>();
     }
   }
+  const int64_t col0 = p * 32, cols = std::min<int64_t>(32, c.N - col0);
+  float* o = c.out + m0 * c.out_stride + col0;
+  if (rows == (two ? 2 : 1) * tile_rows && cols == 32) {  // whole tiles: stored in place
+    const int64_t o_bytes = c.out_stride * 4;
+    tiles.template store<0>(o, o_bytes);
+    tiles.template store<1>(o + 16, o_bytes);
+    if (two) {
+      tiles.template store<2>(o + tile_rows * c.out_stride, o_bytes);
+      tiles.template store<3>(o + tile_rows * c.out_stride + 16, o_bytes);
+    }
+    if (c.bias)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < 32; ++j) o[r * c.out_stride + j] += c.bias[col0 + j];
+    return;
+  }
   alignas(64) float sums[32][32];
   tiles.template store<0>(&sums[0][0], sizeof(sums[0]));
   tiles.template store<1>(&sums[0][16], sizeof(sums[0]));
@@ -183,11 +236,8 @@ void panel_block(Tiles& tiles, const AmxBf16Call& c, int64_t m0, int64_t rows, i
     tiles.template store<2>(&sums[tile_rows][0], sizeof(sums[0]));
     tiles.template store<3>(&sums[tile_rows][16], sizeof(sums[0]));
   }
-  const int64_t col0 = p * 32, cols = std::min<int64_t>(32, c.N - col0);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = c.out + (m0 + r) * c.out_stride + col0;
-    for (int64_t j = 0; j < cols; ++j) o[j] = sums[r][j] + (c.bias ? c.bias[col0 + j] : 0.f);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) o[r * c.out_stride + j] = sums[r][j] + (c.bias ? c.bias[col0 + j] : 0.f);
 }
 
 template <class Tiles>
@@ -195,8 +245,9 @@ void tile_panels(const AmxBf16Call& c, int64_t M, int64_t pb, int64_t pe) {
   Tiles tiles;
   const int64_t tile_rows = std::min(M, kAmxRows);
   tiles.configure(tile_config(static_cast<int>(tile_rows)));
-  for (int64_t mb = 0; mb < M; mb += kRowBlock) {
-    const int64_t me = std::min(M, mb + kRowBlock);
+  const int64_t row_block = std::max<int64_t>(32, kRowBlockBytes / (c.Kh * 4) / 32 * 32);
+  for (int64_t mb = 0; mb < M; mb += row_block) {
+    const int64_t me = std::min(M, mb + row_block);
     for (int64_t p = pb; p < pe; ++p)
       for (int64_t m = mb; m < me; m += 2 * tile_rows) panel_block(tiles, c, m, std::min(2 * tile_rows, me - m), tile_rows, p);
   }
@@ -204,25 +255,28 @@ void tile_panels(const AmxBf16Call& c, int64_t M, int64_t pb, int64_t pe) {
 }
 
 #ifdef KVSERVE_AMX_HW
-bool cpu_and_os_have_amx_bf16() {
+// Why the hardware route may not run here, or "" where it may (so far: the self-test is next).
+std::string cpu_and_os_refusal() {
   unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
-  if (!amx_bf16 || !amx_tile) return false;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE: xgetbv exists
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1))
+    return "the CPU has no AMX-BF16 / AMX-TILE";
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return "the OS has not enabled XSAVE";
   uint32_t xcr0_low, xcr0_high;
   __asm__ volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
-  if (((xcr0_low >> 17) & 3) != 3) return false;  // XTILECFG and XTILEDATA state enabled by the OS
+  if (((xcr0_low >> 17) & 3) != 3) return "the OS does not save tile state (XCR0 bits 17-18)";
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // Linux >= 5.16
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+    return "the kernel refused the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, errno " + std::to_string(errno) + ")";
+  return "";
 }
 
 // A forked child runs the tiles (the hardware's, or for the tests of this machinery the
-// emulation again) on two small problems (a partial tile of rows and one of several row blocks,
-// a ragged last panel, a bias) and compares each output with the emulation's, within fp32
-// rounding of the sum of |products|; everything it touches is allocated before the fork.
-// Exit 0: agreement.
-bool forked_tiles_match_emulation(bool hardware) {
+// emulation again) on two small problems (a partial tile of rows and two whole ones, a ragged
+// last panel, a bias) and compares each output with the emulation's, within fp32 rounding of
+// the sum of |products| (a wrong operand, layout or stride is off by orders of magnitude more);
+// everything it touches is allocated before the fork. Its verdict comes back as one byte on a
+// pipe, awaited for at most 10 s. "" where they agree, else why not.
+std::string forked_tiles_disagreement(bool hardware) {
   struct Case {
     int64_t M, K, N;
   };
@@ -262,50 +316,95 @@ bool forked_tiles_match_emulation(bool hardware) {
         bound.back()[m * t.N + n] = 1e-5f * s + 1e-30f;
       }
   }
+  int verdict_pipe[2];
+  if (pipe(verdict_pipe) != 0) return "self-test: no pipe (errno " + std::to_string(errno) + ")";
   const pid_t child = fork();
-  if (child < 0) return false;
+  if (child < 0) {
+    close(verdict_pipe[0]);
+    close(verdict_pipe[1]);
+    return "self-test: fork failed (errno " + std::to_string(errno) + ")";
+  }
   if (child == 0) {
-    int status = 0;
+    // A fault here must end this child quietly: not through the parent's handlers (Python's
+    // faulthandler would print the parent's traceback) and without a core dump of the whole
+    // (model-sized) process.
+    struct sigaction default_action {};
+    default_action.sa_handler = SIG_DFL;
+    for (int sig : {SIGILL, SIGSEGV, SIGBUS, SIGFPE, SIGTRAP, SIGABRT}) sigaction(sig, &default_action, nullptr);
+    const rlimit no_core{0, 0};
+    setrlimit(RLIMIT_CORE, &no_core);
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    close(verdict_pipe[0]);
+    char verdict = 'y';
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) {
       const Case& t = cases[i];
       const AmxBf16Call call{xs[i].data(), ws[i].data(), t.K / 2, t.N, got[i].data(), t.N, bias.data()};
       if (hardware) tile_panels<HardwareTiles>(call, t.M, 0, (t.N + 31) / 32);
       else tile_panels<EmulatedTiles>(call, t.M, 0, (t.N + 31) / 32);
       for (int64_t j = 0; j < t.M * t.N; ++j)
-        if (!(std::fabs(got[i][j] - want[i][j]) <= bound[i][j])) status = 3;
+        if (!(std::fabs(got[i][j] - want[i][j]) <= bound[i][j])) verdict = 'n';
     }
-    _exit(status);
+    ssize_t written;
+    do written = write(verdict_pipe[1], &verdict, 1);
+    while (written < 0 && errno == EINTR);
+    _exit(0);
   }
+  close(verdict_pipe[1]);
+  timespec start, now;
+  clock_gettime(CLOCK_MONOTONIC, &start);
+  char verdict = 0;
+  bool answered = false, timed_out = false;
+  for (;;) {
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    const int64_t left_ms = 10000 - ((now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000);
+    if (left_ms <= 0) {
+      timed_out = true;
+      break;
+    }
+    pollfd fd{verdict_pipe[0], POLLIN, 0};
+    const int ready = poll(&fd, 1, static_cast<int>(left_ms));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready > 0) answered = read(verdict_pipe[0], &verdict, 1) == 1;  // 0 bytes: the child died first
+    break;
+  }
+  close(verdict_pipe[0]);
+  if (timed_out) kill(child, SIGKILL);  // still ours: not reaped yet
   int status = 0;
-  for (int waited_ms = 0;; ++waited_ms) {
-    const pid_t done = waitpid(child, &status, WNOHANG);
-    if (done == child) break;
-    if (done < 0 || waited_ms > 5000) {
-      kill(child, SIGKILL);
-      waitpid(child, &status, 0);
-      return false;
-    }
-    const timespec ms{0, 1000000};
-    nanosleep(&ms, nullptr);
+  pid_t reaped;
+  do reaped = waitpid(child, &status, 0);
+  while (reaped < 0 && errno == EINTR);  // ECHILD (SIGCHLD ignored: reaped already) is no verdict
+  if (timed_out) return "self-test: the child gave no answer in 10 s";
+  if (!answered) {
+    if (reaped == child && WIFSIGNALED(status))
+      return "self-test: the child died of signal " + std::to_string(WTERMSIG(status));
+    return "self-test: the child died without an answer";
   }
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  return verdict == 'y' ? "" : "self-test: the hardware's tiles disagree with the emulation";
 }
 #endif
+
+// "" where the hardware route may run, else why not; decided once per process.
+const std::string& refusal() {
+#ifdef KVSERVE_AMX_HW
+  static const std::string why = [] {
+    std::string r = cpu_and_os_refusal();
+    return r.empty() ? forked_tiles_disagreement(true) : r;
+  }();
+#else
+  static const std::string why = "not an x86-64 Linux build";
+#endif
+  return why;
+}
 
 }  // namespace
 
-bool amx_bf16_available() {
-#ifdef KVSERVE_AMX_HW
-  static const bool available = cpu_and_os_have_amx_bf16() && forked_tiles_match_emulation(true);
-  return available;
-#else
-  return false;
-#endif
-}
+bool amx_bf16_available() { return refusal().empty(); }
+
+std::string amx_bf16_status() { return refusal().empty() ? "available" : refusal(); }
 
 bool amx_self_test_machinery() {
 #ifdef KVSERVE_AMX_HW
-  return forked_tiles_match_emulation(false);
+  return forked_tiles_disagreement(false).empty();
 #else
   return false;
 #endif

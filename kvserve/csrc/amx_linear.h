@@ -5,6 +5,7 @@
 // instruction), for the same packed panels as dense_linear.cpp. See amx_linear.cpp.
 
 #include <cstdint>
+#include <string>
 
 struct AmxBf16Call {
   const uint32_t* x;  // activations as bf16 k pairs, [rows rounded up to kAmxRows][Kh] words
@@ -26,6 +27,8 @@ constexpr int64_t kAmxDepth = 32;
 // in a forked child (so that a fault cannot take this process down) agrees with the emulation.
 // Decided once per process.
 bool amx_bf16_available();
+// "available", or why not (the CPU, the OS, the kernel's permission, the self-test's verdict).
+std::string amx_bf16_status();
 // Tests, on any Linux x86-64 machine: the self-test's fork, comparison and wait, with the
 // child running the emulation (true: they agree, as they must).
 bool amx_self_test_machinery();

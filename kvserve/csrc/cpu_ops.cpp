@@ -2108,6 +2108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_portable_w8a8_kernel", &set_portable_w8a8_kernel);
   m.def("set_bf16_kernel_route", &set_bf16_kernel_route);
   m.def("amx_bf16_available", &amx_bf16_available);
+  m.def("amx_bf16_status", &amx_bf16_status);
   m.def("amx_self_test_machinery", &amx_self_test_machinery);
   register_fused_decoder(m);
 }

@@ -32,6 +32,7 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -65,21 +66,25 @@ bool g_widen_bf16 = !bf16_dot_route("KVSERVE_BF16_ROUTE");
 #endif
 
 // The tile route (amx_linear.cpp): 0 none, 1 the hardware's tiles, 2 their emulation (tests).
-// Decided at the first bf16 call (the hardware needs a self-test) and then fixed for the
-// process like the vector route: on a machine with AMX every bf16 call whose K is a multiple
-// of 32 takes it, decode rows and prompt rows alike, so a row's bits never depend on the call.
-// KVSERVE_BF16_ROUTE=dot|widened keeps the vector routes there.
-int g_amx = -1;
+// Decided at the first bf16 call (the hardware needs a self-test; ops.load_extension makes that
+// call before any weights load) and then fixed for the process like the vector route: on a
+// machine with AMX every bf16 call whose K is a multiple of 32 takes it, decode rows and prompt
+// rows alike, so a row's bits never depend on the call. KVSERVE_BF16_ROUTE=dot|widened keeps
+// the vector routes there; =amx demands the tiles (every bf16 call fails where they cannot run).
+std::atomic<int> g_amx{0};
+bool g_amx_demanded = false;
 std::once_flag g_amx_resolved;
 
 int amx_mode() {
   std::call_once(g_amx_resolved, [] {
-    if (g_amx >= 0) return;  // set by set_bf16_kernel_route before any call
     const char* route = std::getenv("KVSERVE_BF16_ROUTE");
     const bool vector_asked = route && (std::strcmp(route, "dot") == 0 || std::strcmp(route, "widened") == 0);
-    g_amx = !vector_asked && amx_bf16_available() ? 1 : 0;
+    g_amx_demanded = route && std::strcmp(route, "amx") == 0;
+    g_amx.store(!vector_asked && amx_bf16_available() ? 1 : 0, std::memory_order_relaxed);
   });
-  return g_amx;
+  TORCH_CHECK(!g_amx_demanded || amx_bf16_available(), "KVSERVE_BF16_ROUTE=amx, but the AMX tiles cannot run here: ",
+              amx_bf16_status());
+  return g_amx.load(std::memory_order_relaxed);
 }
 
 int64_t threads_for(int64_t work) { return work < kSmallWork ? 1 : at::get_num_threads(); }
@@ -684,7 +689,7 @@ void fp32_block(const float* x, int64_t x_stride, const float* w, int64_t w_stri
 void set_portable_dense_kernels(bool portable) { g_portable = portable; }
 
 std::string bf16_kernel_route() {
-  if (amx_mode()) return g_amx == 1 ? "amx" : "amx-emulated";
+  if (const int amx = amx_mode()) return amx == 1 ? "amx" : "amx-emulated";
 #if defined(KVSERVE_DENSE_BF16)
   return g_widen_bf16 ? "widened512" : "dot";
 #elif defined(KVSERVE_DENSE_AVX2)
@@ -698,10 +703,10 @@ void set_bf16_kernel_route(const std::string& route) {
   amx_mode();  // resolved first, so that the choice below stays
   if (route == "amx" || route == "amx-emulated") {
     TORCH_CHECK(route == "amx-emulated" || amx_bf16_available(), "no AMX tiles on this machine");
-    g_amx = route == "amx" ? 1 : 2;
+    g_amx.store(route == "amx" ? 1 : 2, std::memory_order_relaxed);
     return;
   }
-  g_amx = 0;
+  g_amx.store(0, std::memory_order_relaxed);
 #if defined(KVSERVE_DENSE_BF16)
   TORCH_CHECK(route == "dot" || route == "widened512", "bf16 route must be dot or widened512 here");
   g_widen_bf16 = route == "widened512";
@@ -720,7 +725,8 @@ void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::
   const int64_t P = wp.size(0), Kh = wp.size(1);
   TORCH_CHECK(Kh == (K + 1) / 2 && P == (N + kPanel - 1) / kPanel, "wp does not match x [M, K] and N");
   if (M == 0) return;
-  const int amx = g_portable || Kh % (kAmxDepth / 2) ? 0 : amx_mode();
+  const int route_amx = amx_mode();
+  const int amx = g_portable || Kh % (kAmxDepth / 2) ? 0 : route_amx;
   const int64_t rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
   const uint32_t* pairs = bf16_pairs(x.data_ptr<float>(), x.stride(0), M, K, Kh, rows);
   const Bf16Call call{pairs, reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>()), Kh, N,
