@@ -159,12 +159,14 @@ def test_rescored_head_gives_fp32_logits_for_top_candidates():
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
-@pytest.mark.parametrize("n,k", [(100, 64), (37, 96), (2000, 576)])
+# (40000, 64): 19 rows of logits past 2 MB, which the VNNI kernel writes with non-temporal
+# stores (fewer rows below it with plain ones).
+@pytest.mark.parametrize("n,k", [(100, 64), (37, 96), (2000, 576), (40000, 64)])
 def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
     """The screen's kernels (AVX512-VNNI, AVX2 or the portable loop, whichever this CPU has)
     compute the same integer sums and the same two FMAs per group: bit-identical to each
     other, equal to the plain-torch reference to rounding, and independent of the row count
-    (N not a multiple of the 16-row tile, K of 64)."""
+    (N not a multiple of the 16-row tile, K of 64) and of how the logits are stored."""
     torch.manual_seed(0)
     screen = Q4Screen.from_float(torch.randn(n, k) * 0.05)
     assert screen.packed.shape == (-(-n // 16), k // 32, 320)
@@ -182,6 +184,8 @@ def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
         assert torch.equal(screen(x[:rows]), y[:rows])
     out = torch.full((19, n), float("nan"))
     assert screen(x, out=out) is out and torch.equal(out, y)
+    misaligned = torch.full((19, n + 1), float("nan"))[:, 1:]  # rows off the 64-byte grid: plain stores
+    assert torch.equal(screen(x, out=misaligned), y)
 
 
 def test_q4_screen_approximates_the_weights_it_was_built_from():
