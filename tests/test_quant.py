@@ -159,9 +159,10 @@ def test_rescored_head_gives_fp32_logits_for_top_candidates():
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
-# (40000, 64): 19 rows of logits past 2 MB, which the VNNI kernel writes with non-temporal
-# stores (fewer rows below it with plain ones).
-@pytest.mark.parametrize("n,k", [(100, 64), (37, 96), (2000, 576), (40000, 64)])
+# (70001, 64): logits past 2 MB from 8 rows up, which the VNNI kernel writes with non-temporal
+# stores (in one block of rows and in several, beside a partial last tile; fewer rows below it
+# with plain ones).
+@pytest.mark.parametrize("n,k", [(100, 64), (37, 96), (2000, 576), (70001, 64)])
 def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
     """The screen's kernels (AVX512-VNNI, AVX2 or the portable loop, whichever this CPU has)
     compute the same integer sums and the same two FMAs per group: bit-identical to each
@@ -184,7 +185,7 @@ def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
         assert torch.equal(screen(x[:rows]), y[:rows])
     out = torch.full((19, n), float("nan"))
     assert screen(x, out=out) is out and torch.equal(out, y)
-    misaligned = torch.full((19, n + 1), float("nan"))[:, 1:]  # rows off the 64-byte grid: plain stores
+    misaligned = torch.full((19, n + 1), float("nan"))[:, 1:]  # most rows off the 64-byte grid: plain stores
     assert torch.equal(screen(x, out=misaligned), y)
 
 
