@@ -21,6 +21,7 @@ from kvserve.loader import load_config
 from kvserve.loader.resolve import resolve_model
 from kvserve.quant import Bf16Linear
 
+
 def layer_shapes(model: str) -> list[tuple[str, int, int]]:
     """(name, out_features, in_features) of one decoder layer's projections."""
     cfg = load_config(resolve_model(model))
@@ -67,17 +68,17 @@ def main() -> None:
         for rows in (int(r) for r in ns.rows.split(",")):
             xs = [torch.randn(rows, layer.in_features) for _, layer, _ in layers]
             macs = sum(rows * layer.in_features * layer.out_features for _, layer, _ in layers)
-            ways = [(route, lambda i, x, layer, w: layer(x)) for route in routes]
-            ways.append(("torch bf16", lambda i, x, layer, w: torch.nn.functional.linear(x.bfloat16(), w)))
+            ways = [(route, lambda x, layer, w: layer(x)) for route in routes]
+            ways.append(("torch bf16", lambda x, layer, w: torch.nn.functional.linear(x.bfloat16(), w)))
             best = {way: [float("inf")] * len(layers) for way, _ in ways}
             for _ in range(ns.repeats):
                 for way, call in ways:
                     if way in routes:
                         ext.set_bf16_kernel_route(way)
                     for i, ((_, layer, w), x) in enumerate(zip(layers, xs)):
-                        call(i, x, layer, w)  # warm
+                        call(x, layer, w)  # warm
                         start = time.perf_counter()
-                        call(i, x, layer, w)
+                        call(x, layer, w)
                         best[way][i] = min(best[way][i], time.perf_counter() - start)
             for way, _ in ways:
                 total = sum(best[way])

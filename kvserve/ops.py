@@ -70,12 +70,10 @@ def _choose_bf16_route(ext: Any) -> None:
     (the OS, the kernel's permission, the self-test) is said once, with the reason, since its
     bits and speed are then the vector route's. KVSERVE_BF16_ROUTE=amx where the tiles cannot
     run raises here."""
+    from kvserve.bench.machine import cpu_info
+
     route = ext.bf16_kernel_route()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            has_amx = any(line.startswith("flags") and " amx_bf16" in line for line in f)
-    except OSError:
-        has_amx = False
+    has_amx = "amx_bf16" in cpu_info()["features"]
     if has_amx and route != "amx" and os.environ.get("KVSERVE_BF16_ROUTE") not in ("dot", "widened"):
         logger.warning("the CPU lists AMX but bf16 layers take the %s route: %s", route, ext.amx_bf16_status())
 

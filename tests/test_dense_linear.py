@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvserve import ops
+from kvserve.bench.machine import cpu_info
 from kvserve.quant import (Bf16Linear, Fp32Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead,
                            pack_bf16_weight, unpack_bf16_weight)
 
@@ -162,8 +163,7 @@ def test_amx_route_where_the_machine_has_it():
     the vector routes. The self-test's own machinery (fork, pipe, comparison, reaping) agrees
     when the child runs the emulation, also with SIGCHLD ignored (the child reaped by the kernel)."""
     ext = ops.load_extension()
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    assert ext.amx_bf16_available() == (" amx_bf16" in flags), ext.amx_bf16_status()
+    assert ext.amx_bf16_available() == ("amx_bf16" in cpu_info()["features"]), ext.amx_bf16_status()
     forced_vector = os.environ.get("KVSERVE_BF16_ROUTE") in ("dot", "widened")
     assert (TILE_FREE_ROUTE == "amx") == (ext.amx_bf16_available() and not forced_vector)
     if not ext.amx_bf16_available():

@@ -20,6 +20,7 @@
 // the portable loop, and on an AMX machine only once a forked self-test has compared the
 // hardware with the emulation (amx_bf16_available).
 #include "amx_linear.h"
+#include "bf16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -66,13 +67,6 @@ TileConfig tile_config(int rows) {
   return cfg;
 }
 
-float bf16_float(uint16_t bits) {
-  const uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &word, sizeof(f));
-  return f;
-}
-
 // The tile unit as the instruction set reference describes it: each C row takes, for each
 // k pair in order, its column's first product and then its second. It accepts the same tile
 // numbers as HardwareTiles and checks the shape rules whose breach would fault there
@@ -117,10 +111,10 @@ class EmulatedTiles {
         uint16_t a[2], b[32];
         std::memcpy(a, data_[A][m] + 4 * k, sizeof(a));
         std::memcpy(b, data_[B][k], sizeof(b));
-        const float a0 = bf16_float(a[0]), a1 = bf16_float(a[1]);
+        const float a0 = bf16_value(a[0]), a1 = bf16_value(a[1]);
         for (int n = 0; n < colsb_[C] / 4; ++n) {
-          acc[n] = std::fma(a0, bf16_float(b[2 * n]), acc[n]);
-          acc[n] = std::fma(a1, bf16_float(b[2 * n + 1]), acc[n]);
+          acc[n] = std::fma(a0, bf16_value(b[2 * n]), acc[n]);
+          acc[n] = std::fma(a1, bf16_value(b[2 * n + 1]), acc[n]);
         }
       }
       std::memcpy(data_[C][m], acc, sizeof(acc));
@@ -293,7 +287,7 @@ std::string forked_tiles_disagreement(bool hardware) {
     std::memcpy(&bits, &v, sizeof(bits));
     return static_cast<uint16_t>(v == 0.f ? 0x3F80 : bits >> 16);
   };
-  for (auto& b : bias) b = bf16_float(next_bf16());
+  for (auto& b : bias) b = bf16_value(next_bf16());
   for (const Case& t : cases) {
     const int64_t Kh = t.K / 2, P = (t.N + 31) / 32, rows = (t.M + kAmxRows - 1) / kAmxRows * kAmxRows;
     xs.emplace_back(rows * Kh);
@@ -310,8 +304,8 @@ std::string forked_tiles_disagreement(bool hardware) {
         float s = std::fabs(bias[n]);
         for (int64_t k = 0; k < t.K; ++k) {
           const uint32_t word = xs.back()[m * Kh + k / 2];
-          const float a = bf16_float(static_cast<uint16_t>(k % 2 ? word >> 16 : word & 0xFFFF));
-          s += std::fabs(a * bf16_float(ws.back()[((n / 32) * Kh + k / 2) * 64 + (n % 32) * 2 + k % 2]));
+          const float a = bf16_value(static_cast<uint16_t>(k % 2 ? word >> 16 : word & 0xFFFF));
+          s += std::fabs(a * bf16_value(ws.back()[((n / 32) * Kh + k / 2) * 64 + (n % 32) * 2 + k % 2]));
         }
         bound.back()[m * t.N + n] = 1e-5f * s + 1e-30f;
       }
