@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from kvserve.bench.workloads import load_text
+from kvserve import ops
 from kvserve.config import EngineArgs
 from kvserve.engine import LLMEngine
 from kvserve.request import SamplingParams
@@ -172,6 +173,29 @@ def main() -> None:
                 print(f"      {'of which the rest (norms, rope, the loop)':<50} {1e3 * rest:7.2f} ms")
     rest = mean - sum(parts.values())
     print(f"    {'rest of the step (outputs, bookkeeping)':<52} {1e3 * rest:7.2f} ms  {100 * rest / mean:5.1f} %")
+    print_step_teams(engine, prompt, ns.output_len)
+
+
+def print_step_teams(engine: LLMEngine, prompt: list[int], n_out: int, rounds: int = 3) -> None:
+    """What a step team (csrc/step_team.h) saves: an empty parallel call's cost in a team and as
+    its own OpenMP region, and the mean decode step with teams off and on, alternated."""
+    ext = ops.load_extension()
+    if ext is None:
+        return
+    teamed, alone = (ext.step_team_empty_call_seconds(5000, in_team) for in_team in (True, False))
+    print(f"  a parallel call (empty body): {1e6 * teamed:.2f} us in a step team, {1e6 * alone:.2f} us as its own "
+          f"OpenMP region")
+    before = ext.step_teams_enabled()
+    means: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for r in range(rounds):
+            for enabled in ((False, True) if r % 2 == 0 else (True, False)):
+                ext.set_step_teams(enabled)
+                means[enabled].append(decode_steps(engine, prompt, n_out)[2])
+    finally:
+        ext.set_step_teams(before)
+    off, on = (1e3 * min(means[enabled]) for enabled in (False, True))
+    print(f"  decode step, best of {rounds} alternated: step teams off {off:.2f} ms, on {on:.2f} ms ({on / off:.3f}x)")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_ops.h"
+#include "step_team.h"
 #include "bf16.h"
 #include "amx_linear.h"
 #include "dense_linear.h"
@@ -220,7 +221,7 @@ void rms_norm_out(torch::Tensor out, const torch::Tensor& x, const torch::Tensor
   float* op = out.data_ptr<float>();
   const int64_t x_stride = x.stride(0), o_stride = out.stride(0);
   const float off = static_cast<float>(offset);
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, x.size(0), std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * x_stride;
       const float r = inv_rms(row, n, eps);
@@ -258,7 +259,7 @@ void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n
   const float* qn = q_norm ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm ? k_norm->data_ptr<float>() : nullptr;
   const float off = static_cast<float>(norm_offset);
-  at::parallel_for(0, T * rotated_heads, std::max<int64_t>(1, 4096 / D), [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, T * rotated_heads, std::max<int64_t>(1, 4096 / D), [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / rotated_heads, h = item % rotated_heads;
@@ -1409,7 +1410,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
   const int64_t num_workers = total_cost * G < 1024 || items.size() < 2 ? 1 : at::get_num_threads();
   float* out_data = out.data_ptr<float>();
 
-  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+  kvserve::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     std::vector<float> work, local_partials;
     std::vector<const float*> parts;
     for (int64_t k = next++; k < static_cast<int64_t>(items.size()); k = next++) {
@@ -1457,7 +1458,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
     }
   });
 
-  at::parallel_for(0, static_cast<int64_t>(split_tiles.size()), 16, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, static_cast<int64_t>(split_tiles.size()), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> work;
     std::vector<const float*> parts;
     for (int64_t k = begin; k < end; ++k) {
@@ -1509,7 +1510,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
     // The int8 cache holds rotated heads, so the outputs came out rotated: H is its own inverse.
     const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
     float* out_data = out.data_ptr<float>();
-    at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) hadamard_(out_data + (i / H) * out.stride(0) + (i % H) * out.stride(1), D);
     });
     return;
@@ -1531,7 +1532,7 @@ void act_and_mul_out(torch::Tensor out, const torch::Tensor& x, int64_t act) {
   const int64_t o_stride = out.stride(0);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* gate = xp + t * stride;
       const float* up = gate + I;
@@ -1585,7 +1586,7 @@ std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k) 
   float* vp = values.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const float* row = xp + s * x.stride(0);
       float* vals = vp + s * k;
@@ -1676,7 +1677,7 @@ std::tuple<torch::Tensor, torch::Tensor> top_k_rows_select(torch::Tensor x, int6
   };
   const auto index_of = [](Entry e) { return static_cast<int64_t>(~static_cast<uint32_t>(e)); };
   const auto before = std::greater<Entry>();
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> histogram, sample;
     std::vector<Entry> kept, tied;
     for (int64_t s = begin; s < end; ++s) {
@@ -1807,7 +1808,7 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temperature, torch:
   const double* up = uniforms.data_ptr<double>();
   int64_t* out = tokens.data_ptr<int64_t>();
   const int64_t blocks = (V + kSampleBlock - 1) / kSampleBlock;
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> block_sums(blocks);
     std::vector<float> w(kSampleBlock);
     for (int64_t s = begin; s < end; ++s) {
@@ -1879,7 +1880,7 @@ torch::Tensor top_p_floor(torch::Tensor x, torch::Tensor inv_temperature, torch:
   const float* tp = inv_temperature.data_ptr<float>();
   const float* pp = top_p.data_ptr<float>();
   float* out = floors.data_ptr<float>();
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> mass(kBins);
     // Every token's weight and bin, from the pass that builds the histogram, for the pass that
     // collects the crossing bin's tokens (which computed them afresh: a second exp per token).
@@ -1961,7 +1962,7 @@ torch::Tensor row_logsumexp(torch::Tensor x, torch::Tensor inv_temperature) {
   const float* xp = x.data_ptr<float>();
   const float* tp = inv_temperature.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(kSampleBlock);
     for (int64_t s = begin; s < end; ++s) {
       const float* row = xp + s * x.stride(0);
@@ -2089,6 +2090,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_nibble_linear", &tiled_nibble_linear);
   m.def("q8_linear", &q8_linear);
   m.def("q8_linear_out", &q8_linear_out);
+  kvserve::register_step_team(m);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
   m.def("quant_kernel_isa", &quant_kernel_isa);
   m.def("nibble_activation_format", &nibble_activation_format);

@@ -9,6 +9,7 @@
 // in the same order, so the results are the same bit for bit: the Python model
 // (kvserve/models) stays the reference, and the tests hold the two together.
 #include "cpu_ops.h"
+#include "step_team.h"
 #include "dense_linear.h"
 #include "quant_linear.h"
 #include "w8a8_linear.h"
@@ -75,6 +76,13 @@ struct Linear {
     };
     part(*prefill, roles.prompt_rows, roles.prompt_start, roles.prompt_len);
     part(*this, roles.generated_rows, roles.generated_start, roles.generated_len);
+  }
+
+  // Whether every call runs kvserve's kernels (a step team's helpers take only their parallel
+  // work; a torch op in a team would run on one thread): this layer, its segments and its copy.
+  bool team_safe() const {
+    if (!writes_in_place() || (prefill && !prefill->team_safe())) return false;
+    return std::all_of(segments.begin(), segments.end(), [](const Linear& s) { return s.team_safe(); });
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -175,7 +183,7 @@ void add_rows_(const torch::Tensor& x, const torch::Tensor& y) {
   const int64_t n = x.size(1), x_stride = x.stride(0), y_stride = y.stride(0);
   float* xp = x.data_ptr<float>();
   const float* yp = y.data_ptr<float>();
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, x.size(0), std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = xp + r * x_stride;
       const float* yr = yp + r * y_stride;
@@ -226,6 +234,9 @@ class FusedDecoderLayers {
                       layer.gate_up.out_features == layers_.front().gate_up.out_features &&
                       layer.gate_up.out_features % 2 == 0,
                   "every layer must have the same projection shapes (the step's buffers are shared)");
+    team_safe_ = std::all_of(layers_.begin(), layers_.end(), [](const Layer& layer) {
+      return layer.qkv.team_safe() && layer.o.team_safe() && layer.gate_up.team_safe() && layer.down.team_safe();
+    });
   }
 
   // forward from the step's tokens: hidden = the embedding rows of input_ids (times
@@ -342,31 +353,42 @@ class FusedDecoderLayers {
     int32_t* lens = seq_lens.data_ptr<int32_t>();
     const int64_t* last = last_tokens.data_ptr<int64_t>();
     int64_t* sampled = tokens.data_ptr<int64_t>();
-    for (int64_t step = 0; step < num_steps; ++step) {
-      const int64_t* previous = step == 0 ? last : sampled + (step - 1) * S;
-      for (int64_t s = 0; s < S; ++s) {
-        ids[s] = previous[s];
-        pos[s] += 1;
-        lens[s] += 1;
-        for (size_t g = 0; g < slot_mappings.size(); ++g) {
-          const int64_t block = pos[s] / block_size, num_blocks = block_tables[g].size(1);
-          TORCH_CHECK(block < num_blocks, "position ", pos[s], " is past the round's lookahead slots");
-          slot_mappings[g].data_ptr<int64_t>()[s] =
-              static_cast<int64_t>(block_tables[g].data_ptr<int32_t>()[s * num_blocks + block]) * block_size +
-              pos[s] % block_size;
+    // The round's steps in one parallel region (the head's screen and the argmax included),
+    // where its layers would run in one each.
+    const auto run_round = [&] {
+      for (int64_t step = 0; step < num_steps; ++step) {
+        const int64_t* previous = step == 0 ? last : sampled + (step - 1) * S;
+        for (int64_t s = 0; s < S; ++s) {
+          ids[s] = previous[s];
+          pos[s] += 1;
+          lens[s] += 1;
+          for (size_t g = 0; g < slot_mappings.size(); ++g) {
+            const int64_t block = pos[s] / block_size, num_blocks = block_tables[g].size(1);
+            TORCH_CHECK(block < num_blocks, "position ", pos[s], " is past the round's lookahead slots");
+            slot_mappings[g].data_ptr<int64_t>()[s] =
+                static_cast<int64_t>(block_tables[g].data_ptr<int32_t>()[s * num_blocks + block]) * block_size +
+                pos[s] % block_size;
+          }
         }
+        const auto hidden = forward_tokens(input_ids, positions, embed_weight, embed_scale, cos_table, sin_table,
+                                           local_cos_table, local_sin_table, kv_caches, kv_scales, kv_groups,
+                                           slot_mappings, block_tables, seq_lens, query_start_loc, 0, c10::nullopt,
+                                           c10::nullopt);
+        screened_logits_out(logits, rms_norm(hidden, norm_weight, norm_eps, norm_offset), screen, exact, top_k);
+        tokens[step].copy_(std::get<1>(top_k_rows(logits, 1)).select(1, 0));
       }
-      const auto hidden = forward_tokens(input_ids, positions, embed_weight, embed_scale, cos_table, sin_table,
-                                         local_cos_table, local_sin_table, kv_caches, kv_scales, kv_groups,
-                                         slot_mappings, block_tables, seq_lens, query_start_loc, 0, c10::nullopt,
-                                         c10::nullopt);
-      screened_logits_out(logits, rms_norm(hidden, norm_weight, norm_eps, norm_offset), screen, exact, top_k);
-      tokens[step].copy_(std::get<1>(top_k_rows(logits, 1)).select(1, 0));
+    };
+    if (team_safe_) {
+      kvserve::run_in_step_team(run_round);
+    } else {
+      run_round();
     }
     return tokens;
   }
 
   size_t num_layers() const { return layers_.size(); }
+  // Whether a step's layers run as one parallel region (every linear on kvserve's kernels).
+  bool team_safe() const { return team_safe_; }
 
  private:
   // hidden [T, hidden] (this step's embeddings, consumed) -> the last layer's output (pre final norm).
@@ -415,6 +437,31 @@ class FusedDecoderLayers {
     const auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
     const auto attn_heads = attn.view({T, H, D});
     pybind11::gil_scoped_release no_gil;
+    // One parallel region for the step's layers where every call is one of kvserve's kernels (a
+    // mixed step's role that is not one run of rows is gathered by torch ops).
+    const bool gathers = roles.kind == TokenRoles::Kind::kMixed && (roles.prompt_len == 0 || roles.generated_len == 0);
+    const auto run_layers = [&] { layer_loop(hidden, normed, projected, qkv, attn, gate_up, activated, q, k, v, attn_heads,
+                                             cos, sin, local_cos, local_sin, kv_caches, kv_scales, kv_groups, slot_mappings,
+                                             block_tables, seq_lens, seq_ids, query_starts, query_lens, roles); };
+    if (team_safe_ && !gathers) {
+      kvserve::run_in_step_team(run_layers);
+    } else {
+      run_layers();
+    }
+    return hidden;
+  }
+
+  void layer_loop(const torch::Tensor& hidden, const torch::Tensor& normed, const torch::Tensor& projected,
+                  const torch::Tensor& qkv, const torch::Tensor& attn, const torch::Tensor& gate_up,
+                  const torch::Tensor& activated, const torch::Tensor& q, const torch::Tensor& k,
+                  const torch::Tensor& v, const torch::Tensor& attn_heads, const torch::Tensor& cos,
+                  const torch::Tensor& sin, const torch::Tensor& local_cos, const torch::Tensor& local_sin,
+                  const std::vector<torch::Tensor>& kv_caches, const std::vector<torch::Tensor>& kv_scales,
+                  const std::vector<int64_t>& kv_groups, const std::vector<torch::Tensor>& slot_mappings,
+                  const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
+                  const torch::Tensor& seq_ids, const torch::Tensor& query_starts, const torch::Tensor& query_lens,
+                  const TokenRoles& roles) const {
+    const int64_t H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       rms_norm_out(normed, hidden, layer.input_norm, eps_, norm_offset_);
@@ -440,13 +487,13 @@ class FusedDecoderLayers {
       if (layer.post_ffn_norm) rms_norm_out(projected, projected, *layer.post_ffn_norm, eps_, norm_offset_);
       add_rows_(hidden, projected);
     }
-    return hidden;
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, norm_offset_;
   int64_t activation_;
   std::vector<Layer> layers_;
+  bool team_safe_ = false;  // every layer's linears run kvserve's kernels (Linear::team_safe)
 };
 
 void register_fused_decoder(pybind11::module& m) {
@@ -454,5 +501,6 @@ void register_fused_decoder(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, const std::vector<pybind11::dict>&>())
       .def("forward_tokens", &FusedDecoderLayers::forward_tokens)
       .def("decode_round", &FusedDecoderLayers::decode_round)
-      .def("__len__", &FusedDecoderLayers::num_layers);
+      .def("__len__", &FusedDecoderLayers::num_layers)
+      .def_property_readonly("runs_in_step_team", &FusedDecoderLayers::team_safe);
 }

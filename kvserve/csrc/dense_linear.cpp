@@ -23,6 +23,7 @@
 // the AVX2 route). Without either, a portable loop computes each output in its own fixed
 // order (not the same bits as the vector kernels, equally batch invariant).
 #include "dense_linear.h"
+#include "step_team.h"
 #include "amx_linear.h"
 #include "bf16.h"
 #include "linear_args.h"
@@ -92,7 +93,7 @@ int64_t threads_for(int64_t work) { return work < kSmallWork ? 1 : at::get_num_t
 // Columns [0, n) split into `threads` contiguous ranges (in units of `unit`), one per thread.
 template <typename Range>
 void over_column_ranges(int64_t units, int64_t threads, const Range& range) {
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  kvserve::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t begin = units * t / threads, end = units * (t + 1) / threads;
       if (begin < end) range(begin, end);
@@ -111,7 +112,7 @@ const uint32_t* bf16_pairs(const float* x, int64_t stride, int64_t M, int64_t K,
   if (static_cast<int64_t>(pairs.size()) < rows * Kh) pairs.resize(rows * Kh);
   uint32_t* const words = pairs.data();  // the caller's buffer (inside the workers `pairs` is theirs)
   std::fill(words + M * Kh, words + rows * Kh, 0u);
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+  kvserve::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xr = x + m * stride;
       uint32_t* dst = words + m * Kh;
@@ -802,7 +803,7 @@ torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor 
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+  kvserve::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const float* xr[1] = {xp + s * x.stride(0)};
       for (int64_t j = 0; j < C; ++j) {

@@ -25,6 +25,7 @@
 // chain per lane); a portable loop computes the nibble formats on bf16 activations elsewhere
 // (each path in its own fixed order).
 #include "quant_linear.h"
+#include "step_team.h"
 #include "linear_args.h"
 #include "nibble_tiles.h"
 #include "row_dispatch.h"
@@ -587,7 +588,7 @@ template <typename Block>
 void over_row_blocks(int64_t N, int64_t M, int64_t work, const Block& block) {
   const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t grain = work < (1 << 18) ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+  kvserve::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kRowsPerTask, n1 = std::min(N, t1 * kRowsPerTask);
     for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) block(n0, n1, r0, std::min(kInputRowBlock, M - r0));
   });
@@ -636,7 +637,7 @@ void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x
     const SplitInt16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
     const int64_t tiles = (N + kTileRows - 1) / kTileRows;
     const int64_t grain = M * N * Kp < (1 << 18) ? tiles : 1;
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    kvserve::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       if (M <= kInputRowBlock) {
         dispatch_rows<kInputRowBlock>(M, [&](auto mr) {
           nibble_tiles_avx512<Tiles, decltype(mr)::value>(w, t0, t1, N, act, 0, o, o_stride, b);

@@ -21,6 +21,7 @@
 // fused multiply-adds per group in the same order: their results are bit-identical, and every
 // row's result is independent of the number of activation rows.
 #include "screen_linear.h"
+#include "step_team.h"
 #include "linear_args.h"
 #include "nibble_tiles.h"
 #include "row_dispatch.h"
@@ -274,7 +275,7 @@ void q4_screen_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor pack
   // stores: Gemma 3 0.87x, SmolLM2 0.80x; a single row's logits (1 MB at most) stay in cache for
   // the top-k that reads them next. The same values either way.
   const bool stream = M * N * 4 >= kStreamBytes;
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+  kvserve::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     if (M <= kInputRowBlock) {
       tiles_for_rows(w, t0, t1, N, act, 0, M, o, o_stride, stream);
     } else {

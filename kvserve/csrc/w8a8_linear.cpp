@@ -23,6 +23,7 @@
 // the tile: a row's result does not depend on how many rows share the call (batch invariant),
 // and the portable loop gives the same bits as the VNNI kernel.
 #include "w8a8_linear.h"
+#include "step_team.h"
 #include "linear_args.h"
 #include "row_dispatch.h"
 
@@ -70,7 +71,7 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
   int8_t* const qd = q.data();  // the caller's buffers (inside the workers the thread_locals are theirs)
   float* const sd = scale.data();
   int32_t* const od = offset.data();
-  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+  kvserve::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xr = x + m * stride;
       for (int64_t g = 0; g < G; ++g) {
@@ -241,7 +242,7 @@ void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch
   const Call call{quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, Kp), wp.data_ptr<uint8_t>(),
                   scales.data_ptr<float>(), b, Kp, Kp / kGroup, N, out.data_ptr<float>(), out.stride(0)};
   const int64_t threads = std::min(P, M * N * K < kSmallWork ? int64_t{1} : static_cast<int64_t>(at::get_num_threads()));
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  kvserve::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t pb = P * t / threads, pe = P * (t + 1) / threads;
       if (pb == pe) continue;
