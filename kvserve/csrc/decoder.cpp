@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -354,7 +355,9 @@ class FusedDecoderLayers {
     const int64_t* last = last_tokens.data_ptr<int64_t>();
     int64_t* sampled = tokens.data_ptr<int64_t>();
     // The round's steps in one parallel region (the head's screen and the argmax included),
-    // where its layers would run in one each.
+    // where its layers would run in one each; without the GIL, which forward would otherwise
+    // take back at every step inside the region while the team's helpers wait.
+    pybind11::gil_scoped_release no_gil;
     const auto run_round = [&] {
       for (int64_t step = 0; step < num_steps; ++step) {
         const int64_t* previous = step == 0 ? last : sampled + (step - 1) * S;
@@ -436,7 +439,8 @@ class FusedDecoderLayers {
     const auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
     const auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
     const auto attn_heads = attn.view({T, H, D});
-    pybind11::gil_scoped_release no_gil;
+    std::optional<pybind11::gil_scoped_release> no_gil;  // (decode_round's steps come without it)
+    if (PyGILState_Check()) no_gil.emplace();
     // One parallel region for the step's layers where every call is one of kvserve's kernels (a
     // mixed step's role that is not one run of rows is gathered by torch ops).
     const bool gathers = roles.kind == TokenRoles::Kind::kMixed && (roles.prompt_len == 0 || roles.generated_len == 0);

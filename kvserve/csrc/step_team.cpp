@@ -2,7 +2,9 @@
 // one slot for the leader's parallel calls.
 #include "step_team.h"
 
+#include <c10/util/ParallelGuard.h>
 #include <omp.h>
+#include <pthread.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -13,6 +15,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -38,6 +41,10 @@ struct StepTeam {
   std::atomic<bool> failed{false};
   std::exception_ptr error;  // the first chunk's exception, written by whoever set `failed`
   int64_t size = 1;          // threads, the leader included (read by the leader only)
+  // Threads blocked (past their spin) on `posted` (helpers) or `finished` (the leader): the
+  // writer of each wakes them.
+  alignas(64) std::atomic<int> helpers_asleep{0};
+  std::atomic<int> leader_asleep{0};
 };
 
 namespace {
@@ -48,7 +55,8 @@ bool enabled_from_environment() {
 }
 
 std::atomic<bool> g_enabled{enabled_from_environment()};
-std::mutex g_team_mutex;  // one team at a time (another caller runs without one)
+std::atomic<int64_t> g_formed{0};  // teams formed so far (tests)
+std::mutex g_team_mutex;           // one team at a time (another caller runs without one)
 StepTeam g_team;
 thread_local StepTeam* t_led = nullptr;
 
@@ -58,21 +66,47 @@ inline void relax() {
 #endif
 }
 
-// Spins on `ready`: the waits inside a step are microseconds. Past ~1 ms of pauses (a helper
-// descheduled, a leader in a long serial stretch) it yields the core instead.
-template <typename Ready>
-void spin_until(const Ready& ready) {
-  for (int64_t spins = 0; !ready(); ++spins) {
-    if (spins < (int64_t{1} << 14)) relax();
-    else std::this_thread::yield();
+// How long a waiting thread spins before it blocks. The waits inside a step are microseconds
+// (a kernel call, the leader's serial code between calls); a longer one means a thread that
+// lost its core, or a leader stalled outside the kernels, and then a spinning thread would only
+// take the core from the one it waits for.
+constexpr auto kSpinBudget = std::chrono::microseconds(200);
+
+// Waits until `value` differs from `seen` and returns it: spins, then blocks (atomic::wait)
+// counted in `asleep`, which the writer checks after its write (wake_after_write). Both sides'
+// write-then-read are sequentially consistent, so either the writer sees the sleeper or the
+// sleeper sees the write before it blocks.
+template <typename T>
+T await_change(const std::atomic<T>& value, T seen, std::atomic<int>& asleep) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t spins = 1;; ++spins) {
+    const T now = value.load(std::memory_order_acquire);
+    if (now != seen) return now;
+    relax();
+    if (spins % 256 == 0 && std::chrono::steady_clock::now() - start > kSpinBudget) break;
   }
+  asleep.fetch_add(1, std::memory_order_seq_cst);
+  T now;
+  while ((now = value.load(std::memory_order_seq_cst)) == seen) value.wait(seen, std::memory_order_seq_cst);
+  asleep.fetch_sub(1, std::memory_order_relaxed);
+  return now;
 }
 
-void run_chunk(StepTeam& team, int64_t tid) {
+template <typename T>
+void write_and_wake(std::atomic<T>& value, T add, std::atomic<int>& asleep) {
+  value.fetch_add(add, std::memory_order_seq_cst);
+  if (asleep.load(std::memory_order_seq_cst) > 0) value.notify_all();
+}
+
+// Chunk `tid` of the posted job, as at::parallel_for runs a chunk (its thread number and the
+// parallel-region flag set); an exception is kept for the leader.
+void run_chunk(StepTeam& team, int64_t tid) noexcept {
   if (tid >= team.num_chunks) return;
   const int64_t begin = team.begin + tid * team.chunk_size;
   if (begin >= team.end) return;
   try {
+    at::internal::ThreadIdGuard thread_id(static_cast<int>(tid));
+    c10::ParallelGuard in_parallel(true);
     team.chunk(team.fn, begin, std::min(team.end, begin + team.chunk_size));
   } catch (...) {
     if (!team.failed.exchange(true)) team.error = std::current_exception();
@@ -83,14 +117,28 @@ void run_chunk(StepTeam& team, int64_t tid) {
 void help(StepTeam& team, int64_t tid) {
   uint64_t seen = 0;
   for (;;) {
-    uint64_t job = seen;
-    spin_until([&] { return (job = team.posted.load(std::memory_order_acquire)) != seen; });
-    seen = job;
+    seen = await_change(team.posted, seen, team.helpers_asleep);
     if (team.closing) return;
     run_chunk(team, tid);
-    team.finished.fetch_add(1, std::memory_order_release);
+    write_and_wake(team.finished, int64_t{1}, team.leader_asleep);
   }
 }
+
+// A process forked while a team ran (another thread leading it) starts with no team: its one
+// thread leads none, and the mutex that thread's parent may have held is fresh.
+void reset_in_child() {
+  new (&g_team_mutex) std::mutex();
+  t_led = nullptr;
+}
+
+const int g_atfork_registered = pthread_atfork(nullptr, nullptr, &reset_in_child);
+
+// Clears t_led when the leader's chunk ends, however it ends.
+struct NotLeading {
+  explicit NotLeading(StepTeam& team) : team(team) { t_led = nullptr; }
+  ~NotLeading() { t_led = &team; }
+  StepTeam& team;
+};
 
 }  // namespace
 
@@ -111,11 +159,13 @@ void run_chunks(StepTeam& team, int64_t begin, int64_t end, int64_t grain, const
   team.num_chunks = chunks;
   team.chunk_size = (n + chunks - 1) / chunks;
   team.awaited += team.size - 1;
-  team.posted.fetch_add(1, std::memory_order_release);
-  t_led = nullptr;  // the leader's chunk runs as a helper's: its nested parallel calls inline
-  run_chunk(team, 0);
-  t_led = &team;
-  spin_until([&] { return team.finished.load(std::memory_order_acquire) == team.awaited; });
+  write_and_wake(team.posted, uint64_t{1}, team.helpers_asleep);
+  {
+    const NotLeading not_leading(team);  // the leader's chunk runs as a helper's: nested calls inline
+    run_chunk(team, 0);
+  }
+  int64_t done = team.finished.load(std::memory_order_acquire);
+  while (done != team.awaited) done = await_change(team.finished, done, team.leader_asleep);
   if (team.failed.load(std::memory_order_relaxed)) {
     std::exception_ptr error = team.error;
     team.error = nullptr;
@@ -127,8 +177,8 @@ void run_chunks(StepTeam& team, int64_t begin, int64_t end, int64_t grain, const
 }  // namespace team_detail
 
 void run_in_step_team(const std::function<void()>& body) {
-  if (!g_enabled.load(std::memory_order_relaxed) || t_led != nullptr || at::in_parallel_region() ||
-      at::get_num_threads() < 2) {
+  const int threads = at::get_num_threads();
+  if (!g_enabled.load(std::memory_order_relaxed) || t_led != nullptr || at::in_parallel_region() || threads < 2) {
     body();
     return;
   }
@@ -145,27 +195,38 @@ void run_in_step_team(const std::function<void()>& body) {
   team.failed.store(false, std::memory_order_relaxed);
   team.error = nullptr;
   std::exception_ptr error;
-  // No num_threads clause, as ATen's own regions (GOMP's thread pool, pytorch#32008): the team
-  // is the at::get_num_threads() threads that at::parallel_for would use.
+  bool formed = false;
+  // No num_threads clause, as ATen's own regions (GOMP's thread pool, pytorch#32008). The team
+  // forms only where the region has the threads at::parallel_for would use and the kernels
+  // inside see that many (OMP_DYNAMIC, a thread limit or a nested thread count could say
+  // otherwise); else the body runs after the region, without a team.
 #pragma omp parallel
   {
     const int64_t tid = omp_get_thread_num();
     if (tid == 0) {
-      team.size = omp_get_num_threads();
-      t_led = team.size > 1 ? &team : nullptr;
-      try {
-        body();
-      } catch (...) {
-        error = std::current_exception();
+      formed = omp_get_num_threads() == threads && omp_get_max_threads() == threads;
+      if (formed) {
+        g_formed.fetch_add(1, std::memory_order_relaxed);
+        team.size = threads;
+        t_led = &team;
+        try {
+          body();
+        } catch (...) {
+          error = std::current_exception();
+        }
+        t_led = nullptr;
       }
-      t_led = nullptr;
       team.closing = true;
-      team.posted.fetch_add(1, std::memory_order_release);
+      write_and_wake(team.posted, uint64_t{1}, team.helpers_asleep);
     } else {
       help(team, tid);
     }
   }
   if (error) std::rethrow_exception(error);
+  if (!formed) {
+    lock.unlock();
+    body();
+  }
 }
 
 void set_step_teams(bool enabled) { g_enabled.store(enabled, std::memory_order_relaxed); }
@@ -175,10 +236,12 @@ bool step_teams_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 namespace {
 
 // Tests: which thread ran each index of [0, n) when a team ran parallel_for(0, n, grain), and
-// when at::parallel_for did (-1: none); `throw_on` >= 0 makes the chunk holding that index
-// throw, inside the team. `nested`: each chunk runs its indices through a nested parallel_for.
+// when at::parallel_for did (-1: none). `throw_on` >= 0: the chunk holding that index throws;
+// `throw_after`: the body throws after its parallel call, outside any chunk. `nested`: each
+// chunk runs its indices through a nested parallel_for. `require_team`: fail where no team
+// formed (teams on, two threads or more, no other caller leading one).
 std::pair<std::vector<int64_t>, std::vector<int64_t>> probe_chunks(int64_t n, int64_t grain, int64_t throw_on,
-                                                                   bool nested) {
+                                                                   bool throw_after, bool nested, bool require_team) {
   std::vector<int64_t> in_team(n, -1), plain(n, -1);
   const auto record = [&](std::vector<int64_t>& ran, int64_t b, int64_t e) {
     const auto mark = [&](int64_t b2, int64_t e2) {
@@ -189,13 +252,13 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> probe_chunks(int64_t n, in
   };
   at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) { record(plain, b, e); });
   run_in_step_team([&] {
-    TORCH_CHECK(team_detail::led_team() != nullptr || at::get_num_threads() < 2 || !step_teams_enabled(),
-                "no team formed");
+    TORCH_CHECK(!require_team || team_detail::led_team() != nullptr, "no team formed");
     kvserve::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
       TORCH_CHECK(throw_on < b || throw_on >= e, "chunk [", b, ", ", e, ") of thread ", omp_get_thread_num(),
                   " threw");
       record(in_team, b, e);
     });
+    TORCH_CHECK(!throw_after, "the body threw after its parallel call");
   });
   return {in_team, plain};
 }
@@ -224,8 +287,12 @@ void register_step_team(pybind11::module& m) {
         "One parallel region per fused decoder step (kvserve::run_in_step_team) or one per kernel call");
   m.def("step_teams_enabled", &step_teams_enabled);
   m.def("step_team_empty_call_seconds", &empty_call_seconds, "benchmarks: an empty parallel call's cost");
+  m.def("step_teams_formed", [] { return g_formed.load(std::memory_order_relaxed); },
+        "tests: how many step teams have formed in this process");
   m.def("step_team_probe", &probe_chunks, "tests: the thread of each index in a team and in at::parallel_for",
-        pybind11::arg("n"), pybind11::arg("grain"), pybind11::arg("throw_on") = -1, pybind11::arg("nested") = false);
+        pybind11::arg("n"), pybind11::arg("grain"), pybind11::arg("throw_on") = -1, pybind11::arg("throw_after") = false,
+        pybind11::arg("nested") = false, pybind11::arg("require_team") = true,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace kvserve
