@@ -31,23 +31,22 @@ def ext():
 
 
 @contextlib.contextmanager
+def _setting(get, set_, value):
+    """``set_(value)`` for the block, the value ``get()`` gave before restored after it."""
+    before = get()
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
 def step_teams(ext, enabled: bool):
-    before = ext.step_teams_enabled()
-    ext.set_step_teams(enabled)
-    try:
-        yield
-    finally:
-        ext.set_step_teams(before)
+    return _setting(ext.step_teams_enabled, ext.set_step_teams, enabled)
 
 
-@contextlib.contextmanager
 def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return _setting(torch.get_num_threads, torch.set_num_threads, n)
 
 
 def test_step_teams_are_on_by_default(ext):
