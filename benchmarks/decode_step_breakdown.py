@@ -16,8 +16,8 @@ from collections import defaultdict
 
 import torch
 
-from kvserve.bench.workloads import load_text
 from kvserve import ops
+from kvserve.bench.workloads import load_text
 from kvserve.config import EngineArgs
 from kvserve.engine import LLMEngine
 from kvserve.request import SamplingParams

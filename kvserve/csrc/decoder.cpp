@@ -381,11 +381,7 @@ class FusedDecoderLayers {
         tokens[step].copy_(std::get<1>(top_k_rows(logits, 1)).select(1, 0));
       }
     };
-    if (team_safe_) {
-      kvserve::run_in_step_team(run_round);
-    } else {
-      run_round();
-    }
+    kvserve::run_in_step_team(run_round, team_safe_);
     return tokens;
   }
 
@@ -444,53 +440,35 @@ class FusedDecoderLayers {
     // One parallel region for the step's layers where every call is one of kvserve's kernels (a
     // mixed step's role that is not one run of rows is gathered by torch ops).
     const bool gathers = roles.kind == TokenRoles::Kind::kMixed && (roles.prompt_len == 0 || roles.generated_len == 0);
-    const auto run_layers = [&] { layer_loop(hidden, normed, projected, qkv, attn, gate_up, activated, q, k, v, attn_heads,
-                                             cos, sin, local_cos, local_sin, kv_caches, kv_scales, kv_groups, slot_mappings,
-                                             block_tables, seq_lens, seq_ids, query_starts, query_lens, roles); };
-    if (team_safe_ && !gathers) {
-      kvserve::run_in_step_team(run_layers);
-    } else {
-      run_layers();
-    }
-    return hidden;
-  }
-
-  void layer_loop(const torch::Tensor& hidden, const torch::Tensor& normed, const torch::Tensor& projected,
-                  const torch::Tensor& qkv, const torch::Tensor& attn, const torch::Tensor& gate_up,
-                  const torch::Tensor& activated, const torch::Tensor& q, const torch::Tensor& k,
-                  const torch::Tensor& v, const torch::Tensor& attn_heads, const torch::Tensor& cos,
-                  const torch::Tensor& sin, const torch::Tensor& local_cos, const torch::Tensor& local_sin,
-                  const std::vector<torch::Tensor>& kv_caches, const std::vector<torch::Tensor>& kv_scales,
-                  const std::vector<int64_t>& kv_groups, const std::vector<torch::Tensor>& slot_mappings,
-                  const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
-                  const torch::Tensor& seq_ids, const torch::Tensor& query_starts, const torch::Tensor& query_lens,
-                  const TokenRoles& roles) const {
-    const int64_t H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& layer = layers_[i];
-      rms_norm_out(normed, hidden, layer.input_norm, eps_, norm_offset_);
-      layer.qkv.into(qkv, normed, roles);
-      rope_qk_(qkv, layer.local_rope ? local_cos : cos, layer.local_rope ? local_sin : sin, H, KVH, D,
-               layer.q_norm, layer.k_norm, eps_, norm_offset_);
-      {
-        RECORD_FUNCTION("attention", std::vector<c10::IValue>());  // the label kvserve profile counts
-        const c10::optional<torch::Tensor> scales =
-            kv_scales.empty() ? c10::nullopt : c10::optional<torch::Tensor>(kv_scales[i]);
-        const auto group = kv_groups[i];
-        write_kv_cache(k, v, kv_caches[i], scales, slot_mappings[group]);
-        paged_attention(attn_heads, q, kv_caches[i], scales, block_tables[group], seq_lens, seq_ids, query_starts,
-                        query_lens, layer.scale, layer.window, layer.softcap);
+    const auto run_layers = [&] {
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        const Layer& layer = layers_[i];
+        rms_norm_out(normed, hidden, layer.input_norm, eps_, norm_offset_);
+        layer.qkv.into(qkv, normed, roles);
+        rope_qk_(qkv, layer.local_rope ? local_cos : cos, layer.local_rope ? local_sin : sin, H, KVH, D,
+                 layer.q_norm, layer.k_norm, eps_, norm_offset_);
+        {
+          RECORD_FUNCTION("attention", std::vector<c10::IValue>());  // the label kvserve profile counts
+          const c10::optional<torch::Tensor> scales =
+              kv_scales.empty() ? c10::nullopt : c10::optional<torch::Tensor>(kv_scales[i]);
+          const auto group = kv_groups[i];
+          write_kv_cache(k, v, kv_caches[i], scales, slot_mappings[group]);
+          paged_attention(attn_heads, q, kv_caches[i], scales, block_tables[group], seq_lens, seq_ids, query_starts,
+                          query_lens, layer.scale, layer.window, layer.softcap);
+        }
+        layer.o.into(projected, attn, roles);
+        if (layer.post_attn_norm) rms_norm_out(projected, projected, *layer.post_attn_norm, eps_, norm_offset_);
+        add_rows_(hidden, projected);
+        rms_norm_out(normed, hidden, layer.pre_ffn_norm, eps_, norm_offset_);
+        layer.gate_up.into(gate_up, normed, roles);
+        act_and_mul_out(activated, gate_up, activation_);
+        layer.down.into(projected, activated, roles);
+        if (layer.post_ffn_norm) rms_norm_out(projected, projected, *layer.post_ffn_norm, eps_, norm_offset_);
+        add_rows_(hidden, projected);
       }
-      layer.o.into(projected, attn, roles);
-      if (layer.post_attn_norm) rms_norm_out(projected, projected, *layer.post_attn_norm, eps_, norm_offset_);
-      add_rows_(hidden, projected);
-      rms_norm_out(normed, hidden, layer.pre_ffn_norm, eps_, norm_offset_);
-      layer.gate_up.into(gate_up, normed, roles);
-      act_and_mul_out(activated, gate_up, activation_);
-      layer.down.into(projected, activated, roles);
-      if (layer.post_ffn_norm) rms_norm_out(projected, projected, *layer.post_ffn_norm, eps_, norm_offset_);
-      add_rows_(hidden, projected);
-    }
+    };
+    kvserve::run_in_step_team(run_layers, team_safe_ && !gathers);
+    return hidden;
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;

@@ -73,7 +73,7 @@ inline void relax() {
 constexpr auto kSpinBudget = std::chrono::microseconds(200);
 
 // Waits until `value` differs from `seen` and returns it: spins, then blocks (atomic::wait)
-// counted in `asleep`, which the writer checks after its write (wake_after_write). Both sides'
+// counted in `asleep`, which the writer checks after its write (write_and_wake). Both sides'
 // write-then-read are sequentially consistent, so either the writer sees the sleeper or the
 // sleeper sees the write before it blocks.
 template <typename T>
@@ -176,9 +176,10 @@ void run_chunks(StepTeam& team, int64_t begin, int64_t end, int64_t grain, const
 
 }  // namespace team_detail
 
-void run_in_step_team(const std::function<void()>& body) {
+void run_in_step_team(const std::function<void()>& body, bool allowed) {
   const int threads = at::get_num_threads();
-  if (!g_enabled.load(std::memory_order_relaxed) || t_led != nullptr || at::in_parallel_region() || threads < 2) {
+  if (!allowed || !g_enabled.load(std::memory_order_relaxed) || t_led != nullptr || at::in_parallel_region() ||
+      threads < 2) {
     body();
     return;
   }

@@ -46,9 +46,10 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
 }
 
 // Runs body on this thread with the other OpenMP threads as its team for kvserve::parallel_for.
-// Runs it plainly (no team) where teams are off, with one thread, inside a parallel region, or
-// while another thread leads the team.
-void run_in_step_team(const std::function<void()>& body);
+// Runs it plainly (no team) where the caller does not allow one (`allowed`: every parallel call
+// in body goes through kvserve::parallel_for), where teams are off, with one thread, inside a
+// parallel region, or while another thread leads the team.
+void run_in_step_team(const std::function<void()>& body, bool allowed = true);
 
 // Teams on or off for the process (tests and A/B runs; on by default, KVSERVE_STEP_TEAM=0 off).
 void set_step_teams(bool enabled);
