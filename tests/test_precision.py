@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache
@@ -63,15 +64,17 @@ def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 INT8_MISSES_BAR = {"smollm2-135m-instruct": True, "gemma-3-270m": False}  # name -> strict
 
 
-# int4's int8 prefill copies (int4_prefill "int8", opt-in): int8 activations per 64 inputs and
-# int8 weights per output column cost the prompt rows 3-4 points of top-1 agreement on this
-# text (SmolLM2 95.5 %, Gemma 3 96.5 %; perplexity +0.4 %, within its bar). Measured on SmolLM2
-# in plain torch, each rounding alone: activations per 64 (or 32) inputs 96.5 %, per 16 99.4 %;
-# weights per column 97.4 %, per 64 inputs 98.1 %; bf16 both 99.7 %. The reference is the file's
-# own Q4_1 weights, so every extra rounding flips this text's near-ties. Recorded as a miss
-# (xfail) once the perplexity bar and a floor below the measured agreement hold, so that a worse
-# int8 path still fails.
-INT8_PREFILL_TOP1_FLOOR = 0.94
+# int4's int8 prefill copies (int4_prefill "int8", opt-in): int8 activations per 64 inputs (each
+# row's 4 largest magnitudes exact) and int8 weights per 64 inputs cost the prompt rows ~1 point
+# of top-1 agreement on this text (97.8 % on both models: 7 near-ties flip; perplexity within
+# 0.1 %). The reference is the file's own 4-bit weights, so every extra rounding flips some of
+# this text's near-ties, and which ones follows rounding noise: in plain torch, finer schemes
+# measured 97.4-99.0 % with no order between them and their logit errors. Recorded as a miss
+# (xfail) once the perplexity bar, a top-1 floor and a bound on the mean KL divergence from the
+# fp32 model (smooth where top-1 counts flips) hold, so that a worse int8 path still fails: with
+# activations per 64 and weights per column it was 95.5 % / 96.5 % and KL 0.0066 / 0.0058.
+INT8_PREFILL_TOP1_FLOOR = 0.965
+INT8_PREFILL_MAX_KL = 0.003  # measured 0.0021 (SmolLM2), 0.0016 (Gemma 3); bf16 copies 0.0001
 
 
 def _agreement_and_perplexities(logits, ref_logits, ids) -> tuple[float, float, float]:
@@ -103,6 +106,9 @@ def test_weight_format_tolerance(reference, weight_format, int4_prefill, request
         assert abs(ppl / ref_ppl - 1) <= MAX_PERPLEXITY_RATIO_DELTA
         if kwargs and int4_prefill == "int8" and agreement < MIN_TOP1_AGREEMENT:
             assert agreement >= INT8_PREFILL_TOP1_FLOOR
+            kl = nn.functional.kl_div(logits.log_softmax(-1), ref_logits.log_softmax(-1), log_target=True,
+                                      reduction="batchmean").item()
+            assert kl <= INT8_PREFILL_MAX_KL, kl
             pytest.xfail(f"int8 prefill copies: top-1 agreement {agreement:.4f}, below the bar")
         assert agreement >= MIN_TOP1_AGREEMENT
 

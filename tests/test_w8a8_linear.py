@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvserve import ops
-from kvserve.quant import W8A8Linear, pack_w8a8_weight, unpack_w8a8_weight, w8a8_activations
+from kvserve.quant import (W8A8Linear, pack_w8a8_weight, unpack_w8a8_scales, unpack_w8a8_weight,
+                           w8a8_activations)
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
@@ -27,20 +28,23 @@ def route(request):
     ext.set_portable_w8a8_kernel(False)
 
 
-def test_packing_round_trips_the_rounded_rows():
+def test_packing_round_trips_the_rounded_groups():
     torch.manual_seed(0)
-    w = torch.randn(70, 33)
+    w = torch.randn(70, 130) * torch.tensor([1e-3, 1.0, 1e2]).repeat_interleave(64)[:130]  # groups far apart
     w[3] = 0.0  # a zero row: scale 0, every integer 0
     packed, scales = pack_w8a8_weight(w)
-    assert packed.shape == (5, 16, 16, 4) and packed.dtype == torch.uint8 and scales.shape == (80,)
-    q = unpack_w8a8_weight(packed, 70, 33)
-    assert q.abs().max() == 127 and torch.equal(q[3], torch.zeros(33, dtype=torch.int32))
-    assert torch.equal(scales[70:], torch.zeros(10)) and scales[3] == 0
-    # Each weight within half a step of its row's grid.
-    assert ((q * scales[:70, None] - w).abs() <= scales[:70, None] / 2 + 1e-7).all()
+    assert packed.shape == (5, 48, 16, 4) and packed.dtype == torch.uint8 and scales.shape == (5, 3, 16)
+    q = unpack_w8a8_weight(packed, 70, 130)
+    group_scales = unpack_w8a8_scales(scales, 80)
+    assert q.abs().max() == 127 and torch.equal(q[3], torch.zeros(130, dtype=torch.int32))
+    assert torch.equal(group_scales[70:], torch.zeros(10, 3)) and (group_scales[3] == 0).all()
+    # Each weight within half a step of its own group's grid (the small groups as exact as the large).
+    per_weight = group_scales[:70].repeat_interleave(64, dim=1)[:, :130]
+    assert ((q * per_weight - w).abs() <= per_weight / 2 + 1e-9 * w.abs()).all()
+    assert (q[:, :64].abs().amax(dim=1)[torch.arange(70) != 3] == 127).all()
     # The padding is a zero weight (128) in every padded column and input.
-    full = packed.permute(0, 2, 1, 3).reshape(80, 64)
-    assert (full[70:] == 128).all() and (full[:, 33:] == 128).all()
+    full = packed.permute(0, 2, 1, 3).reshape(80, 192)
+    assert (full[70:] == 128).all() and (full[:, 130:] == 128).all()
 
 
 def test_activations_match_the_plain_torch_rounding():
@@ -48,10 +52,39 @@ def test_activations_match_the_plain_torch_rounding():
     ext = ops.load_extension()
     x = torch.randn(9, 130) * torch.logspace(-3, 3, 130)  # groups of very different magnitudes
     x[4] = 0.0
-    q, scale = ext.w8a8_activations(x, 192)
-    q_ref, scale_ref = w8a8_activations(x, 192)
+    x[5] = torch.randn(130) * 0.1
+    x[5, 7] = x[5, 90] = x[5, 20] = 50.0  # ties: the lower indices win
+    x[5, 100] = -50.0
+    x[5, 3] = 50.0
+    x[6] = 1.0  # all tied: the first four
+    q, scale, index, values = ext.w8a8_activations(x, 192)
+    q_ref, scale_ref, index_ref, values_ref = w8a8_activations(x, 192)
     assert torch.equal(q.to(torch.float32), q_ref) and torch.equal(scale, scale_ref)
+    assert torch.equal(index, index_ref) and torch.equal(values, values_ref)
+    assert index[5].tolist() == [3, 7, 20, 90] and index[6].tolist() == [0, 1, 2, 3]
+    assert torch.equal(index[0], x[0].abs().topk(4).indices.sort().values.to(torch.int32))
+    assert torch.equal(values, x.gather(1, index.long()))
+    assert (q.gather(1, index.long()) == 0).all()  # the outliers are out of the rounded groups
     assert q.abs().max() == 127 and (q[:, 130:] == 0).all() and (q[4] == 0).all()
+    # Fewer inputs than outliers: every input is one.
+    q, scale, index, values = ext.w8a8_activations(torch.tensor([[2.0, -1.0]]), 64)
+    assert index.tolist() == [[0, 1]] and values.tolist() == [[2.0, -1.0]] and (q == 0).all()
+
+
+def test_a_massive_activation_costs_no_precision():
+    # One input 1,000x the others (LLMs' "massive activations"): exact as an outlier, it would
+    # otherwise set its group's step (the other 63 inputs rounded to about 0).
+    torch.manual_seed(2)
+    w = torch.randn(64, 576) * 0.05
+    layer = W8A8Linear(w, None)
+    exact_w = (unpack_w8a8_weight(layer.weight, 64, 576)
+               * unpack_w8a8_scales(layer.scales, 64).repeat_interleave(64, dim=1)).float()  # the int8 weights
+    x = torch.randn(8, 576)
+    spiked = x.clone()
+    spiked[:, 130] = 1000.0
+    exact = spiked @ exact_w.T
+    err = (layer(x) - x @ exact_w.T).abs().max()
+    assert (layer(spiked) - exact).abs().max() <= 2 * err + 1e-6 * exact.abs().max()
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
