@@ -174,19 +174,20 @@ def unpack_w8a8_scales(scales: torch.Tensor, n: int) -> torch.Tensor:
 def w8a8_activations(x: torch.Tensor, padded_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]:
     """The W8A8 kernel's activations in plain torch. Each row's ``min(4, K)`` largest magnitudes
-    (of equal ones, the lower index) are its outliers, kept exact; the rest, zero-padded to
-    ``padded_k``, is rounded per group of 64 inputs to integers in -127..127 against the group's
-    largest magnitude (``x * (127 / max)``, ties to even). Returns (the integers ``[M,
-    padded_k]`` with the outliers zeroed, the scales ``max / 127`` ``[M, padded_k / 64]``, the
-    outliers' indices ``[M, R]`` ascending, their values ``[M, R]``)."""
+    (of equal ones, the lower index; a NaN counts as infinite) are its outliers, kept exact; the
+    rest, zero-padded to ``padded_k``, is rounded per group of 64 inputs to integers in
+    -127..127 against the group's largest magnitude (``x * (127 / max)``, ties to even).
+    Returns (the integers ``[M, padded_k]`` with the outliers zeroed, the scales ``max / 127``
+    ``[M, padded_k / 64]``, the outliers' indices ``[M, R]`` ascending, their values ``[M, R]``)."""
     m, k = x.shape
     x = x.float()
     r = min(W8A8_OUTLIERS, k)
-    order = torch.sort(x.abs(), dim=1, descending=True, stable=True).indices  # stable: lower index first
+    magnitude = x.abs().nan_to_num(nan=float("inf"), posinf=float("inf"))  # a NaN counts as the largest
+    order = torch.sort(magnitude, dim=1, descending=True, stable=True).indices  # stable: lower index first
     index = order[:, :r].sort(dim=1).values
     values = x.gather(1, index)
     rest = x.scatter(1, index, 0.0)
-    groups = nn.functional.pad(rest, (0, padded_k - k)).view(m, -1, W8A8_GROUP)
+    groups = nn.functional.pad(rest, (0, padded_k - k)).view(m, padded_k // W8A8_GROUP, W8A8_GROUP)
     amax = groups.abs().amax(dim=-1)
     readable = amax > 127.0 / torch.finfo(torch.float32).max  # (below: 127 / max overflows; zeros)
     inv = torch.where(readable, 127.0 / torch.where(readable, amax, 1.0), 0.0)

@@ -15,7 +15,8 @@ from kvserve.quant import (W8A8Linear, pack_w8a8_weight, unpack_w8a8_scales, unp
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 13, 97, 200)
-SHAPES = [(96, 64), (70, 33), (40, 576), (200, 130)]  # ragged N (not a multiple of 16) and K (not of 64)
+# Ragged N (not a multiple of 16) and K (not of 64); K = 3: fewer inputs than outliers.
+SHAPES = [(96, 64), (70, 33), (40, 576), (200, 130), (20, 3)]
 
 
 @pytest.fixture(params=["vector", "portable"])
@@ -66,6 +67,13 @@ def test_activations_match_the_plain_torch_rounding():
     assert torch.equal(values, x.gather(1, index.long()))
     assert (q.gather(1, index.long()) == 0).all()  # the outliers are out of the rounded groups
     assert q.abs().max() == 127 and (q[:, 130:] == 0).all() and (q[4] == 0).all()
+    # A NaN is an outlier (the largest magnitude), not rounded into its group.
+    x_nan = torch.randn(2, 130)
+    x_nan[1, 77] = float("nan")
+    q, scale, index, values = ext.w8a8_activations(x_nan, 192)
+    q_ref, scale_ref, index_ref, _ = w8a8_activations(x_nan, 192)
+    assert 77 in index[1].tolist() and torch.equal(index, index_ref) and torch.equal(scale, scale_ref)
+    assert torch.equal(q.to(torch.float32), q_ref) and values[1].isnan().sum() == 1
     # Fewer inputs than outliers: every input is one.
     q, scale, index, values = ext.w8a8_activations(torch.tensor([[2.0, -1.0]]), 64)
     assert index.tolist() == [[0, 1]] and values.tolist() == [[2.0, -1.0]] and (q == 0).all()
@@ -106,7 +114,7 @@ def test_kernel_matches_plain_torch_and_each_row_is_the_same_in_any_call(route, 
     assert (alone - exact).abs().max() <= 0.03 * exact.abs().max()
 
 
-@pytest.mark.parametrize("n,k", SHAPES[:2])
+@pytest.mark.parametrize("n,k", SHAPES)
 def test_the_routes_give_the_same_bits(n, k):
     ext = ops.load_extension()
     if ext.w8a8_kernel_route() != "avx512vnni":

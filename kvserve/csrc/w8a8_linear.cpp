@@ -76,6 +76,13 @@ struct Activations {
   int64_t R;
 };
 
+// |x| with a NaN as the largest magnitude: a NaN input becomes an outlier (kept exact, so the
+// outputs it reaches are NaN) rather than reaching the int8 rounding.
+inline float magnitude(float x) {
+  const float a = std::fabs(x);
+  return a != a ? std::numeric_limits<float>::infinity() : a;
+}
+
 // The indices of row x's R <= kOutliers largest magnitudes (of equal ones, the lower index), in
 // ascending order. Each 16 inputs are compared as one maximum against the R-th largest so far, so
 // the scalar insertion runs only for the few that beat it.
@@ -84,7 +91,7 @@ void largest_magnitudes(const float* x, int64_t K, int64_t R, int32_t* index) {
   int32_t at[kOutliers];
   int64_t count = 0;
   auto offer = [&](int64_t i) {
-    const float v = std::fabs(x[i]);
+    const float v = magnitude(x[i]);
     if (count == R && !(v > best[R - 1])) return;
     int64_t j = std::min(count, R - 1);  // the free slot (full: the smallest, dropped)
     for (; j > 0 && v > best[j - 1]; --j) {
@@ -100,7 +107,7 @@ void largest_magnitudes(const float* x, int64_t K, int64_t R, int32_t* index) {
   for (; k0 + kChunk <= K; k0 += kChunk) {
     float chunk_max = 0.f;
 #pragma omp simd reduction(max : chunk_max)
-    for (int64_t i = 0; i < kChunk; ++i) chunk_max = std::max(chunk_max, std::fabs(x[k0 + i]));
+    for (int64_t i = 0; i < kChunk; ++i) chunk_max = std::max(chunk_max, magnitude(x[k0 + i]));
     if (count == R && !(chunk_max > best[R - 1])) continue;
     for (int64_t i = k0; i < k0 + kChunk; ++i) offer(i);
   }
