@@ -208,8 +208,9 @@ class W8A8Linear(nn.Module):
     tests/test_precision.py's text, whose bar is 98 %, bf16 copies 99.7 %; 96.2 % / 97.4 % over
     2,048 tokens of its long text, bf16 copies 99.1 % / 99.5 %), KL divergence 0.002-0.003
     (bf16 copies 0.0002). Without the outliers and the weights' group scales: 95.5-96.5 % on the
-    tolerance text, 94.3-95.7 % over the long one, KL 0.006-0.008. Without AVX512-VNNI (AVX2, AVX-VNNI only, portable) the same bits come from a scalar
-    loop: slower than the bf16 copies there.
+    tolerance text, 94.3-95.7 % over the long one, KL 0.006-0.008. Without AVX512-VNNI (AVX2,
+    AVX-VNNI only, portable) the same bits come from a scalar loop: slower than the bf16 copies
+    there.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -231,8 +232,9 @@ class W8A8Linear(nn.Module):
             self, x, buffer, True, lambda ext, rows, out: ext.w8a8_linear_out(out, rows, self.weight, self.scales, self.bias))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The kernel's sums in plain torch: the same integers (exact, in float64), the groups'
-        and columns' scales applied in float64 (equal to the kernel's fp32 to rounding)."""
+        """The kernel's sums in plain torch: the same integers (exact, in float64), the rows' and
+        columns' group scales and the outliers' exact values times their int8 weights applied in
+        float64 (equal to the kernel's fp32 to rounding)."""
         k_pad = self.weight.shape[1] * 4
         q, scale, index, values = w8a8_activations(x, k_pad)
         w = unpack_w8a8_weight(self.weight, self.out_features, k_pad).double()
