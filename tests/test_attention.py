@@ -289,6 +289,35 @@ def test_cache_rows_do_not_depend_on_the_chunking(attention_route, cache_dtype, 
         assert torch.equal(torch.cat(outs), expected)
 
 
+
+@pytest.mark.parametrize("attention_route", _attention_routes(), indirect=True)
+@pytest.mark.parametrize("window", [None, 200], ids=["full", "window200"])
+def test_rows_do_not_depend_on_the_chunking_at_a_model_shape(attention_route, window, attention_path):
+    """As above at SmolLM2's shape (9 query heads on 3 KV heads of 64, blocks of 16) over 300
+    positions: full key chunks read straight from the cache by a decode, contexts of several key
+    partitions (a decode's split over threads and merged; a prefill tile's one after another), a
+    window that starts inside a partition."""
+    if attention_path != "kernel":
+        pytest.skip("the kernel's routes")
+    heads, kv_heads, dim, block, n = 9, 3, 64, 16, 300
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    blocks = list(range(-(-n // block) + 2))
+    random.Random(3).shuffle(blocks)
+    table = [blocks[: -(-n // block)]]
+
+    def run(spans):
+        cache = LayerKV(torch.randn((2, kv_heads, len(blocks), block, dim), generator=gen).bfloat16())
+        outs = []
+        for a, b in spans:
+            md = build_attention_metadata(table, [a], [b - a], block)
+            outs.append(paged_attention(q[a:b], k[a:b], v[a:b], cache, md, dim ** -0.5, window))
+        return torch.cat(outs)
+
+    expected = run([(0, n)])
+    assert torch.equal(run([(0, 100), (100, 101), (101, 250), (250, n)]), expected)
+    assert torch.equal(run([(0, 120)] + [(i, i + 1) for i in range(120, n)]), expected)
+
 def test_long_contexts_and_many_sequences():
     """Contexts of hundreds of blocks (the kernel splits work over threads and sequences)."""
     c = Case([700, 1, 333, 64, 1000], [1, 1, 1, 1, 1], seed=8)

@@ -1,0 +1,91 @@
+"""The fused paged-attention kernel alone, at a model's shapes (its layers, KV heads, query heads
+per KV head and head dimension; a bf16 cache in blocks of 16 on huge pages, a sequence's blocks
+consecutive as the engine's allocator hands them out): a prefill of ``--prompt`` tokens through
+every layer, and a decode step at ``--context`` keys through every layer, warm (the cache still
+in L2/L3 from the last step) and cold (a 64 MB sweep between steps, as a decode step's weights
+evict it). Prints the CPU and the kernel's route for a bf16 cache (dot | widened;
+KVSERVE_ATTENTION_ROUTE overrides); best medians of ``--repeats`` rounds.
+
+    python benchmarks/attention_kernel.py [--model gemma-3-270m] [--prompt 256] [--context 320]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvserve import ops
+from kvserve.bench.machine import cpu_info
+from kvserve.loader import load_config
+from kvserve.loader.resolve import resolve_model
+
+BLOCK = 16
+
+
+def _median_ms(fn, iterations: int, before=None) -> float:
+    times = []
+    for _ in range(iterations):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--context", type=int, default=320)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    ext = ops.load_extension()
+    if ext is None:
+        raise SystemExit("the fused CPU kernels are not built")
+    cfg = load_config(resolve_model(args.model))
+    layers, kv_heads, heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']} ({', '.join(cpu['features'])}), {torch.get_num_threads()} threads; "
+          f"route {ext.attention_kernel_route()}")
+    print(f"{args.model}: {layers} layers, {heads} query heads on {kv_heads} KV heads of {dim}")
+
+    torch.manual_seed(0)
+    longest = max(args.prompt, args.context)
+    num_blocks = -(-longest // BLOCK) + 1
+    caches = []
+    for _ in range(layers):
+        cache = ops.empty_huge_pages((2, kv_heads, num_blocks, BLOCK, dim), torch.bfloat16, "cpu")
+        cache.copy_(torch.randn(cache.shape))
+        caches.append(cache)
+    table = torch.arange(1, num_blocks, dtype=torch.int32).reshape(1, -1)
+    seq_ids, starts = torch.tensor([0]), torch.tensor([0])
+    scale = dim ** -0.5
+
+    def through_layers(rows: int, keys: int):
+        q, out = torch.randn(rows, heads, dim), torch.empty(rows, heads, dim)
+        seq_lens, query_lens = torch.tensor([keys], dtype=torch.int32), torch.tensor([rows])
+
+        def run():
+            for cache in caches:
+                ext.paged_attention(out, q, cache, None, table, seq_lens, seq_ids, starts, query_lens, scale, 0, 0.0)
+        return run
+
+    prefill, decode = through_layers(args.prompt, args.prompt), through_layers(1, args.context)
+    sweep = torch.empty(64 << 20, dtype=torch.uint8)
+    results: dict[str, list[float]] = {"prefill": [], "decode warm": [], "decode cold": []}
+    for _ in range(args.repeats):
+        results["prefill"].append(_median_ms(prefill, 9))
+        results["decode warm"].append(_median_ms(decode, 41))
+        results["decode cold"].append(_median_ms(decode, 41, before=lambda: sweep.add_(1)))
+    kv_mb = layers * 2 * kv_heads * args.context * dim * 2 / 1e6
+    print(f"  prefill of {args.prompt} tokens   {min(results['prefill']):8.2f} ms through {layers} layers")
+    for kind in ("decode warm", "decode cold"):
+        ms = min(results[kind])
+        print(f"  {kind} at {args.context} keys {ms:8.3f} ms through {layers} layers "
+              f"({kv_mb:.1f} MB of keys and values, {kv_mb / ms:.1f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()
