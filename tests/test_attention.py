@@ -290,16 +290,24 @@ def test_cache_rows_do_not_depend_on_the_chunking(attention_route, cache_dtype, 
 
 
 
+# (query heads, KV heads, head dim, block size): SmolLM2's; Gemma 3's head dim with 8 query heads
+# a KV head (a decode's rows in two blocks, its chunks paired); small blocks (every chunk paired).
+MODEL_SHAPES = {"smollm2": (9, 3, 64, 16), "g8_d256": (8, 1, 256, 16), "block4": (4, 2, 32, 4)}
+
+
 @pytest.mark.parametrize("attention_route", _attention_routes(), indirect=True)
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["nocap", "softcap"])  # (scores ~ N(0, 1): a cap that bends)
 @pytest.mark.parametrize("window", [None, 200], ids=["full", "window200"])
-def test_rows_do_not_depend_on_the_chunking_at_a_model_shape(attention_route, window, attention_path):
-    """As above at SmolLM2's shape (9 query heads on 3 KV heads of 64, blocks of 16) over 300
-    positions: full key chunks read straight from the cache by a decode, contexts of several key
-    partitions (a decode's split over threads and merged; a prefill tile's one after another), a
-    window that starts inside a partition."""
+@pytest.mark.parametrize("shape", list(MODEL_SHAPES))
+def test_rows_do_not_depend_on_the_chunking_at_a_model_shape(shape, window, softcap, attention_route, attention_path):
+    """As above over 300 positions at a model's shapes: full key chunks read straight from the
+    cache by a decode (blocks of 16, <= 4 rows), contexts of several key partitions (a decode's
+    split over threads and merged; a prefill tile's one after another), a window that starts
+    inside a partition, soft-capping; and the answer against attention over what the cache holds."""
     if attention_path != "kernel":
         pytest.skip("the kernel's routes")
-    heads, kv_heads, dim, block, n = 9, 3, 64, 16, 300
+    heads, kv_heads, dim, block = MODEL_SHAPES[shape]
+    n = 300
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
     blocks = list(range(-(-n // block) + 2))
@@ -311,12 +319,22 @@ def test_rows_do_not_depend_on_the_chunking_at_a_model_shape(attention_route, wi
         outs = []
         for a, b in spans:
             md = build_attention_metadata(table, [a], [b - a], block)
-            outs.append(paged_attention(q[a:b], k[a:b], v[a:b], cache, md, dim ** -0.5, window))
+            outs.append(paged_attention(q[a:b], k[a:b], v[a:b], cache, md, dim ** -0.5, window, softcap))
         return torch.cat(outs)
 
     expected = run([(0, n)])
     assert torch.equal(run([(0, 100), (100, 101), (101, 250), (250, n)]), expected)
     assert torch.equal(run([(0, 120)] + [(i, i + 1) for i in range(120, n)]), expected)
+    # Against float64 attention over the bf16 keys and values the cache holds.
+    kd, vd = (t.bfloat16().double().repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kd) * dim ** -0.5
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(n)
+    hidden = (pos[None, :] > pos[:, None]) | ((pos[:, None] - pos[None, :] >= window) if window else False)
+    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    reference = torch.einsum("hqk,khd->qhd", weights, vd)
+    assert (expected.double() - reference).abs().max() < BF16_ROUTE_BOUND[attention_route]
 
 def test_long_contexts_and_many_sequences():
     """Contexts of hundreds of blocks (the kernel splits work over threads and sequences)."""

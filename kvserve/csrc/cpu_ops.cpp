@@ -748,11 +748,17 @@ __attribute__((noinline)) void partition_softmax_row(float* x, int64_t stride, i
     max16 = _mm512_mask_max_ps(max16, visible_lanes(c), max16, _mm512_loadu_ps(xc));
   }
   const float max = _mm512_reduce_max_ps(max16);
+  if (max == kNegInf) {  // nothing visible (or only -inf scores): no weight, as merge_partitions expects
+    for (int64_t c = 0; c < num_chunks; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + c * (kKeyChunk / 2)), _mm256_setzero_si256());
+    *row_max = kNegInf;
+    *row_sum = 0.f;
+    return;
+  }
   __m512 sum16 = _mm512_setzero_ps();
   const __m512 max_lanes = _mm512_set1_ps(max);
   for (int64_t c = 0; c < num_chunks; ++c) {
-    // A hidden key may score above the max (and with nothing visible the max is -inf): clamped
-    // before the exp, then zeroed by the mask.
+    // A hidden key may score above the max: clamped before the exp, then zeroed by the mask.
     const __m512 shifted = _mm512_min_ps(_mm512_sub_ps(_mm512_loadu_ps(x + c * stride), max_lanes), _mm512_setzero_ps());
     const __m256bh weights = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(visible_lanes(c), exp_nonpositive16(shifted)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + c * (kKeyChunk / 2)), reinterpret_cast<__m256i>(weights));
@@ -824,8 +830,8 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
   const bool few_rows = rows <= kRowBlock;
 
   // The partition's chunks, each ending at a block's end, 16 keys after its start or at the last
-  // key (a partition of kKeyPartition keys: at most 8 + 128 + 1 chunks).
-  constexpr int64_t kMaxChunks = 2 * kKeyPartition + 2;
+  // key: at most kKeyPartition (blocks of one key).
+  constexpr int64_t kMaxChunks = kKeyPartition;
   int64_t j0s[kMaxChunks], nks[kMaxChunks], key_offsets[kMaxChunks], value_offsets[kMaxChunks], key_aheads[kMaxChunks];
   const uint16_t* key_direct[kMaxChunks];
   const uint16_t* value_direct[kMaxChunks];
