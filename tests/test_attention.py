@@ -34,10 +34,12 @@ def attention_path(request):
 
 
 def dense_reference(q, k, v, q_positions, window: Optional[int], softcap: Optional[float]):
-    """q [n, H, D] at q_positions; k/v [L, KVH, D] for positions 0..L-1 -> [n, H, D]."""
-    k = k.double().repeat_interleave(H // KVH, dim=1)
-    v = v.double().repeat_interleave(H // KVH, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * SCALE
+    """q [n, heads, D] at q_positions; k/v [L, kv_heads, D] for positions 0..L-1 -> [n, heads, D],
+    scaled by D ** -0.5."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * q.shape[-1] ** -0.5
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -289,7 +291,6 @@ def test_cache_rows_do_not_depend_on_the_chunking(attention_route, cache_dtype, 
         assert torch.equal(torch.cat(outs), expected)
 
 
-
 # (query heads, KV heads, head dim, block size): SmolLM2's; Gemma 3's head dim with 8 query heads
 # a KV head (a decode's rows in two blocks, its chunks paired); small blocks (every chunk paired).
 MODEL_SHAPES = {"smollm2": (9, 3, 64, 16), "g8_d256": (8, 1, 256, 16), "block4": (4, 2, 32, 4)}
@@ -326,15 +327,9 @@ def test_rows_do_not_depend_on_the_chunking_at_a_model_shape(shape, window, soft
     assert torch.equal(run([(0, 100), (100, 101), (101, 250), (250, n)]), expected)
     assert torch.equal(run([(0, 120)] + [(i, i + 1) for i in range(120, n)]), expected)
     # Against float64 attention over the bf16 keys and values the cache holds.
-    kd, vd = (t.bfloat16().double().repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kd) * dim ** -0.5
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    pos = torch.arange(n)
-    hidden = (pos[None, :] > pos[:, None]) | ((pos[:, None] - pos[None, :] >= window) if window else False)
-    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
-    reference = torch.einsum("hqk,khd->qhd", weights, vd)
+    reference = dense_reference(q, k.bfloat16(), v.bfloat16(), range(n), window, softcap)
     assert (expected.double() - reference).abs().max() < BF16_ROUTE_BOUND[attention_route]
+
 
 def test_long_contexts_and_many_sequences():
     """Contexts of hundreds of blocks (the kernel splits work over threads and sequences)."""

@@ -535,6 +535,14 @@ inline __m512 exp_nonpositive16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+
+// The lanes of a chunk of keys [j0, j0 + n_keys) that a row seeing the keys [lo, hi] sees: one
+// run of the chunk, t in [t_lo, t_hi].
+inline __mmask16 visible_lanes(int64_t j0, int64_t n_keys, int64_t lo, int64_t hi) {
+  const int64_t t_lo = std::max<int64_t>(lo - j0, 0), t_hi = std::min<int64_t>(hi - j0, n_keys - 1);
+  return t_lo > t_hi ? static_cast<__mmask16>(0)
+                     : static_cast<__mmask16>(((1u << (t_hi + 1)) - 1) & ~((1u << t_lo) - 1));
+}
 #endif
 
 // The online softmax of one score row over one chunk of keys [j0, j0 + 16): x holds the scaled
@@ -549,12 +557,10 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
     for (int64_t t = 0; t < kKeyChunk; ++t) x[t] = std::tanh(x[t] / softcap) * softcap;
   }
 #if defined(__AVX512F__)
-  // The visible keys are one run of the chunk, t in [t_lo, t_hi]: a lane mask, a masked
-  // reduction for the max where it can move, one sum; the weights of hidden keys are zeroed by
-  // the mask.
-  const int64_t t_lo = std::max<int64_t>(lo - j0, 0), t_hi = std::min<int64_t>(hi - j0, n_keys - 1);
+  // The visible keys as a lane mask: a masked reduction for the max where it can move, one sum;
+  // the weights of hidden keys are zeroed by the mask.
   const __m512 xv = _mm512_loadu_ps(x);
-  const __mmask16 visible = t_lo > t_hi ? 0 : static_cast<__mmask16>(((1u << (t_hi + 1)) - 1) & ~((1u << t_lo) - 1));
+  const __mmask16 visible = visible_lanes(j0, n_keys, lo, hi);
   if (!_mm512_mask_cmp_ps_mask(visible, xv, _mm512_set1_ps(kNegInf), _CMP_NEQ_UQ)) {  // nothing visible to this row
     _mm512_storeu_ps(p, _mm512_setzero_ps());
     return 1.f;
@@ -734,18 +740,13 @@ __attribute__((noinline)) void partition_softmax_row(float* x, int64_t stride, i
                                                      float softcap, float* row_max, float* row_sum,
                                                      uint32_t* p_pairs) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  auto visible_lanes = [&](int64_t c) {
-    const int64_t t_lo = std::max<int64_t>(lo - j0s[c], 0), t_hi = std::min<int64_t>(hi - j0s[c], nks[c] - 1);
-    return t_lo > t_hi ? static_cast<__mmask16>(0)
-                       : static_cast<__mmask16>(((1u << (t_hi + 1)) - 1) & ~((1u << t_lo) - 1));
-  };
   __m512 max16 = _mm512_set1_ps(kNegInf);
   for (int64_t c = 0; c < num_chunks; ++c) {
     float* xc = x + c * stride;
     if (softcap > 0.f) {
       for (int64_t t = 0; t < kKeyChunk; ++t) xc[t] = std::tanh(xc[t] / softcap) * softcap;
     }
-    max16 = _mm512_mask_max_ps(max16, visible_lanes(c), max16, _mm512_loadu_ps(xc));
+    max16 = _mm512_mask_max_ps(max16, visible_lanes(j0s[c], nks[c], lo, hi), max16, _mm512_loadu_ps(xc));
   }
   const float max = _mm512_reduce_max_ps(max16);
   if (max == kNegInf) {  // nothing visible (or only -inf scores): no weight, as merge_partitions expects
@@ -760,7 +761,7 @@ __attribute__((noinline)) void partition_softmax_row(float* x, int64_t stride, i
   for (int64_t c = 0; c < num_chunks; ++c) {
     // A hidden key may score above the max: clamped before the exp, then zeroed by the mask.
     const __m512 shifted = _mm512_min_ps(_mm512_sub_ps(_mm512_loadu_ps(x + c * stride), max_lanes), _mm512_setzero_ps());
-    const __m256bh weights = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(visible_lanes(c), exp_nonpositive16(shifted)));
+    const __m256bh weights = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(visible_lanes(j0s[c], nks[c], lo, hi), exp_nonpositive16(shifted)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + c * (kKeyChunk / 2)), reinterpret_cast<__m256i>(weights));
     sum16 = _mm512_add_ps(sum16, _mm512_cvtpbh_ps(weights));
   }
@@ -879,9 +880,14 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
     const float* qr = q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1;
     for (int64_t d = 0; d < D; d += kKeyChunk) store_bf16x16(q_pairs + r * D / 2 + d / 2, _mm512_loadu_ps(qr + d));
   }
-  // The keys row r sees: [lo, hi].
+  // The keys row r sees: [lo, hi]; whether any of rows r0..r0 + nr sees one of [j0, j1).
   const auto last_key_of = [&](int64_t r) { return first_query_pos + r / G; };
   const auto first_key_of = [&](int64_t r) { return first_visible_key(last_key_of(r), window); };
+  const auto any_visible = [&](int64_t r0, int64_t nr, int64_t j0, int64_t j1) {
+    for (int64_t r = r0; r < r0 + nr; ++r)
+      if (j0 <= last_key_of(r) && j1 > first_key_of(r)) return true;
+    return false;
+  };
 
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
     dispatch_rows<kRowBlock>(rows - r0, [&](auto nr_constant) {
@@ -892,9 +898,7 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
       const uint32_t* block_paired[kMaxChunks];
       int64_t n = 0;
       for (int64_t c = 0; c < num_chunks; ++c) {
-        bool seen = false;
-        for (int64_t r = r0; r < r0 + NR; ++r) seen |= j0s[c] <= last_key_of(r) && j0s[c] + nks[c] > first_key_of(r);
-        if (!seen) continue;
+        if (!any_visible(r0, NR, j0s[c], j0s[c] + nks[c])) continue;
         // A decode fetches, a line per step of the score loop, the keys kPrefetchChunks chunks
         // ahead and this chunk's values (read after every chunk's scores).
         const char* k_ahead =
