@@ -3,10 +3,13 @@ per KV head and head dimension; a bf16 cache in blocks of 16 on huge pages, a se
 consecutive as the engine's allocator hands them out): a prefill of ``--prompt`` tokens through
 every layer, and a decode step at ``--context`` keys through every layer, warm (the cache still
 in L2/L3 from the last step) and cold (a 64 MB sweep between steps, as a decode step's weights
-evict it). Prints the CPU and the kernel's route for a bf16 cache (dot | widened;
-KVSERVE_ATTENTION_ROUTE overrides); best medians of ``--repeats`` rounds.
+evict it). Prints the CPU and the kernel's route for a bf16 cache (dot | widened | amx;
+KVSERVE_ATTENTION_ROUTE overrides); best medians of ``--repeats`` rounds. ``--routes`` runs
+several routes in this one process, alternated round by round (on an AMX machine:
+``--routes widened,amx``; ``amx-emulated`` is the tile program's C++ model, for checks, not speed).
 
     python benchmarks/attention_kernel.py [--model gemma-3-270m] [--prompt 256] [--context 320]
+        [--routes widened,amx]
 """
 from __future__ import annotations
 
@@ -40,15 +43,17 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--routes", default="", help="comma-separated attention routes (default: this process's)")
     args = ap.parse_args()
     ext = ops.load_extension()
     if ext is None:
         raise SystemExit("the fused CPU kernels are not built")
+    routes = [r for r in args.routes.split(",") if r] or [ext.attention_kernel_route()]
     cfg = load_config(resolve_model(args.model))
     layers, kv_heads, heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     cpu = cpu_info()
     print(f"CPU: {cpu['model']} ({', '.join(cpu['features'])}), {torch.get_num_threads()} threads; "
-          f"route {ext.attention_kernel_route()}")
+          f"routes {', '.join(routes)}")
     print(f"{args.model}: {layers} layers, {heads} query heads on {kv_heads} KV heads of {dim}")
 
     torch.manual_seed(0)
@@ -74,17 +79,21 @@ def main() -> None:
 
     prefill, decode = through_layers(args.prompt, args.prompt), through_layers(1, args.context)
     sweep = torch.empty(64 << 20, dtype=torch.uint8)
-    results: dict[str, list[float]] = {"prefill": [], "decode warm": [], "decode cold": []}
+    results = {route: {"prefill": [], "decode warm": [], "decode cold": []} for route in routes}
     for _ in range(args.repeats):
-        results["prefill"].append(_median_ms(prefill, 9))
-        results["decode warm"].append(_median_ms(decode, 41))
-        results["decode cold"].append(_median_ms(decode, 41, before=lambda: sweep.add_(1)))
+        for route in routes:
+            ext.set_attention_kernel_route(route)
+            results[route]["prefill"].append(_median_ms(prefill, 9))
+            results[route]["decode warm"].append(_median_ms(decode, 41))
+            results[route]["decode cold"].append(_median_ms(decode, 41, before=lambda: sweep.add_(1)))
     kv_mb = layers * 2 * kv_heads * args.context * dim * 2 / 1e6
-    print(f"  prefill of {args.prompt} tokens   {min(results['prefill']):8.2f} ms through {layers} layers")
-    for kind in ("decode warm", "decode cold"):
-        ms = min(results[kind])
-        print(f"  {kind} at {args.context} keys {ms:8.3f} ms through {layers} layers "
-              f"({kv_mb:.1f} MB of keys and values, {kv_mb / ms:.1f} GB/s)")
+    for route in routes:
+        print(f"route {route}:")
+        print(f"  prefill of {args.prompt} tokens   {min(results[route]['prefill']):8.2f} ms through {layers} layers")
+        for kind in ("decode warm", "decode cold"):
+            ms = min(results[route][kind])
+            print(f"  {kind} at {args.context} keys {ms:8.3f} ms through {layers} layers "
+                  f"({kv_mb:.1f} MB of keys and values, {kv_mb / ms:.1f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -68,11 +68,12 @@ def _choose_bf16_route(ext: Any) -> None:
     """Settles the bf16 kernel's route now, while the process is small: on a CPU with AMX that
     runs the tiles' self-test in a forked child. A CPU that lists AMX but whose tiles cannot run
     (the OS, the kernel's permission, the self-test) is said once, with the reason, since its
-    bits and speed are then the vector route's. KVSERVE_BF16_ROUTE=amx where the tiles cannot
-    run raises here."""
+    bits and speed are then the vector route's. KVSERVE_BF16_ROUTE=amx or
+    KVSERVE_ATTENTION_ROUTE=amx where the tiles cannot run raises here."""
     from kvserve.bench.machine import cpu_info
 
     route = ext.bf16_kernel_route()
+    ext.attention_kernel_route()  # KVSERVE_ATTENTION_ROUTE=amx where the tiles cannot run raises here too
     has_amx = "amx_bf16" in cpu_info()["features"]
     if has_amx and route != "amx" and os.environ.get("KVSERVE_BF16_ROUTE") not in ("dot", "widened"):
         logger.warning("the CPU lists AMX but bf16 layers take the %s route: %s", route, ext.amx_bf16_status())

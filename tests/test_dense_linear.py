@@ -178,17 +178,19 @@ def test_amx_route_where_the_machine_has_it():
         signal.signal(signal.SIGCHLD, previous)
 
 
-def test_amx_route_demanded_where_it_cannot_run_fails_clearly(tmp_path):
-    """KVSERVE_BF16_ROUTE=amx on a machine whose tiles cannot run: loading the kernels raises
-    with the reason, instead of running another route's bits."""
+@pytest.mark.parametrize("variable", ["KVSERVE_BF16_ROUTE", "KVSERVE_ATTENTION_ROUTE"])
+def test_amx_route_demanded_where_it_cannot_run_fails_clearly(variable):
+    """KVSERVE_BF16_ROUTE=amx (the linear layers) or KVSERVE_ATTENTION_ROUTE=amx (attention over a
+    bf16 cache) on a machine whose tiles cannot run: loading the kernels raises with the reason,
+    instead of running another route's bits."""
     ext = ops.load_extension()
     if ext.amx_bf16_available():
         pytest.skip("this machine runs the tiles")
     code = ("from kvserve import ops\n"
             "try:\n    ops.load_extension()\nexcept RuntimeError as e:\n    print('refused:', e)\n")
-    env = {**os.environ, "KVSERVE_BF16_ROUTE": "amx"}
+    env = {**os.environ, variable: "amx"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert "refused: KVSERVE_BF16_ROUTE=amx, but the AMX tiles cannot run here" in out.stdout, out.stderr[-2000:]
+    assert f"refused: {variable}=amx, but the AMX tiles cannot run here" in out.stdout, out.stderr[-2000:]
 
 
 def test_gathered_rows_dot_is_fp32_linear_bit_for_bit():

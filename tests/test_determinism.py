@@ -102,27 +102,37 @@ def test_tiny_batch_size_and_composition(tiny_model, dtype, quantization, kv):
 @pytest.fixture
 def tile_route():
     """Every bf16 call of the test through the AMX route's tile program (on its emulation where
-    the machine has no AMX): the route Intel's AMX machines take for every bf16 layer."""
+    the machine has no AMX): the route Intel's AMX machines take for every bf16 layer; and
+    attention over the bf16 cache on its tile program too (opt-in there, KVSERVE_ATTENTION_ROUTE=amx;
+    head dimensions that are a multiple of 32), where this build has it."""
     from kvserve import ops
 
     ext = ops.load_extension()
-    default_route = ext.bf16_kernel_route()
-    ext.set_bf16_kernel_route("amx" if ext.amx_bf16_available() else "amx-emulated")
+    default_route, default_attention = ext.bf16_kernel_route(), ext.attention_kernel_route()
+    tiles = "amx" if ext.amx_bf16_available() else "amx-emulated"
+    ext.set_bf16_kernel_route(tiles)
+    try:
+        ext.set_attention_kernel_route(tiles)
+    except RuntimeError:  # a build without AVX512-BF16: the vector attention
+        pass
     yield
     ext.set_bf16_kernel_route(default_route)
+    ext.set_attention_kernel_route(default_attention)
 
 
+@pytest.mark.parametrize("head_dim", [16, 32], ids=["d16", "d32"])
 @pytest.mark.parametrize("quantization", ["bf16", "int4"])
-def test_tiny_tile_route(tiny_model, quantization, tile_route):
+def test_tiny_tile_route(tiny_model, quantization, head_dim, tile_route):
     """On the tile route (decode rows and prompt rows alike in bf16; int4's prompt rows through
-    its bf16 copies): the same tokens and logprobs beside others, chunked, and over a cached
-    prefix."""
-    llm = _tiny(tiny_model, "float32", quantization, "bfloat16", max_num_seqs=64)
+    its bf16 copies; with 32-dimension heads attention's tiles as well): the same tokens and
+    logprobs beside others, chunked, and over a cached prefix."""
+    model = tiny_model if head_dim == 16 else f"{tiny_model}-h4kv2d{head_dim}"
+    llm = _tiny(model, "float32", quantization, "bfloat16", max_num_seqs=64)
     alone = _in_crowd(llm, 1)
     for b in (9, 64):
         assert _in_crowd(llm, b) == alone, f"batch size {b}"
     for budget in (7, 37):
-        chunked = _tiny(tiny_model, "float32", quantization, "bfloat16", max_num_batched_tokens=budget,
+        chunked = _tiny(model, "float32", quantization, "bfloat16", max_num_batched_tokens=budget,
                         enable_prefix_caching=False)
         outs = chunked.generate([OTHERS[0], TARGET, OTHERS[1]], [NOISE, PARAMS, NOISE])
         assert signature(outs[1]) == alone, f"chunk budget {budget}"

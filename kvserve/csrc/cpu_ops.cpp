@@ -15,6 +15,7 @@
 #include "step_team.h"
 #include "bf16.h"
 #include "amx_linear.h"
+#include "amx_tiles.h"
 #include "dense_linear.h"
 #include "quant_linear.h"
 #include "screen_linear.h"
@@ -29,6 +30,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -619,6 +621,31 @@ __attribute__((noinline)) void softmax_rows(float (*x)[kKeyChunk], int64_t rows,
     correction[r] = softmax_chunk(x[r], j0, n_keys, lo[r], hi[r], softcap, row_max[r], row_sum[r], p[r]);
 }
 
+// Attention over a bf16 cache on Intel's matrix unit (attention_tile_amx): 0 off (the vector
+// routes), 1 the hardware's tiles, 2 their emulation (tests, any CPU with AVX512-BF16). Opt-in
+// (KVSERVE_ATTENTION_ROUTE=amx, or set_attention_kernel_route) until it has been measured on an
+// AMX machine; like every route it is fixed for the process, so that a decode's row and a
+// prompt's row take the same instructions. =amx where the tiles cannot run raises (at the
+// extension's load: ops.load_extension asks for the route).
+std::atomic<int> g_attention_amx{0};
+std::once_flag g_attention_amx_resolved;
+
+int attention_amx_mode() {
+  std::call_once(g_attention_amx_resolved, [] {
+    const char* route = std::getenv("KVSERVE_ATTENTION_ROUTE");
+    if (route == nullptr || std::strcmp(route, "amx") != 0) return;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+    TORCH_CHECK(amx_bf16_available(), "KVSERVE_ATTENTION_ROUTE=amx, but the AMX tiles cannot run here: ",
+                amx_bf16_status());
+    g_attention_amx.store(1, std::memory_order_relaxed);
+#else
+    TORCH_CHECK(false, "KVSERVE_ATTENTION_ROUTE=amx, but the AMX tiles cannot run here: ",
+                amx_bf16_available() ? std::string("this build has no AVX512-BF16") : amx_bf16_status());
+#endif
+  });
+  return g_attention_amx.load(std::memory_order_relaxed);
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define KVSERVE_ATTENTION_BF16_DOT 1
 // Whether attention over a bf16 cache multiplies in bf16 pairs with vdpbf16ps (the queries and
@@ -922,6 +949,181 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
   }
   finish_tile(acc, rows, D, partial, out, o_s0, o_s1, first_row, kvh, G);
 }
+
+// ---- attention over a bf16 cache on Intel's matrix unit (AMX): see attention_amx_mode ----
+// attention_tile_dot's arithmetic on tiles, over one key partition (D a multiple of 32):
+//   scores: C (rows x 16 keys) = Q (rows x 32 dimensions, bf16 pairs) . K (16 dimension pairs x
+//     16 keys), summed over D in tiles of 32 dimensions, two key cells (C0, C1) per pass;
+//   the softmax: partition_softmax_row on the stored scores (times the scale), as on the dot route;
+//   values: C (rows x 16 dimensions) = P (rows x 16 key pairs, the rounded weights) . V (16 key
+//     pairs x 16 dimensions), over the partition's cells two at a time (32 keys per
+//     instruction), four C tiles covering 64 dimensions per pass over the cells.
+// Keys sit in cells of 16 positions on the grid of absolute positions, paired (2 cells, 32 keys)
+// from a multiple of 32: which keys one instruction sums depends on their positions alone, so a
+// row's bits do not depend on the tile's first query, its rows, or how a prompt was chunked.
+// Each cell is gathered once per tile into paired buffers (a B tile's layout; zero where no key
+// is, so every product is finite). A tile's rows go in blocks of 16 (a decode: its G rows, the
+// tile configured to that many; a partial last block computes zero rows and drops them).
+// Cells, chunks and rows no row of a block sees add exact zeros, as on the dot route.
+template <int64_t kD, class Tiles>
+void attention_tile_amx(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
+                        const c10::BFloat16* khead_, const c10::BFloat16* vhead_, const int32_t* table, int64_t BS,
+                        int64_t d_runtime, int64_t G, int64_t first_query_pos, int64_t num_queries, int64_t first_row,
+                        int64_t kvh, float scale, int64_t window, float softcap, int64_t key_begin, int64_t key_end,
+                        float* partial, std::vector<float>& work) {
+  constexpr int64_t kTileRows = kAmxRows, kCellPair = 2 * kKeyChunk;
+  const int64_t D = kD > 0 ? kD : d_runtime;
+  const int64_t Dh = D / 2;
+  const int64_t rows = num_queries * G;
+  const int64_t tile_rows = std::min(rows, kTileRows);
+  const int64_t padded_rows = (rows + tile_rows - 1) / tile_rows * tile_rows;
+  const uint16_t* khead = reinterpret_cast<const uint16_t*>(khead_);
+  const uint16_t* vhead = reinterpret_cast<const uint16_t*>(vhead_);
+
+  // The visited keys [first_key, last_key] (as for_each_key_chunk), in cells from pair_start.
+  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
+  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window)) & ~(kKeyChunk - 1);
+  const int64_t pair_start = first_key & ~(kCellPair - 1);
+  const int64_t num_cells = last_key < first_key ? 0 : ((last_key - pair_start) / kCellPair + 1) * 2;
+  TORCH_CHECK(num_cells <= kKeyPartition / kKeyChunk + 2, "attention: more key cells than a partition holds");
+
+  // acc [rows, D], row_max, row_sum (as finish_tile takes them), then 32-bit words: the queries'
+  // bf16 pairs [padded_rows, D / 2], the cells' keys [cells, D / 2, 16] and values [cells, 8, D]
+  // (a pair of cells is one B tile's 16 rows), a row block's scores [cells, 16 rows, 16] and
+  // weights [16 rows, cells, 8], and one C tile's worth of a partial block's values [16, D].
+  const int64_t cell_words = Dh * kKeyChunk;  // = 8 * D
+  work.resize(rows * D + 2 * rows + padded_rows * Dh + 2 * num_cells * cell_words + num_cells * kTileRows * kKeyChunk +
+              kTileRows * num_cells * kKeyChunk / 2 + kTileRows * D);
+  float* acc = work.data();
+  float* row_max = acc + rows * D;
+  float* row_sum = row_max + rows;
+  uint32_t* q_pairs = reinterpret_cast<uint32_t*>(row_sum + rows);
+  uint32_t* key_cells = q_pairs + padded_rows * Dh;
+  uint32_t* value_cells = key_cells + num_cells * cell_words;
+  float* scores = reinterpret_cast<float*>(value_cells + num_cells * cell_words);
+  uint32_t* p_pairs = reinterpret_cast<uint32_t*>(scores + num_cells * kTileRows * kKeyChunk);
+  float* block_values = reinterpret_cast<float*>(p_pairs + kTileRows * num_cells * kKeyChunk / 2);
+
+  // Cells: zero where a cell is not whole, then each chunk's keys paired into place (a whole
+  // cell's chunk in one go, as the dot route pairs it; blocks smaller than a cell key by key).
+  int64_t cell_keys[kKeyPartition / kKeyChunk + 2];
+  for (int64_t c = 0; c < num_cells; ++c) {
+    const int64_t start = pair_start + c * kKeyChunk;
+    cell_keys[c] = start < first_key ? 0 : std::clamp<int64_t>(last_key + 1 - start, 0, kKeyChunk);
+    if (cell_keys[c] < kKeyChunk) {
+      std::fill(key_cells + c * cell_words, key_cells + (c + 1) * cell_words, 0u);
+      std::fill(value_cells + c * cell_words, value_cells + (c + 1) * cell_words, 0u);
+    }
+  }
+  for_each_key_chunk(table, BS, D, first_query_pos, num_queries, window, key_begin, key_end, false,
+                     [&](const KeyChunk& chunk) {
+    const int64_t n_keys = chunk.j1 - chunk.j0, c = (chunk.j0 - pair_start) / kKeyChunk;
+    const uint16_t* kb = khead + chunk.key_offset;  // row d at kb + d * BS
+    const uint16_t* vb = vhead + chunk.value_offset;  // row t at vb + t * D
+    if (n_keys == kKeyChunk && chunk.j0 % kKeyChunk == 0) {
+      pair_key_chunk(kb, BS, D, kKeyChunk, key_cells + c * cell_words);
+      pair_value_chunk(vb, D, kKeyChunk, value_cells + c * cell_words);
+      return;
+    }
+    uint16_t* key_halves = reinterpret_cast<uint16_t*>(key_cells);
+    uint16_t* value_halves = reinterpret_cast<uint16_t*>(value_cells);
+    for (int64_t t = 0; t < n_keys; ++t) {
+      const int64_t cell = (chunk.j0 + t - pair_start) / kKeyChunk, lane = (chunk.j0 + t - pair_start) % kKeyChunk;
+      for (int64_t d = 0; d < D; ++d) {
+        key_halves[((cell * Dh + d / 2) * kKeyChunk + lane) * 2 + d % 2] = kb[d * BS + t];
+        value_halves[((cell * 8 + lane / 2) * D + d) * 2 + lane % 2] = vb[t * D + d];
+      }
+    }
+  });
+  for (int64_t r = 0; r < padded_rows; ++r) {  // the queries to nearest (even); padding rows zero
+    if (r >= rows) {
+      std::fill(q_pairs + r * Dh, q_pairs + (r + 1) * Dh, 0u);
+      continue;
+    }
+    const float* qr = q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1;
+    for (int64_t d = 0; d < D; d += kKeyChunk) store_bf16x16(q_pairs + r * Dh + d / 2, _mm512_loadu_ps(qr + d));
+  }
+  const auto last_key_of = [&](int64_t r) { return first_query_pos + r / G; };
+  const auto first_key_of = [&](int64_t r) { return first_visible_key(last_key_of(r), window); };
+
+  Tiles tiles;
+  tiles.configure(kvserve_amx::tile_config(static_cast<int>(tile_rows)));
+  for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+    const int64_t nr = std::min(tile_rows, rows - r0);
+    // The pairs of cells some row of the block sees (its keys [first_key_of(r0), last_key_of(r0
+    // + nr - 1)] at most): their cells in order, as the softmax takes them.
+    const int64_t block_lo = std::max(first_key_of(r0), first_key), block_hi = last_key_of(r0 + nr - 1);
+    int64_t cells[kKeyPartition / kKeyChunk + 2], j0s[kKeyPartition / kKeyChunk + 2], nks[kKeyPartition / kKeyChunk + 2];
+    int64_t n = 0;
+    for (int64_t c = 0; c < num_cells; c += 2) {
+      const int64_t start = pair_start + c * kKeyChunk;
+      if (start > block_hi || start + kCellPair <= block_lo) continue;
+      for (int64_t i = 0; i < 2; ++i) cells[n + i] = c + i, j0s[n + i] = start + i * kKeyChunk, nks[n + i] = cell_keys[c + i];
+      n += 2;
+    }
+    const int64_t row_words = n * kKeyChunk / 2;  // a row's weights: n cells of 8 pairs
+    for (int64_t k = 0; k < n; k += 2) {
+      tiles.template zero<0>();
+      tiles.template zero<1>();
+      for (int64_t s = 0; s < Dh; s += 16) {
+        tiles.template load<4>(q_pairs + r0 * Dh + s, Dh * 4);
+        tiles.template load<6>(key_cells + cells[k] * cell_words + s * kKeyChunk, kKeyChunk * 4);
+        tiles.template load<7>(key_cells + cells[k + 1] * cell_words + s * kKeyChunk, kKeyChunk * 4);
+        tiles.template dot<0, 4, 6>();
+        tiles.template dot<1, 4, 7>();
+      }
+      tiles.template store<0>(scores + k * tile_rows * kKeyChunk, kKeyChunk * 4);
+      tiles.template store<1>(scores + (k + 1) * tile_rows * kKeyChunk, kKeyChunk * 4);
+    }
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int64_t b = 0; b < nr; ++b) {
+      for (int64_t c = 0; c < n; ++c) {
+        float* x = scores + (c * tile_rows + b) * kKeyChunk;
+        _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_loadu_ps(x), scale16));
+      }
+      partition_softmax_row(scores + b * kKeyChunk, tile_rows * kKeyChunk, n, j0s, nks, first_key_of(r0 + b),
+                            last_key_of(r0 + b), softcap, row_max + r0 + b, row_sum + r0 + b, p_pairs + b * row_words);
+    }
+    std::fill(p_pairs + nr * row_words, p_pairs + tile_rows * row_words, 0u);  // padding rows: no weight
+
+    // Values, 64 dimensions (four C tiles; two where D leaves 32) per pass over the cells.
+    const bool whole = nr == tile_rows;
+    float* dst = whole ? acc + r0 * D : block_values;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const bool four = d0 + 64 <= D;
+      tiles.template zero<0>();
+      tiles.template zero<1>();
+      if (four) {
+        tiles.template zero<2>();
+        tiles.template zero<3>();
+      }
+      for (int64_t k = 0; k < n; k += 2) {
+        const uint32_t* vp = value_cells + cells[k] * cell_words + d0;  // + 8 D: the next cell's rows
+        tiles.template load<4>(p_pairs + k * kKeyChunk / 2, row_words * 4);
+        tiles.template load<6>(vp, D * 4);
+        tiles.template load<7>(vp + 16, D * 4);
+        tiles.template dot<0, 4, 6>();
+        tiles.template dot<1, 4, 7>();
+        if (four) {
+          tiles.template load<5>(p_pairs + k * kKeyChunk / 2, row_words * 4);
+          tiles.template load<6>(vp + 32, D * 4);
+          tiles.template load<7>(vp + 48, D * 4);
+          tiles.template dot<2, 5, 6>();
+          tiles.template dot<3, 5, 7>();
+        }
+      }
+      tiles.template store<0>(dst + d0, D * 4);
+      tiles.template store<1>(dst + d0 + 16, D * 4);
+      if (four) {
+        tiles.template store<2>(dst + d0 + 32, D * 4);
+        tiles.template store<3>(dst + d0 + 48, D * 4);
+      }
+    }
+    if (!whole) std::copy(block_values, block_values + nr * D, acc + r0 * D);
+  }
+  tiles.release();
+  finish_tile(acc, rows, D, partial, out, o_s0, o_s1, first_row, kvh, G);
+}
 #endif
 
 // Attention of a tile of one sequence's queries (all G query heads of one KV head) over the
@@ -940,6 +1142,17 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
   const int64_t D = kD > 0 ? kD : d_runtime;
 #ifdef KVSERVE_ATTENTION_BF16_DOT
   if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    if (const int amx = attention_amx_mode(); amx != 0 && D % kAmxDepth == 0) {
+#ifdef KVSERVE_AMX_HW
+      if (amx == 1)
+        return attention_tile_amx<kD, kvserve_amx::HardwareTiles>(
+            q, q_s0, q_s1, out, o_s0, o_s1, khead, vhead, table, BS, d_runtime, G, first_query_pos, num_queries,
+            first_row, kvh, scale, window, softcap, key_begin, key_end, partial, work);
+#endif
+      return attention_tile_amx<kD, kvserve_amx::EmulatedTiles>(
+          q, q_s0, q_s1, out, o_s0, o_s1, khead, vhead, table, BS, d_runtime, G, first_query_pos, num_queries,
+          first_row, kvh, scale, window, softcap, key_begin, key_end, partial, work);
+    }
     if (g_attention_bf16_dot && D % kKeyChunk == 0) {
       return attention_tile_dot<kD>(q, q_s0, q_s1, out, o_s0, o_s1, khead, vhead, table, BS, d_runtime, G,
                                     first_query_pos, num_queries, first_row, kvh, scale, window, softcap, key_begin,
@@ -2115,17 +2328,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk_", &rope_qk_);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("paged_attention", &paged_attention);
+  // The route attention over a bf16 cache takes (a head dimension that is not a multiple of 32
+  // takes the vector route below the tiles: dot or widened).
   m.def("attention_kernel_route", []() -> std::string {
 #ifdef KVSERVE_ATTENTION_BF16_DOT
+    if (const int amx = attention_amx_mode()) return amx == 1 ? "amx" : "amx-emulated";
     return g_attention_bf16_dot ? "dot" : "widened";
 #else
+    attention_amx_mode();  // (raises where KVSERVE_ATTENTION_ROUTE=amx)
     return "widened";
 #endif
   });
   // Tests only: a process that switches routes between steps computes rows two ways.
   m.def("set_attention_kernel_route", [](const std::string& route) {
-    TORCH_CHECK(route == "dot" || route == "widened", "attention route must be dot or widened");
+    TORCH_CHECK(route == "dot" || route == "widened" || route == "amx" || route == "amx-emulated",
+                "attention route must be dot, widened, amx or amx-emulated");
 #ifdef KVSERVE_ATTENTION_BF16_DOT
+    attention_amx_mode();  // resolved first, so that the choice below stays
+    if (route == "amx" || route == "amx-emulated") {
+      TORCH_CHECK(route == "amx-emulated" || amx_bf16_available(), "no AMX tiles on this machine: ", amx_bf16_status());
+      g_attention_amx.store(route == "amx" ? 1 : 2, std::memory_order_relaxed);
+      return;
+    }
+    g_attention_amx.store(0, std::memory_order_relaxed);
     g_attention_bf16_dot = route == "dot";
 #else
     TORCH_CHECK(route == "widened", "this build has only the widened attention route");

@@ -21,8 +21,9 @@ from kvserve.loader.safetensors import config_from_hf, read_hf_config, safetenso
 TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-swa": "gemma3-swa",
                "tiny-gemma3-pairs": "gemma3-pairs"}
 # Tiny models with other head counts, for tensor-parallel tests: "tiny-llama-h6kv2" is
-# tiny-llama with 6 query and 2 KV heads (models.testing.tiny_config_by_name).
-TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3)-h(\d+)kv(\d+)$")
+# tiny-llama with 6 query and 2 KV heads, "tiny-llama-h4kv2d32" the same with a head dimension
+# of 32 (models.testing.tiny_config_by_name).
+TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3)-h(\d+)kv(\d+)(?:d(\d+))?$")
 
 
 @dataclass(frozen=True)

@@ -59,9 +59,10 @@ def tiny_config(arch: str) -> ModelConfig:
 
 
 def tiny_config_by_name(name: str) -> ModelConfig:
-    """``tiny-llama`` / ``tiny-gemma3``, or ``tiny-<arch>-h<Q>kv<KV>``: the same model with Q
-    query and KV key/value heads and an intermediate size of 192 (divisible by 2, 3, 4 and 6),
-    shaped for a tensor-parallel case (KV heads split across ranks, or replicated)."""
+    """``tiny-llama`` / ``tiny-gemma3``, or ``tiny-<arch>-h<Q>kv<KV>[d<D>]``: the same model with
+    Q query and KV key/value heads (of D dimensions) and an intermediate size of 192 (divisible
+    by 2, 3, 4 and 6), shaped for a tensor-parallel case (KV heads split across ranks, or
+    replicated) or a kernel's head dimension (the AMX attention tiles take multiples of 32)."""
     from kvserve.loader.resolve import TINY_HEADS_PATTERN, TINY_MODELS
 
     if name in TINY_MODELS:
@@ -74,6 +75,11 @@ def tiny_config_by_name(name: str) -> ModelConfig:
     if q < 1 or kv < 1 or q % kv:
         raise ConfigError(f"{name}: query heads must be a positive multiple of KV heads")
     config.num_attention_heads, config.num_key_value_heads = q, kv
+    if m.group(4):
+        head_dim = int(m.group(4))
+        if head_dim < 2 or head_dim % 2:
+            raise ConfigError(f"{name}: the head dimension must be even")
+        config.head_dim = head_dim
     config.intermediate_size = 192
     config.name = name
     return config
