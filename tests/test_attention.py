@@ -295,7 +295,9 @@ def test_cache_rows_do_not_depend_on_the_chunking(attention_route, cache_dtype, 
 
 # (query heads, KV heads, head dim, block size): SmolLM2's; Gemma 3's head dim with 8 query heads
 # a KV head (a decode's rows in two blocks, its chunks paired); small blocks (every chunk paired).
-MODEL_SHAPES = {"smollm2": (9, 3, 64, 16), "g8_d256": (8, 1, 256, 16), "block4": (4, 2, 32, 4)}
+MODEL_SHAPES = {"smollm2": (9, 3, 64, 16), "g8_d256": (8, 1, 256, 16), "block4": (4, 2, 32, 4),
+                # more query heads a KV head than a tile's 16 rows (a decode in two blocks), blocks of 8
+                "g20_block8": (20, 1, 32, 8)}
 
 
 @pytest.mark.parametrize("attention_route", _attention_routes(), indirect=True)
@@ -331,6 +333,38 @@ def test_rows_do_not_depend_on_the_chunking_at_a_model_shape(shape, window, soft
     # Against float64 attention over the bf16 keys and values the cache holds.
     reference = dense_reference(q, k.bfloat16(), v.bfloat16(), range(n), window, softcap)
     assert (expected.double() - reference).abs().max() < BF16_ROUTE_BOUND[attention_route]
+
+
+def test_amx_attention_route_runs_its_tiles_and_refuses_where_they_cannot_run():
+    """The tile route on its emulation computes attention its own way (a tile's sums in another
+    order than the dot route's vdpbf16ps: other bits, within rounding of them), so the route
+    tests above run it and not a fallback; its forked self-test's machinery agrees with itself;
+    and asking for the hardware's tiles where they cannot run is refused with the reason."""
+    ext = ops.load_extension()
+    if ext is None or "amx-emulated" not in _attention_routes():
+        pytest.skip("no AVX512-BF16 attention in this build")
+    heads, kv_heads, dim, block = MODEL_SHAPES["smollm2"]
+    n = 150
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    cache = LayerKV(torch.randn((2, kv_heads, -(-n // block), block, dim), generator=gen).bfloat16())
+    md = build_attention_metadata([list(range(-(-n // block)))], [0], [n], block)
+    before = ext.attention_kernel_route()
+    outs = {}
+    try:
+        with ops.use_kernels(True):
+            for route in ("dot", "amx-emulated"):
+                ext.set_attention_kernel_route(route)
+                outs[route] = paged_attention(q, k, v, cache, md, dim ** -0.5, None, None)
+    finally:
+        ext.set_attention_kernel_route(before)
+    assert not torch.equal(outs["amx-emulated"], outs["dot"])
+    assert (outs["amx-emulated"] - outs["dot"]).abs().max() < 1e-3
+    assert ext.amx_attention_self_test_machinery()
+    if not ext.amx_bf16_available():
+        with pytest.raises(RuntimeError, match="the AMX tiles cannot run here"):
+            ext.set_attention_kernel_route("amx")
+        assert ext.attention_kernel_route() == before
 
 
 def test_long_contexts_and_many_sequences():

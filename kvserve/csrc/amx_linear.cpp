@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -138,12 +139,10 @@ std::string cpu_and_os_refusal() {
   return "";
 }
 
-// A forked child runs the tiles (the hardware's, or for the tests of this machinery the
-// emulation again) on two small problems (a partial tile of rows and two whole ones, a ragged
-// last panel, a bias) and compares each output with the emulation's, within fp32 rounding of
-// the sum of |products| (a wrong operand, layout or stride is off by orders of magnitude more);
-// everything it touches is allocated before the fork. Its verdict comes back as one byte on a
-// pipe, awaited for at most 10 s. "" where they agree, else why not.
+// The GEMM's self-test: two small problems (a partial tile of rows and two whole ones, a ragged
+// last panel, a bias) on the tiles (the hardware's, or for the tests of this machinery the
+// emulation again), each output compared with the emulation's within fp32 rounding of the sum of
+// |products| (a wrong operand, layout or stride is off by orders of magnitude more).
 std::string forked_tiles_disagreement(bool hardware) {
   struct Case {
     int64_t M, K, N;
@@ -184,6 +183,42 @@ std::string forked_tiles_disagreement(bool hardware) {
         bound.back()[m * t.N + n] = 1e-5f * s + 1e-30f;
       }
   }
+  return forked_check([&] {
+    bool agree = true;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) {
+      const Case& t = cases[i];
+      const AmxBf16Call call{xs[i].data(), ws[i].data(), t.K / 2, t.N, got[i].data(), t.N, bias.data()};
+      if (hardware) tile_panels<HardwareTiles>(call, t.M, 0, (t.N + 31) / 32);
+      else tile_panels<EmulatedTiles>(call, t.M, 0, (t.N + 31) / 32);
+      for (int64_t j = 0; j < t.M * t.N; ++j)
+        if (!(std::fabs(got[i][j] - want[i][j]) <= bound[i][j])) agree = false;
+    }
+    return agree;
+  });
+}
+#endif
+
+// "" where the hardware route may run, else why not; decided once per process.
+const std::string& refusal() {
+#ifdef KVSERVE_AMX_HW
+  static const std::string why = [] {
+    std::string r = cpu_and_os_refusal();
+    return r.empty() ? forked_tiles_disagreement(true) : r;
+  }();
+#else
+  static const std::string why = "not an x86-64 Linux build";
+#endif
+  return why;
+}
+
+}  // namespace
+
+// The child's verdict comes back as one byte on a pipe.
+std::string forked_check(const std::function<bool()>& agrees) {
+#ifndef KVSERVE_AMX_HW
+  (void)agrees;
+  return "not an x86-64 Linux build";
+#else
   int verdict_pipe[2];
   if (pipe(verdict_pipe) != 0) return "self-test: no pipe (errno " + std::to_string(errno) + ")";
   const pid_t child = fork();
@@ -203,15 +238,7 @@ std::string forked_tiles_disagreement(bool hardware) {
     setrlimit(RLIMIT_CORE, &no_core);
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     close(verdict_pipe[0]);
-    char verdict = 'y';
-    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) {
-      const Case& t = cases[i];
-      const AmxBf16Call call{xs[i].data(), ws[i].data(), t.K / 2, t.N, got[i].data(), t.N, bias.data()};
-      if (hardware) tile_panels<HardwareTiles>(call, t.M, 0, (t.N + 31) / 32);
-      else tile_panels<EmulatedTiles>(call, t.M, 0, (t.N + 31) / 32);
-      for (int64_t j = 0; j < t.M * t.N; ++j)
-        if (!(std::fabs(got[i][j] - want[i][j]) <= bound[i][j])) verdict = 'n';
-    }
+    const char verdict = agrees() ? 'y' : 'n';
     ssize_t written;
     do written = write(verdict_pipe[1], &verdict, 1);
     while (written < 0 && errno == EINTR);
@@ -248,23 +275,8 @@ std::string forked_tiles_disagreement(bool hardware) {
     return "self-test: the child died without an answer";
   }
   return verdict == 'y' ? "" : "self-test: the hardware's tiles disagree with the emulation";
-}
 #endif
-
-// "" where the hardware route may run, else why not; decided once per process.
-const std::string& refusal() {
-#ifdef KVSERVE_AMX_HW
-  static const std::string why = [] {
-    std::string r = cpu_and_os_refusal();
-    return r.empty() ? forked_tiles_disagreement(true) : r;
-  }();
-#else
-  static const std::string why = "not an x86-64 Linux build";
-#endif
-  return why;
 }
-
-}  // namespace
 
 bool amx_bf16_available() { return refusal().empty(); }
 

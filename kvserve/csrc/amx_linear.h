@@ -5,6 +5,7 @@
 // instruction), for the same packed panels as dense_linear.cpp. See amx_linear.cpp.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 struct AmxBf16Call {
@@ -36,3 +37,9 @@ bool amx_self_test_machinery();
 // Panels [pb, pe) of all M rows (M >= 1; Kh a multiple of kAmxDepth / 2). `emulated`: the same
 // tile program on a C++ model of the tile unit (any CPU; tests), else the hardware's.
 void amx_bf16_panels(const AmxBf16Call& call, int64_t M, int64_t pb, int64_t pe, bool emulated);
+
+// Runs `agrees` in a forked child, so that a fault there (a tile program's on hardware it has
+// never met) cannot take this process down; waits at most 10 s. "" where it returned true, else
+// why not. Everything `agrees` touches must be allocated before the call: a child of a threaded
+// process must not allocate. (The self-tests of amx_bf16_available and of the attention route.)
+std::string forked_check(const std::function<bool()>& agrees);

@@ -43,6 +43,11 @@ inline TileConfig tile_config(int rows) {
 // numbers as HardwareTiles and checks the shape rules whose breach would fault there
 // (LDTILECFG: at most 16 rows of at most 64 bytes; TDPBF16PS: C and A rows equal, A's k pairs
 // are B's rows, C and B rows equally wide), so that the tests catch what the hardware would.
+// What it does not model: the hardware's own order of a TDPBF16PS's sums (here sequential, so
+// exact zeros in any grouping leave a sum's bits alone; a program must group its operands the
+// same way wherever a row's bits must not change), its flushing of denormal inputs and outputs
+// (DAZ, FTZ), and a load's bounds (a read past a buffer's end goes unnoticed here). The forked
+// self-tests run each tile program on the hardware against this model before it is used.
 class EmulatedTiles {
  public:
   void configure(const TileConfig& cfg) {

@@ -629,14 +629,17 @@ __attribute__((noinline)) void softmax_rows(float (*x)[kKeyChunk], int64_t rows,
 // extension's load: ops.load_extension asks for the route).
 std::atomic<int> g_attention_amx{0};
 std::once_flag g_attention_amx_resolved;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+const std::string& attention_tiles_refusal();  // "" where the hardware's tiles may run it (below)
+#endif
 
 int attention_amx_mode() {
   std::call_once(g_attention_amx_resolved, [] {
     const char* route = std::getenv("KVSERVE_ATTENTION_ROUTE");
     if (route == nullptr || std::strcmp(route, "amx") != 0) return;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-    TORCH_CHECK(amx_bf16_available(), "KVSERVE_ATTENTION_ROUTE=amx, but the AMX tiles cannot run here: ",
-                amx_bf16_status());
+    TORCH_CHECK(attention_tiles_refusal().empty(), "KVSERVE_ATTENTION_ROUTE=amx, but the AMX tiles cannot run here: ",
+                attention_tiles_refusal());
     g_attention_amx.store(1, std::memory_order_relaxed);
 #else
     TORCH_CHECK(false, "KVSERVE_ATTENTION_ROUTE=amx, but the AMX tiles cannot run here: ",
@@ -963,7 +966,7 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
 // row's bits do not depend on the tile's first query, its rows, or how a prompt was chunked.
 // Each cell is gathered once per tile into paired buffers (a B tile's layout; zero where no key
 // is, so every product is finite). A tile's rows go in blocks of 16 (a decode: its G rows, the
-// tile configured to that many; a partial last block computes zero rows and drops them).
+// tile configured to that many, up to 16; a partial last block computes zero rows and drops them).
 // Cells, chunks and rows no row of a block sees add exact zeros, as on the dot route.
 template <int64_t kD, class Tiles>
 void attention_tile_amx(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
@@ -1123,6 +1126,77 @@ void attention_tile_amx(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
   }
   tiles.release();
   finish_tile(acc, rows, D, partial, out, o_s0, o_s1, first_row, kvh, G);
+}
+
+// The attention tile program's self-test, as the GEMM's (amx_linear.cpp: that one passing says
+// the instructions work, this one that this program's shapes, strides and layouts do): a few
+// tiles on the tiles (the hardware's, or for the tests of this machinery the emulation again) in
+// a forked child, each output against the emulation's within 1e-2. Keys, values and queries are
+// in [-1, 1], so an output is a weighted mean of values in [-1, 1]: a wrong operand, layout or
+// stride is off by tenths, and the bound leaves room for the hardware's own order of a tile's
+// sums (and a softmax weight rounded to the neighbouring bf16 for it). Cases: a prefill tile of
+// 48 rows (three blocks of 16) ending in a partial cell; a decode's 3 rows; 40 rows of a 20-head
+// group (a partial block) over blocks of 4 keys with a window; a head of 256 dimensions.
+std::string attention_tiles_disagreement(bool hardware) {
+  struct Case {
+    int64_t D, G, num_queries, first_query_pos, BS, window;
+  };
+  const Case cases[] = {{64, 3, 16, 20, 16, 0}, {64, 3, 1, 100, 16, 0}, {32, 20, 2, 37, 4, 9}, {256, 1, 1, 50, 16, 0}};
+  constexpr size_t kCases = sizeof(cases) / sizeof(cases[0]);
+  struct Data {
+    std::vector<uint16_t> keys, values;
+    std::vector<int32_t> table;
+    std::vector<float> q, want, got;
+  };
+  std::vector<Data> data(kCases);
+  std::vector<float> work;  // grown by the emulation's runs: the child's stay within its capacity
+  uint32_t seed = 777;
+  const auto next = [&]() {
+    seed = seed * 1664525u + 1013904223u;
+    return static_cast<float>((seed >> 9) & 0x3FFF) / 8192.f - 1.f;
+  };
+  const auto run = [&](const Case& c, Data& d, float* out, auto tiles) {
+    attention_tile_amx<0, decltype(tiles)>(
+        d.q.data(), c.G * c.D, c.D, out, c.G * c.D, c.D, reinterpret_cast<const c10::BFloat16*>(d.keys.data()),
+        reinterpret_cast<const c10::BFloat16*>(d.values.data()), d.table.data(), c.BS, c.D, c.G, c.first_query_pos,
+        c.num_queries, 0, 0, 1.f / std::sqrt(static_cast<float>(c.D)), c.window, 0.f,
+        first_visible_key(c.first_query_pos, c.window), c.first_query_pos + c.num_queries, nullptr, work);
+  };
+  for (size_t i = 0; i < kCases; ++i) {
+    const Case& c = cases[i];
+    Data& d = data[i];
+    const int64_t blocks = (c.first_query_pos + c.num_queries + c.BS - 1) / c.BS;
+    d.keys.resize((blocks + 1) * c.BS * c.D);
+    d.values.resize((blocks + 1) * c.BS * c.D);
+    for (auto& v : d.keys) v = static_cast<uint16_t>(bf16_bits_rne(next()));
+    for (auto& v : d.values) v = static_cast<uint16_t>(bf16_bits_rne(next()));
+    for (int64_t b = 0; b < blocks; ++b) d.table.push_back(static_cast<int32_t>(blocks - b));  // not in order
+    d.q.resize(c.num_queries * c.G * c.D);
+    for (auto& v : d.q) v = next();
+    d.want.resize(d.q.size());
+    d.got.assign(d.q.size(), std::nanf(""));
+    run(c, d, d.want.data(), kvserve_amx::EmulatedTiles{});
+  }
+  return forked_check([&] {
+    bool agree = true;
+    for (size_t i = 0; i < kCases; ++i) {
+#ifdef KVSERVE_AMX_HW
+      if (hardware) run(cases[i], data[i], data[i].got.data(), kvserve_amx::HardwareTiles{});
+      else
+#endif
+        run(cases[i], data[i], data[i].got.data(), kvserve_amx::EmulatedTiles{});
+      for (size_t j = 0; j < data[i].want.size(); ++j)
+        if (!(std::fabs(data[i].got[j] - data[i].want[j]) <= 1e-2f)) agree = false;
+    }
+    return agree;
+  });
+}
+
+// "" where the attention route may run on this machine's tiles (the GEMM's tiles run here and
+// the attention program's self-test agrees), else why not; decided once per process.
+const std::string& attention_tiles_refusal() {
+  static const std::string why = amx_bf16_available() ? attention_tiles_disagreement(true) : amx_bf16_status();
+  return why;
 }
 #endif
 
@@ -2346,7 +2420,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef KVSERVE_ATTENTION_BF16_DOT
     attention_amx_mode();  // resolved first, so that the choice below stays
     if (route == "amx" || route == "amx-emulated") {
-      TORCH_CHECK(route == "amx-emulated" || amx_bf16_available(), "no AMX tiles on this machine: ", amx_bf16_status());
+      TORCH_CHECK(route == "amx-emulated" || attention_tiles_refusal().empty(), "the AMX tiles cannot run here: ",
+                  attention_tiles_refusal());
       g_attention_amx.store(route == "amx" ? 1 : 2, std::memory_order_relaxed);
       return;
     }
@@ -2354,6 +2429,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_attention_bf16_dot = route == "dot";
 #else
     TORCH_CHECK(route == "widened", "this build has only the widened attention route");
+#endif
+  });
+  // Tests, on any Linux x86-64 machine with AVX512-BF16: the attention self-test's fork and
+  // comparison with the child running the emulation (true: they agree, as they must).
+  m.def("amx_attention_self_test_machinery", []() {
+#ifdef KVSERVE_ATTENTION_BF16_DOT
+    return attention_tiles_disagreement(false).empty();
+#else
+    return false;
 #endif
   });
   m.def("set_portable_int8_attention", [](bool portable) { g_portable_int8_attention = portable; });
