@@ -71,11 +71,14 @@ def cpu_info() -> dict:
 
 def kernel_routes() -> dict:
     """Which of kvserve's routes this process's kernels take (they differ in speed and in the
-    last bits): the bf16 linear layers' (amx, dot, widened512, widened256, portable)."""
+    last bits): the bf16 linear layers' (amx, dot, widened512, widened256, portable) and
+    attention's over a bf16 cache (amx, dot, widened)."""
     from kvserve import ops
 
     ext = ops.load_extension()
-    return {"bf16": ext.bf16_kernel_route()} if ext is not None else {}
+    if ext is None:
+        return {}
+    return {"bf16": ext.bf16_kernel_route(), "attention": ext.attention_kernel_route()}
 
 
 def machine_limit(size: int = 1024, seconds: float = 1.0, device: str = "cpu") -> dict:

@@ -111,6 +111,7 @@ def machine_line(machine: Optional[dict]) -> str:
     if cpu:
         routes = machine.get("kernel_routes") or {}
         route = f"; bf16 kernel route {routes['bf16']}" if "bf16" in routes else ""
+        route += f", attention route {routes['attention']}" if "attention" in routes else ""
         line = f"cpu: {cpu['model']} [{' '.join(cpu['features']) or 'no AVX2'}]{route}\n" + line
     return line
 
