@@ -20,6 +20,7 @@ import torch
 
 from kvserve import ops
 from kvserve.bench.machine import cpu_info
+from kvserve.kv_cache import SCALE_DTYPE, int8_group_size
 from kvserve.loader import load_config
 from kvserve.loader.resolve import resolve_model
 
@@ -44,6 +45,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--routes", default="", help="comma-separated attention routes (default: this process's)")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "int8"],
+                    help="int8: the quantized cache's own tile (the routes are the bf16 cache's)")
     args = ap.parse_args()
     ext = ops.load_extension()
     if ext is None:
@@ -54,15 +57,24 @@ def main() -> None:
     cpu = cpu_info()
     print(f"CPU: {cpu['model']} ({', '.join(cpu['features'])}), {torch.get_num_threads()} threads; "
           f"routes {', '.join(routes)}")
-    print(f"{args.model}: {layers} layers, {heads} query heads on {kv_heads} KV heads of {dim}")
+    print(f"{args.model}: {layers} layers, {heads} query heads on {kv_heads} KV heads of {dim}; "
+          f"{args.kv_cache_dtype} cache")
 
     torch.manual_seed(0)
     longest = max(args.prompt, args.context)
     num_blocks = -(-longest // BLOCK) + 1
-    caches = []
+    caches, scales = [], []
+    int8 = args.kv_cache_dtype == "int8"
     for _ in range(layers):
-        cache = ops.empty_huge_pages((2, kv_heads, num_blocks, BLOCK, dim), torch.bfloat16, "cpu")
-        cache.copy_(torch.randn(cache.shape))
+        shape = (2, kv_heads, num_blocks, BLOCK, dim)
+        cache = ops.empty_huge_pages(shape, torch.int8 if int8 else torch.bfloat16, "cpu")
+        if int8:  # random codes and scales: the kernel's work does not depend on the values
+            cache.copy_(torch.randint(-127, 128, shape, dtype=torch.int8))
+            groups = dim // int8_group_size(dim)
+            scales.append((torch.rand(2, kv_heads, num_blocks, groups, BLOCK) * 0.02).to(SCALE_DTYPE))
+        else:
+            cache.copy_(torch.randn(shape))
+            scales.append(None)
         caches.append(cache)
     table = torch.arange(1, num_blocks, dtype=torch.int32).reshape(1, -1)
     seq_ids, starts = torch.tensor([0]), torch.tensor([0])
@@ -73,8 +85,9 @@ def main() -> None:
         seq_lens, query_lens = torch.tensor([keys], dtype=torch.int32), torch.tensor([rows])
 
         def run():
-            for cache in caches:
-                ext.paged_attention(out, q, cache, None, table, seq_lens, seq_ids, starts, query_lens, scale, 0, 0.0)
+            for cache, cache_scales in zip(caches, scales):
+                ext.paged_attention(out, q, cache, cache_scales, table, seq_lens, seq_ids, starts, query_lens, scale, 0,
+                                    0.0)
         return run
 
     prefill, decode = through_layers(args.prompt, args.prompt), through_layers(1, args.context)
@@ -86,7 +99,7 @@ def main() -> None:
             results[route]["prefill"].append(_median_ms(prefill, 9))
             results[route]["decode warm"].append(_median_ms(decode, 41))
             results[route]["decode cold"].append(_median_ms(decode, 41, before=lambda: sweep.add_(1)))
-    kv_mb = layers * 2 * kv_heads * args.context * dim * 2 / 1e6
+    kv_mb = layers * 2 * kv_heads * args.context * dim * (1 if int8 else 2) / 1e6
     for route in routes:
         print(f"route {route}:")
         print(f"  prefill of {args.prompt} tokens   {min(results[route]['prefill']):8.2f} ms through {layers} layers")

@@ -93,14 +93,16 @@ def test_act_and_mul(activation):
     assert torch.allclose(got, want, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("d", [16, 64, 128, 256])  # int8: 128 and 256 hold two or four 64-dim scale groups a head
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16", "int8"])
-def test_write_kv_cache_strided_inputs(cache_dtype):
+def test_write_kv_cache_strided_inputs(cache_dtype, d):
     """k/v arrive as strided views of the qkv projection; slots are arbitrary. The kernel
-    writes (and for int8, quantizes) exactly what the torch reference does."""
+    writes (and for int8, quantizes: the Hadamard rotation's butterflies in vectors, strides
+    below 16 inside one) exactly what the torch reference does."""
     from kvserve.kv_cache import KVCache, KVCacheSpec
 
     gen = torch.Generator().manual_seed(3)
-    kvh, d, t = 3, 128, 6  # int8: two 64-dim scale groups per head
+    kvh, t = 3, 6
     qkv = torch.randn(t, (2 + 2 * kvh) * d, generator=gen) * 3
     qkv[5] = 0  # an all-zero head vector: scale 0, values 0
     qkv[4, 2 * d] = 1e4  # an outlier: the rest of its head rounds to few levels
