@@ -297,87 +297,77 @@ void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n
 
 namespace {
 
+// The butterflies of stride h below a vector's width inside one vector: lane j and lane j ^ h
+// pair up, the lower one takes a + b and the upper one a - b (fma(x, -1, y) = y - x, rounded
+// once), as the scalar loop computes them. Lanes: the vector type and its operations.
+#if defined(__AVX512F__)
+struct HadamardLanes {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, float b) { return _mm512_mul_ps(a, _mm512_set1_ps(b)); }
+  template <int h>
+  static V stride(V x) {
+    V swapped;
+    if constexpr (h == 1) swapped = _mm512_permute_ps(x, 0xB1);
+    else if constexpr (h == 2) swapped = _mm512_permute_ps(x, 0x4E);
+    else if constexpr (h == 4) swapped = _mm512_shuffle_f32x4(x, x, 0xB1);
+    else swapped = _mm512_shuffle_f32x4(x, x, 0x4E);
+    constexpr __mmask16 upper = h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00;
+    return _mm512_fmadd_ps(x, _mm512_mask_blend_ps(upper, _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f)), swapped);
+  }
+  static V in_lanes(V v) { return stride<8>(stride<4>(stride<2>(stride<1>(v)))); }
+};
+#define KVSERVE_HADAMARD_LANES 1
+#elif defined(__AVX2__) && defined(__FMA__)
+struct HadamardLanes {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, float b) { return _mm256_mul_ps(a, _mm256_set1_ps(b)); }
+  template <int h>
+  static V stride(V x) {
+    V swapped;
+    if constexpr (h == 1) swapped = _mm256_permute_ps(x, 0xB1);
+    else if constexpr (h == 2) swapped = _mm256_permute_ps(x, 0x4E);
+    else swapped = _mm256_permute2f128_ps(x, x, 0x01);
+    constexpr int upper = h == 1 ? 0xAA : h == 2 ? 0xCC : 0xF0;
+    return _mm256_fmadd_ps(x, _mm256_blend_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(-1.f), upper), swapped);
+  }
+  static V in_lanes(V v) { return stride<4>(stride<2>(stride<1>(v))); }
+};
+#define KVSERVE_HADAMARD_LANES 1
+#endif
+
 // x <- H x in place, H the normalised Walsh-Hadamard matrix of order D (a power of two): the
 // butterflies in kvserve.kv_cache.hadamard_transform's order, so the two agree bit for bit.
 // An int8 cache holds rotated heads (see kvserve/kv_cache.py); H is its own inverse.
-#if defined(__AVX512F__)
-// The butterflies of stride h < 16 inside a vector of 16 lanes: lane j and lane j ^ h pair up,
-// the lower one takes a + b and the upper one a - b (fma(x, -1, y) = y - x, rounded once), as
-// the scalar loop computes them.
-template <int h>
-inline __m512 butterflies_in_lanes(__m512 x) {
-  __m512 swapped;
-  if constexpr (h == 1) swapped = _mm512_permute_ps(x, 0xB1);
-  else if constexpr (h == 2) swapped = _mm512_permute_ps(x, 0x4E);
-  else if constexpr (h == 4) swapped = _mm512_shuffle_f32x4(x, x, 0xB1);
-  else swapped = _mm512_shuffle_f32x4(x, x, 0x4E);
-  const __mmask16 upper = h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00;
-  const __m512 sign = _mm512_mask_blend_ps(upper, _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f));
-  return _mm512_fmadd_ps(x, sign, swapped);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// The same in 8 lanes (strides 1, 2, 4).
-template <int h>
-inline __m256 butterflies_in_lanes(__m256 x) {
-  __m256 swapped;
-  if constexpr (h == 1) swapped = _mm256_permute_ps(x, 0xB1);
-  else if constexpr (h == 2) swapped = _mm256_permute_ps(x, 0x4E);
-  else swapped = _mm256_permute2f128_ps(x, x, 0x01);
-  constexpr int upper = h == 1 ? 0xAA : h == 2 ? 0xCC : 0xF0;
-  const __m256 sign = _mm256_blend_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(-1.f), upper);
-  return _mm256_fmadd_ps(x, sign, swapped);
-}
-#endif
-
 inline void hadamard_(float* x, int64_t D) {
-#if defined(__AVX512F__)
-  // Whole vectors: strides 1-8 in registers, then 16 and up between vectors (AVX2: 1-4, then 8
-  // and up); every element
-  // takes the same operations in the same stage order as below (an int8 cache's queries and
-  // outputs are rotated per row of every tile: the scalar strides 1-4 were a third of its
-  // prefill attention).
-  if (D % 16 == 0) {
-    for (int64_t i = 0; i < D; i += 16) {
-      __m512 v = _mm512_loadu_ps(x + i);
-      v = butterflies_in_lanes<1>(v);
-      v = butterflies_in_lanes<2>(v);
-      v = butterflies_in_lanes<4>(v);
-      v = butterflies_in_lanes<8>(v);
-      _mm512_storeu_ps(x + i, v);
-    }
-    for (int64_t h = 16; h < D; h *= 2) {
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+#ifdef KVSERVE_HADAMARD_LANES
+  // Whole vectors: the strides below the width in registers, then the wider ones between
+  // vectors; every element takes the same operations in the same stage order as below (an int8
+  // cache's queries and outputs are rotated per row of every tile: the scalar strides 1-4 were
+  // a third of its prefill attention).
+  using L = HadamardLanes;
+  if (D % L::kWidth == 0) {
+    for (int64_t i = 0; i < D; i += L::kWidth) L::store(x + i, L::in_lanes(L::load(x + i)));
+    for (int64_t h = L::kWidth; h < D; h *= 2) {
       for (int64_t i = 0; i < D; i += 2 * h) {
-        for (int64_t j = i; j < i + h; j += 16) {
-          const __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + h);
-          _mm512_storeu_ps(x + j, _mm512_add_ps(a, b));
-          _mm512_storeu_ps(x + j + h, _mm512_sub_ps(a, b));
+        for (int64_t j = i; j < i + h; j += L::kWidth) {
+          const auto a = L::load(x + j), b = L::load(x + j + h);
+          L::store(x + j, L::add(a, b));
+          L::store(x + j + h, L::sub(a, b));
         }
       }
     }
-    const __m512 norm = _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))));
-    for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), norm));
-    return;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (D % 8 == 0) {
-    for (int64_t i = 0; i < D; i += 8) {
-      __m256 v = _mm256_loadu_ps(x + i);
-      v = butterflies_in_lanes<1>(v);
-      v = butterflies_in_lanes<2>(v);
-      v = butterflies_in_lanes<4>(v);
-      _mm256_storeu_ps(x + i, v);
-    }
-    for (int64_t h = 8; h < D; h *= 2) {
-      for (int64_t i = 0; i < D; i += 2 * h) {
-        for (int64_t j = i; j < i + h; j += 8) {
-          const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + h);
-          _mm256_storeu_ps(x + j, _mm256_add_ps(a, b));
-          _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, b));
-        }
-      }
-    }
-    const __m256 norm = _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))));
-    for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), norm));
+    for (int64_t i = 0; i < D; i += L::kWidth) L::store(x + i, L::mul(L::load(x + i), norm));
     return;
   }
 #endif
@@ -391,7 +381,6 @@ inline void hadamard_(float* x, int64_t D) {
       }
     }
   }
-  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) x[d] *= norm;
 }
