@@ -1499,19 +1499,25 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
     const __mmask32 mask = n_keys >= kKeyChunk ? 0xFFFFFFFFu : (1u << (2 * n_keys)) - 1u;
-    __m512i acc[kRowBlock];
-    for (int64_t b = 0; b < kRowBlock; ++b) acc[b] = _mm512_setzero_si512();
+    // Two chains per row (even and odd pairs of dims): with one, the rows' 4 chains waited on
+    // vpdpwssd's latency. Integer sums, so the same in any order.
+    __m512i even[kRowBlock], odd[kRowBlock];
+    for (int64_t b = 0; b < kRowBlock; ++b) even[b] = odd[b] = _mm512_setzero_si512();
     const int8_t* src = kblock + offset * 2;
-    for (int64_t dp = 0; dp < D / 2; ++dp, src += 2 * BS) {
+    for (int64_t dp = 0; dp < D / 2; dp += 2, src += 4 * BS) {  // (D a multiple of 16)
       if (k_ahead != nullptr) {
         __builtin_prefetch(k_ahead + dp * 2 * BS, 0, 2);
-        if (dp % 2 == 0) __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
+        __builtin_prefetch(k_ahead + (dp + 1) * 2 * BS, 0, 2);
+        __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
       }
-      const __m512i k = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src));
-      for (int64_t b = 0; b < kRowBlock; ++b)
-        acc[b] = _mm512_dpwssd_epi32(acc[b], k, _mm512_set1_epi32(int16_pair(q16[b] + 2 * dp)));
+      const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src));
+      const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src + 2 * BS));
+      for (int64_t b = 0; b < kRowBlock; ++b) {
+        even[b] = _mm512_dpwssd_epi32(even[b], k0, _mm512_set1_epi32(int16_pair(q16[b] + 2 * dp)));
+        odd[b] = _mm512_dpwssd_epi32(odd[b], k1, _mm512_set1_epi32(int16_pair(q16[b] + 2 * dp + 2)));
+      }
     }
-    for (int64_t b = 0; b < kRowBlock; ++b) _mm512_storeu_si512(isum[b], acc[b]);
+    for (int64_t b = 0; b < kRowBlock; ++b) _mm512_storeu_si512(isum[b], _mm512_add_epi32(even[b], odd[b]));
     return;
   }
 #elif defined(__AVX2__)
@@ -1554,15 +1560,26 @@ inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vbl
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
     for (int64_t d0 = d_begin; d0 < d_end; d0 += kKeyChunk) {
-      __m512i acc[kRowBlock];
-      for (int64_t b = 0; b < kRowBlock; ++b) acc[b] = _mm512_setzero_si512();
+      // Two chains per row (even and odd pairs of tokens), as the scores.
+      __m512i even[kRowBlock], odd[kRowBlock];
+      for (int64_t b = 0; b < kRowBlock; ++b) even[b] = odd[b] = _mm512_setzero_si512();
       const int8_t* src = vblock + ((first / 2) * D + d0) * 2;
-      for (int64_t j = 0; j < num_pairs; ++j, src += 2 * D) {
+      int64_t j = 0;
+      for (; j + 1 < num_pairs; j += 2, src += 4 * D) {
+        const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+        const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * D)));
+        for (int64_t b = 0; b < kRowBlock; ++b) {
+          even[b] = _mm512_dpwssd_epi32(even[b], v0, _mm512_set1_epi32(int16_pair(w16[b] + 2 * j)));
+          odd[b] = _mm512_dpwssd_epi32(odd[b], v1, _mm512_set1_epi32(int16_pair(w16[b] + 2 * j + 2)));
+        }
+      }
+      if (j < num_pairs) {
         const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
         for (int64_t b = 0; b < kRowBlock; ++b)
-          acc[b] = _mm512_dpwssd_epi32(acc[b], v, _mm512_set1_epi32(int16_pair(w16[b] + 2 * j)));
+          even[b] = _mm512_dpwssd_epi32(even[b], v, _mm512_set1_epi32(int16_pair(w16[b] + 2 * j)));
       }
-      for (int64_t b = 0; b < kRowBlock; ++b) _mm512_storeu_si512(products + b * D + d0, acc[b]);
+      for (int64_t b = 0; b < kRowBlock; ++b)
+        _mm512_storeu_si512(products + b * D + d0, _mm512_add_epi32(even[b], odd[b]));
     }
     return;
   }
