@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -557,6 +558,15 @@ struct KeyChunk {
   int64_t j0, j1, key_offset, value_offset, key_ahead, value_ahead;
 };
 
+// The keys [first, last] a tile of `num_queries` queries from `first_query_pos` visits within
+// [key_begin, key_end): from the first key its queries see, rounded down to the grid of 16
+// positions on which every tile's key chunks sit, to the last query's own position.
+inline std::pair<int64_t, int64_t> visited_keys(int64_t first_query_pos, int64_t num_queries, int64_t window,
+                                                int64_t key_begin, int64_t key_end) {
+  return {std::max(key_begin, first_visible_key(first_query_pos, window)) & ~(kKeyChunk - 1),
+          std::min(first_query_pos + num_queries, key_end) - 1};
+}
+
 // The chunks of keys a tile of `num_queries` queries from `first_query_pos` visits within
 // [key_begin, key_end): at most kKeyChunk keys each, never crossing a paged block, from the
 // first key its queries see to the last, on a grid of 16 positions as in attention_tile_int8
@@ -571,8 +581,7 @@ template <typename Body>
 inline void for_each_key_chunk(const int32_t* table, int64_t BS, int64_t D, int64_t first_query_pos,
                                int64_t num_queries, int64_t window, int64_t key_begin, int64_t key_end, bool prefetch,
                                Body&& body) {
-  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
-  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window)) & ~(kKeyChunk - 1);
+  const auto [first_key, last_key] = visited_keys(first_query_pos, num_queries, window, key_begin, key_end);
   auto key_offset = [&](int64_t pos) { return table[pos / BS] * D * BS + pos % BS; };
   auto value_offset = [&](int64_t pos) { return (table[pos / BS] * BS + pos % BS) * D; };
   for (int64_t j0 = first_key; j0 <= last_key;) {
@@ -820,6 +829,16 @@ inline void pair_value_chunk(const uint16_t* vb, int64_t D, int64_t n_keys, uint
     }
 }
 
+// A tile's rows of queries (row r: query r / G, head r % G of KV head kvh) rounded to bf16 (to
+// nearest even) as pairs, [rows, D / 2] words: the A operand of the dot and tile routes' scores.
+inline void query_pairs(const float* q, int64_t q_s0, int64_t q_s1, int64_t first_row, int64_t kvh, int64_t G,
+                        int64_t rows, int64_t D, uint32_t* pairs) {
+  for (int64_t r = 0; r < rows; ++r) {  // 16 queries' values at a time
+    const float* qr = q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1;
+    for (int64_t d = 0; d < D; d += kKeyChunk) store_bf16x16(pairs + r * D / 2 + d / 2, _mm512_loadu_ps(qr + d));
+  }
+}
+
 // The bf16-dot route's softmax of one score row over the chunks of one key partition, in two
 // passes: the row's max over every score it sees, then its weights relative to that max. x is
 // chunk c's 16 scaled scores at x + c * stride (soft-capped here, in place); in chunk c (keys
@@ -975,10 +994,7 @@ void attention_tile_dot(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
     key_paired[c] = k_pairs, value_paired[c] = v_pairs;
     ++slot;
   }
-  for (int64_t r = 0; r < rows; ++r) {  // 16 queries' values at a time, to nearest (even)
-    const float* qr = q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1;
-    for (int64_t d = 0; d < D; d += kKeyChunk) store_bf16x16(q_pairs + r * D / 2 + d / 2, _mm512_loadu_ps(qr + d));
-  }
+  query_pairs(q, q_s0, q_s1, first_row, kvh, G, rows, D, q_pairs);
   // The keys row r sees: [lo, hi]; whether any of rows r0..r0 + nr sees one of [j0, j1).
   const auto last_key_of = [&](int64_t r) { return first_query_pos + r / G; };
   const auto first_key_of = [&](int64_t r) { return first_visible_key(last_key_of(r), window); };
@@ -1043,7 +1059,9 @@ void attention_tile_amx(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
                         int64_t d_runtime, int64_t G, int64_t first_query_pos, int64_t num_queries, int64_t first_row,
                         int64_t kvh, float scale, int64_t window, float softcap, int64_t key_begin, int64_t key_end,
                         float* partial, std::vector<float>& work) {
-  constexpr int64_t kTileRows = kAmxRows, kCellPair = 2 * kKeyChunk;
+  // (A partition's keys lie in at most kKeyPartition / 16 cells, and pairs of cells from a
+  // multiple of 32 add at most one more on each side.)
+  constexpr int64_t kTileRows = kAmxRows, kCellPair = 2 * kKeyChunk, kMaxCells = kKeyPartition / kKeyChunk + 2;
   const int64_t D = kD > 0 ? kD : d_runtime;
   const int64_t Dh = D / 2;
   const int64_t rows = num_queries * G;
@@ -1052,12 +1070,11 @@ void attention_tile_amx(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
   const uint16_t* khead = reinterpret_cast<const uint16_t*>(khead_);
   const uint16_t* vhead = reinterpret_cast<const uint16_t*>(vhead_);
 
-  // The visited keys [first_key, last_key] (as for_each_key_chunk), in cells from pair_start.
-  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
-  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window)) & ~(kKeyChunk - 1);
+  // The visited keys (as for_each_key_chunk's), in cells from pair_start.
+  const auto [first_key, last_key] = visited_keys(first_query_pos, num_queries, window, key_begin, key_end);
   const int64_t pair_start = first_key & ~(kCellPair - 1);
   const int64_t num_cells = last_key < first_key ? 0 : ((last_key - pair_start) / kCellPair + 1) * 2;
-  TORCH_CHECK(num_cells <= kKeyPartition / kKeyChunk + 2, "attention: more key cells than a partition holds");
+  TORCH_CHECK(num_cells <= kMaxCells, "attention: more key cells than a partition holds");
 
   // acc [rows, D], row_max, row_sum (as finish_tile takes them), then 32-bit words: the queries'
   // bf16 pairs [padded_rows, D / 2], the cells' keys [cells, D / 2, 16] and values [cells, 8, D]
@@ -1078,7 +1095,7 @@ void attention_tile_amx(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
 
   // Cells: zero where a cell is not whole, then each chunk's keys paired into place (a whole
   // cell's chunk in one go, as the dot route pairs it; blocks smaller than a cell key by key).
-  int64_t cell_keys[kKeyPartition / kKeyChunk + 2];
+  int64_t cell_keys[kMaxCells];
   for (int64_t c = 0; c < num_cells; ++c) {
     const int64_t start = pair_start + c * kKeyChunk;
     cell_keys[c] = start < first_key ? 0 : std::clamp<int64_t>(last_key + 1 - start, 0, kKeyChunk);
@@ -1107,14 +1124,8 @@ void attention_tile_amx(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
       }
     }
   });
-  for (int64_t r = 0; r < padded_rows; ++r) {  // the queries to nearest (even); padding rows zero
-    if (r >= rows) {
-      std::fill(q_pairs + r * Dh, q_pairs + (r + 1) * Dh, 0u);
-      continue;
-    }
-    const float* qr = q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1;
-    for (int64_t d = 0; d < D; d += kKeyChunk) store_bf16x16(q_pairs + r * Dh + d / 2, _mm512_loadu_ps(qr + d));
-  }
+  query_pairs(q, q_s0, q_s1, first_row, kvh, G, rows, D, q_pairs);
+  std::fill(q_pairs + rows * Dh, q_pairs + padded_rows * Dh, 0u);  // padding rows: zero
   const auto last_key_of = [&](int64_t r) { return first_query_pos + r / G; };
   const auto first_key_of = [&](int64_t r) { return first_visible_key(last_key_of(r), window); };
 
@@ -1125,7 +1136,7 @@ void attention_tile_amx(const float* q, int64_t q_s0, int64_t q_s1, float* out, 
     // The pairs of cells some row of the block sees (its keys [first_key_of(r0), last_key_of(r0
     // + nr - 1)] at most): their cells in order, as the softmax takes them.
     const int64_t block_lo = std::max(first_key_of(r0), first_key), block_hi = last_key_of(r0 + nr - 1);
-    int64_t cells[kKeyPartition / kKeyChunk + 2], j0s[kKeyPartition / kKeyChunk + 2], nks[kKeyPartition / kKeyChunk + 2];
+    int64_t cells[kMaxCells], j0s[kMaxCells], nks[kMaxCells];
     int64_t n = 0;
     for (int64_t c = 0; c < num_cells; c += 2) {
       const int64_t start = pair_start + c * kKeyChunk;
@@ -1642,14 +1653,13 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
     q_scale[r] = quantize_int16(rotated, D, q16 + r * D);
   }
 
-  const int64_t last_key = std::min(first_query_pos + num_queries, key_end) - 1;
   // Chunks sit on a grid of 16 positions (keys before the first visible one come along,
   // hidden by the window that excluded them; partitions start at multiples of 128, so they are
   // never another partition's). A key's chunk then depends on its position alone, not on the
   // tile's first query, and so do the per-chunk int16 weight scales: a row's arithmetic is the
   // same in a decode, a prefill chunk or a recompute. It also starts value pairs (2j, 2j + 1)
   // on even positions.
-  const int64_t first_key = std::max(key_begin, first_visible_key(first_query_pos, window)) & ~(kKeyChunk - 1);
+  const auto [first_key, last_key] = visited_keys(first_query_pos, num_queries, window, key_begin, key_end);
   const bool few_rows = rows <= kRowBlock;  // a decode's tile: one row block
   for (int64_t j0 = first_key; j0 <= last_key;) {
     const int64_t block = table[j0 / BS], offset = j0 % BS;
