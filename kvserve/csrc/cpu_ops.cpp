@@ -699,6 +699,79 @@ __attribute__((noinline)) void softmax_rows(float (*x)[kKeyChunk], int64_t rows,
     correction[r] = softmax_chunk(x[r], j0, n_keys, lo[r], hi[r], softcap, row_max[r], row_sum[r], p[r]);
 }
 
+// The first pass of the two-pass softmaxes (partition_softmax_row, partition_softmax_f32): one
+// score row's max over the visible keys of a key partition's chunks, x + c * stride holding
+// chunk c's 16 scaled scores (keys from j0s[c], nks[c] of them; those in [lo, hi] visible),
+// soft-capped here, in place. A max, so the same in any order.
+inline float partition_row_max(float* x, int64_t stride, int64_t num_chunks, const int64_t* j0s, const int64_t* nks,
+                               int64_t lo, int64_t hi, float softcap) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; softcap > 0.f && c < num_chunks; ++c) {
+    float* xc = x + c * stride;
+    for (int64_t t = 0; t < kKeyChunk; ++t) xc[t] = std::tanh(xc[t] / softcap) * softcap;
+  }
+#if defined(__AVX512F__)
+  __m512 max16 = _mm512_set1_ps(kNegInf);
+  for (int64_t c = 0; c < num_chunks; ++c)
+    max16 = _mm512_mask_max_ps(max16, visible_lanes(j0s[c], nks[c], lo, hi), max16, _mm512_loadu_ps(x + c * stride));
+  return _mm512_reduce_max_ps(max16);
+#else
+  float max = kNegInf;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const float* xc = x + c * stride;
+    for (int64_t t = std::max<int64_t>(lo - j0s[c], 0); t < nks[c] && j0s[c] + t <= hi; ++t) max = std::max(max, xc[t]);
+  }
+  return max;
+#endif
+}
+
+// The int8 cache's softmax of one score row over the chunks of one key partition, in two passes
+// as the bf16-dot route's (partition_softmax_row: its arguments), with fp32 weights: chunk c's
+// at p + c * 16 (0 where hidden), summed lane-wise over the chunks in order, then across lanes.
+// Against an online softmax per chunk, no row's value sums need rescaling, so they stay in
+// integers across the partition (int8_partition_values). Never inlined: one copy of the code
+// serves every row, whatever block of rows it was scored in.
+__attribute__((noinline)) void partition_softmax_f32(float* x, int64_t stride, int64_t num_chunks,
+                                                     const int64_t* j0s, const int64_t* nks, int64_t lo, int64_t hi,
+                                                     float softcap, float* row_max, float* row_sum, float* p) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const float max = partition_row_max(x, stride, num_chunks, j0s, nks, lo, hi, softcap);
+  *row_max = max;
+  if (max == kNegInf) {  // nothing visible (or only -inf scores): no weight, as merge_partitions expects
+    std::fill(p, p + num_chunks * kKeyChunk, 0.f);
+    *row_sum = 0.f;
+    return;
+  }
+#if defined(__AVX512F__)
+  __m512 sum16 = _mm512_setzero_ps();
+  const __m512 max_lanes = _mm512_set1_ps(max);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    // A hidden key may score above the max: clamped before the exp, then zeroed by the mask.
+    const __m512 shifted = _mm512_min_ps(_mm512_sub_ps(_mm512_loadu_ps(x + c * stride), max_lanes), _mm512_setzero_ps());
+    const __m512 weights = _mm512_maskz_mov_ps(visible_lanes(j0s[c], nks[c], lo, hi), exp_nonpositive16(shifted));
+    _mm512_storeu_ps(p + c * kKeyChunk, weights);
+    sum16 = _mm512_add_ps(sum16, weights);
+  }
+  *row_sum = _mm512_reduce_add_ps(sum16);
+#else
+  float sums[kKeyChunk] = {};
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const float* xc = x + c * stride;
+    float* pc = p + c * kKeyChunk;
+#pragma omp simd
+    for (int64_t t = 0; t < kKeyChunk; ++t) {
+      const int64_t key = j0s[c] + t;
+      const float visible = (t < nks[c]) & (key <= hi) & (key >= lo) ? 1.f : 0.f;
+      pc[t] = visible * exp_nonpositive(std::min(xc[t] - max, 0.f));
+      sums[t] += pc[t];
+    }
+  }
+  float sum = 0.f;
+  for (int64_t t = 0; t < kKeyChunk; ++t) sum += sums[t];
+  *row_sum = sum;
+#endif
+}
+
 // Attention over a bf16 cache on Intel's matrix unit (attention_tile_amx): 0 off (the vector
 // routes), 1 the hardware's tiles, 2 their emulation (tests, any CPU with AVX512-BF16). Opt-in
 // (KVSERVE_ATTENTION_ROUTE=amx, or set_attention_kernel_route) until it has been measured on an
@@ -858,15 +931,7 @@ __attribute__((noinline)) void partition_softmax_row(float* x, int64_t stride, i
                                                      float softcap, float* row_max, float* row_sum,
                                                      uint32_t* p_pairs) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  __m512 max16 = _mm512_set1_ps(kNegInf);
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    float* xc = x + c * stride;
-    if (softcap > 0.f) {
-      for (int64_t t = 0; t < kKeyChunk; ++t) xc[t] = std::tanh(xc[t] / softcap) * softcap;
-    }
-    max16 = _mm512_mask_max_ps(max16, visible_lanes(j0s[c], nks[c], lo, hi), max16, _mm512_loadu_ps(xc));
-  }
-  const float max = _mm512_reduce_max_ps(max16);
+  const float max = partition_row_max(x, stride, num_chunks, j0s, nks, lo, hi, softcap);
   if (max == kNegInf) {  // nothing visible (or only -inf scores): no weight, as merge_partitions expects
     for (int64_t c = 0; c < num_chunks; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + c * (kKeyChunk / 2)), _mm256_setzero_si256());
@@ -1471,6 +1536,16 @@ inline int32_t int16_pair(const int16_t* x) {
   return pair;
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// acc + each lane's int16 pair times the pair at `pair` (two int16, broadcast), as one
+// instruction with an embedded broadcast: from _mm512_set1_epi32, GCC broadcast every pair into
+// a register of its own first, one more instruction per product.
+__attribute__((always_inline)) inline __m512i dpwssd_pair(__m512i acc, __m512i lanes, const int16_t* pair) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(lanes), "m"(*reinterpret_cast<const int32_t*>(pair)));
+  return acc;
+}
+#endif
+
 #if !(defined(__AVX512BW__) && defined(__AVX512VNNI__)) && defined(__AVX2__)
 // The AVX2 int8 products: 16 int32 sums per row of a row block, as two ymm halves. add() takes
 // 32 int8 (16 pairs: the pairs of 16 keys, or 16 dims of a pair of tokens) times each row's
@@ -1511,9 +1586,11 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
     const __mmask32 mask = n_keys >= kKeyChunk ? 0xFFFFFFFFu : (1u << (2 * n_keys)) - 1u;
     // Two chains per row (even and odd pairs of dims): with one, the rows' 4 chains waited on
-    // vpdpwssd's latency. Integer sums, so the same in any order.
-    __m512i even[kRowBlock], odd[kRowBlock];
-    for (int64_t b = 0; b < kRowBlock; ++b) even[b] = odd[b] = _mm512_setzero_si512();
+    // vpdpwssd's latency. Integer sums, so the same in any order. The eight chains are named:
+    // as arrays GCC kept them in memory, a store after every product (2x the scores' time).
+    static_assert(kRowBlock == 4, "int8_chunk_scores names four rows' chains");
+    __m512i e0 = _mm512_setzero_si512(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+    const int16_t *q0 = q16[0], *q1 = q16[1], *q2 = q16[2], *q3 = q16[3];
     const int8_t* src = kblock + offset * 2;
     for (int64_t dp = 0; dp < D / 2; dp += 2, src += 4 * BS) {  // (D a multiple of 16)
       if (k_ahead != nullptr) {
@@ -1523,12 +1600,19 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
       }
       const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src));
       const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src + 2 * BS));
-      for (int64_t b = 0; b < kRowBlock; ++b) {
-        even[b] = _mm512_dpwssd_epi32(even[b], k0, _mm512_set1_epi32(int16_pair(q16[b] + 2 * dp)));
-        odd[b] = _mm512_dpwssd_epi32(odd[b], k1, _mm512_set1_epi32(int16_pair(q16[b] + 2 * dp + 2)));
-      }
+      e0 = dpwssd_pair(e0, k0, q0 + 2 * dp);
+      o0 = dpwssd_pair(o0, k1, q0 + 2 * dp + 2);
+      e1 = dpwssd_pair(e1, k0, q1 + 2 * dp);
+      o1 = dpwssd_pair(o1, k1, q1 + 2 * dp + 2);
+      e2 = dpwssd_pair(e2, k0, q2 + 2 * dp);
+      o2 = dpwssd_pair(o2, k1, q2 + 2 * dp + 2);
+      e3 = dpwssd_pair(e3, k0, q3 + 2 * dp);
+      o3 = dpwssd_pair(o3, k1, q3 + 2 * dp + 2);
     }
-    for (int64_t b = 0; b < kRowBlock; ++b) _mm512_storeu_si512(isum[b], _mm512_add_epi32(even[b], odd[b]));
+    _mm512_storeu_si512(isum[0], _mm512_add_epi32(e0, o0));
+    _mm512_storeu_si512(isum[1], _mm512_add_epi32(e1, o1));
+    _mm512_storeu_si512(isum[2], _mm512_add_epi32(e2, o2));
+    _mm512_storeu_si512(isum[3], _mm512_add_epi32(e3, o3));
     return;
   }
 #elif defined(__AVX2__)
@@ -1564,30 +1648,38 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
   }
 }
 
-// products[b][d] = sum_t w16[b][t] * value(first + t, d) for d in [d_begin, d_end), over the
-// chunk's 2 * num_pairs tokens from `first` (even) of one block's values ([BS/2][D][2]).
-inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vblock, int64_t D, int64_t d_begin,
-                              int64_t d_end, int64_t first, int64_t num_pairs, int32_t* products) {
+// products[b * D + d] (b < kRowBlock, d in [d_begin, d_end)) = the sum over a key partition's
+// chunks c < num_chunks of sum_t w16[b * w_stride + c * 16 + t] * value(t, d), where chunk c's
+// 2 * num_pairs[c] tokens start at the pair row vchunks[c] of their block's values ([BS/2][D][2]).
+// The sums stay in integer registers across the partition: it holds at most 128 tokens, and
+// 128 * 32767 * 127 < 2^31.
+inline void int8_partition_values(const int16_t* w16, int64_t w_stride, int64_t num_chunks,
+                                  const int8_t* const* vchunks, const int64_t* num_pairs, int64_t D, int64_t d_begin,
+                                  int64_t d_end, int32_t* products) {
+  static_assert(kKeyPartition * 32767LL * 127 < (1LL << 31), "a partition's int8 value sums must fit in int32");
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
     for (int64_t d0 = d_begin; d0 < d_end; d0 += kKeyChunk) {
-      // Two chains per row (even and odd pairs of tokens), as the scores.
+      // Two chains per row (even and odd pairs of tokens).
       __m512i even[kRowBlock], odd[kRowBlock];
       for (int64_t b = 0; b < kRowBlock; ++b) even[b] = odd[b] = _mm512_setzero_si512();
-      const int8_t* src = vblock + ((first / 2) * D + d0) * 2;
-      int64_t j = 0;
-      for (; j + 1 < num_pairs; j += 2, src += 4 * D) {
-        const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-        const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * D)));
-        for (int64_t b = 0; b < kRowBlock; ++b) {
-          even[b] = _mm512_dpwssd_epi32(even[b], v0, _mm512_set1_epi32(int16_pair(w16[b] + 2 * j)));
-          odd[b] = _mm512_dpwssd_epi32(odd[b], v1, _mm512_set1_epi32(int16_pair(w16[b] + 2 * j + 2)));
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const int8_t* src = vchunks[c] + d0 * 2;
+        const int16_t* wc = w16 + c * kKeyChunk;
+        int64_t j = 0;
+        for (; j + 1 < num_pairs[c]; j += 2, src += 4 * D) {
+          const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+          const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * D)));
+          for (int64_t b = 0; b < kRowBlock; ++b) {
+            even[b] = dpwssd_pair(even[b], v0, wc + b * w_stride + 2 * j);
+            odd[b] = dpwssd_pair(odd[b], v1, wc + b * w_stride + 2 * j + 2);
+          }
         }
-      }
-      if (j < num_pairs) {
-        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-        for (int64_t b = 0; b < kRowBlock; ++b)
-          even[b] = _mm512_dpwssd_epi32(even[b], v, _mm512_set1_epi32(int16_pair(w16[b] + 2 * j)));
+        if (j < num_pairs[c]) {
+          const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+          for (int64_t b = 0; b < kRowBlock; ++b)
+            even[b] = dpwssd_pair(even[b], v, wc + b * w_stride + 2 * j);
+        }
       }
       for (int64_t b = 0; b < kRowBlock; ++b)
         _mm512_storeu_si512(products + b * D + d0, _mm512_add_epi32(even[b], odd[b]));
@@ -1598,11 +1690,13 @@ inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vbl
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
     for (int64_t d0 = d_begin; d0 < d_end; d0 += kKeyChunk) {
       PairSums16 sums;
-      const int8_t* src = vblock + ((first / 2) * D + d0) * 2;
-      for (int64_t j = 0; j < num_pairs; ++j, src += 2 * D) {
-        int32_t pairs[kRowBlock];
-        for (int64_t b = 0; b < kRowBlock; ++b) pairs[b] = int16_pair(w16[b] + 2 * j);
-        sums.add(src, pairs);
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const int8_t* src = vchunks[c] + d0 * 2;
+        for (int64_t j = 0; j < num_pairs[c]; ++j, src += 2 * D) {
+          int32_t pairs[kRowBlock];
+          for (int64_t b = 0; b < kRowBlock; ++b) pairs[b] = int16_pair(w16 + b * w_stride + c * kKeyChunk + 2 * j);
+          sums.add(src, pairs);
+        }
       }
       sums.store(products + d0, D);
     }
@@ -1612,18 +1706,26 @@ inline void int8_chunk_values(const int16_t (*w16)[kKeyChunk], const int8_t* vbl
   for (int64_t b = 0; b < kRowBlock; ++b) {
     for (int64_t d = d_begin; d < d_end; ++d) {
       int32_t sum = 0;
-      for (int64_t t = 0; t < 2 * num_pairs; ++t)
-        sum += int32_t{w16[b][t]} * int32_t{vblock[int8_value_index(first + t, d, D)]};
+      for (int64_t c = 0; c < num_chunks; ++c)
+        for (int64_t t = 0; t < 2 * num_pairs[c]; ++t)
+          sum += int32_t{w16[b * w_stride + c * kKeyChunk + t]} * int32_t{vchunks[c][int8_value_index(t, d, D)]};
       products[b * D + d] = sum;
     }
   }
 }
 
-// attention_tile for an int8 cache (its heads' scales beside it, [groups, BS] per block): the
-// same tiles, chunks, partitions and online softmax, with the integer products above, in the
-// cache's rotated basis (queries rotated here; paged_attention rotates the outputs back).
+// attention_tile for an int8 cache (its heads' scales beside it, [groups, BS] per block), over
+// one key partition: the same chunks, partitions and masks, with the integer products above, in
+// the cache's rotated basis (queries rotated by the caller; paged_attention rotates the outputs
+// back). Rows go in blocks of kRowBlock, as on the bf16-dot route: a block scores every chunk some row
+// of it sees, then each row's softmax runs over the whole partition (partition_softmax_f32), then
+// the block's values. Per row and group of dims, the weights times the tokens' value scales are
+// rounded to int16 with one scale over the partition, and their products with the values are
+// summed in integers across it (int8_partition_values): no rescaling of the sums per chunk.
+// The queries come rotated and rounded once per step (rotated_int16_queries): query row t, head
+// h at q16 + (t * H + h) * D, its scale at q_scale[t * H + h].
 template <int64_t kD>
-void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out, int64_t o_s0, int64_t o_s1,
+void attention_tile_int8(const int16_t* q16, const float* q_scale, int64_t H, float* out, int64_t o_s0, int64_t o_s1,
                          const int8_t* khead, const int8_t* vhead, const c10::Half* kscales,
                          const c10::Half* vscales, const int32_t* table, int64_t BS, int64_t d_runtime, int64_t G,
                          int64_t first_query_pos, int64_t num_queries, int64_t first_row, int64_t kvh, float scale,
@@ -1634,127 +1736,165 @@ void attention_tile_int8(const float* q, int64_t q_s0, int64_t q_s1, float* out,
   const int64_t group = int8_group_size(D), groups = D / group;
   TORCH_CHECK(groups <= kMaxGroups, "int8 KV: head dim too large");
   const int64_t rows = num_queries * G;
-  const int64_t q16_floats = (rows * D + 1) / 2;  // the int16 queries, in floats of the buffer
-  work.resize(rows * D + 3 * rows + q16_floats + kRowBlock * D + D);
-  float* acc = work.data();  // [rows, D]; row_max and row_sum follow (copied out together)
-  float* row_max = acc + rows * D;
-  float* row_sum = row_max + rows;
-  float* q_scale = row_sum + rows;
-  int16_t* q16 = reinterpret_cast<int16_t*>(q_scale + rows);  // [rows, D]
-  int32_t* products = reinterpret_cast<int32_t*>(q_scale + rows + q16_floats);  // [kRowBlock, D]
-  float* rotated = q_scale + rows + q16_floats + kRowBlock * D;  // [D]
-  std::fill(acc, acc + rows * D, 0.f);
-  std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
-  std::fill(row_sum, row_sum + rows, 0.f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* qr = q + (first_row + r / G) * q_s0 + (kvh * G + r % G) * q_s1;
-    std::copy(qr, qr + D, rotated);
-    hadamard_(rotated, D);
-    q_scale[r] = quantize_int16(rotated, D, q16 + r * D);
+  const bool few_rows = rows <= kRowBlock;  // a decode's tile: one row block
+
+  // The partition's chunks. They sit on a grid of 16 positions (keys before the first visible
+  // one come along, hidden by the window that excluded them; partitions start at multiples of
+  // 128, so they are never another partition's). A key's chunk then depends on its position
+  // alone, not on the tile's first query: a row's arithmetic is the same in a decode, a prefill
+  // chunk or a recompute. It also starts value pairs (2j, 2j + 1) on even positions.
+  constexpr int64_t kMaxChunks = kKeyPartition;
+  int64_t j0s[kMaxChunks], nks[kMaxChunks], blocks[kMaxChunks], offsets[kMaxChunks];
+  int64_t num_chunks = 0;
+  const auto [first_key, last_key] = visited_keys(first_query_pos, num_queries, window, key_begin, key_end);
+  for (int64_t j0 = first_key; j0 <= last_key; ++num_chunks) {
+    TORCH_CHECK(num_chunks < kMaxChunks, "attention: more key chunks than a partition holds");
+    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
+    j0s[num_chunks] = j0, nks[num_chunks] = j1 - j0, blocks[num_chunks] = table[j0 / BS], offsets[num_chunks] = j0 % BS;
+    j0 = j1;
   }
 
-  // Chunks sit on a grid of 16 positions (keys before the first visible one come along,
-  // hidden by the window that excluded them; partitions start at multiples of 128, so they are
-  // never another partition's). A key's chunk then depends on its position alone, not on the
-  // tile's first query, and so do the per-chunk int16 weight scales: a row's arithmetic is the
-  // same in a decode, a prefill chunk or a recompute. It also starts value pairs (2j, 2j + 1)
-  // on even positions.
-  const auto [first_key, last_key] = visited_keys(first_query_pos, num_queries, window, key_begin, key_end);
-  const bool few_rows = rows <= kRowBlock;  // a decode's tile: one row block
-  for (int64_t j0 = first_key; j0 <= last_key;) {
-    const int64_t block = table[j0 / BS], offset = j0 % BS;
-    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
-    const int64_t n_keys = j1 - j0;
-    // A decode's chunk kPrefetchChunks ahead: its scales now, its keys and values a line at a
-    // time in the score loop (int8_chunk_scores); ~25 % off a decode's attention from memory
-    // against the whole blocks fetched at once that a prefill tile keeps.
-    const int8_t* k_ahead = nullptr;
-    const int8_t* v_ahead = nullptr;
-    if (const int64_t ahead = j0 + kPrefetchChunks * kKeyChunk; few_rows && ahead <= last_key) {
-      const int64_t ahead_block = table[ahead / BS], ahead_offset = ahead % BS;
-      k_ahead = khead + ahead_block * BS * D + ahead_offset * 2;  // key pair row dp at + dp * 2 * BS
-      v_ahead = vhead + ahead_block * BS * D + ahead_offset / 2 * 2 * D;  // 16 * D bytes in a row
-      for (int64_t g = 0; g < groups; ++g) {
-        __builtin_prefetch(kscales + (ahead_block * groups + g) * BS + ahead_offset, 0, 2);
-        __builtin_prefetch(vscales + (ahead_block * groups + g) * BS + ahead_offset, 0, 2);
-      }
-    } else if (!few_rows) {
-      prefetch_ahead(j0, j1, first_key, last_key, BS, [&](int64_t b) {
-        prefetch_bytes(khead + table[b] * BS * D, BS * D);
-        prefetch_bytes(vhead + table[b] * BS * D, BS * D);
-        prefetch_bytes(kscales + table[b] * groups * BS, groups * BS * 2);
-        prefetch_bytes(vscales + table[b] * groups * BS, groups * BS * 2);
-      });
+  // acc [rows, D], row_max, row_sum (adjacent, as finish_tile takes them); per chunk and group the
+  // score scale x key scales and the value scales [chunks, groups, 16]; a row block's scores
+  // [chunks, kRowBlock, 16], weights [kRowBlock, chunks, 16] in fp32 and int16, one row's weights
+  // times the value scales [chunks, 16], value sums [kRowBlock, D].
+  const int64_t chunk_floats = num_chunks * kKeyChunk;
+  work.resize(rows * D + 2 * rows + 2 * groups * chunk_floats + 2 * kRowBlock * chunk_floats +
+              (kRowBlock * chunk_floats + 1) / 2 + chunk_floats + kRowBlock * D);
+  float* acc = work.data();
+  float* row_max = acc + rows * D;
+  float* row_sum = row_max + rows;
+  float* key_mul = row_sum + rows;  // chunk c, group g: + (c * groups + g) * 16
+  float* value_mul = key_mul + groups * chunk_floats;
+  float(*scores)[kKeyChunk] = reinterpret_cast<float(*)[kKeyChunk]>(value_mul + groups * chunk_floats);
+  float* weights = value_mul + groups * chunk_floats + kRowBlock * chunk_floats;
+  int16_t* w16 = reinterpret_cast<int16_t*>(weights + kRowBlock * chunk_floats);
+  float* scaled = weights + kRowBlock * chunk_floats + (kRowBlock * chunk_floats + 1) / 2;
+  int32_t* products = reinterpret_cast<int32_t*>(scaled + chunk_floats);
+  // Row r (query r / G, head r % G of KV head kvh): its int16 query and scale.
+  const auto query_of = [&](int64_t r) { return (first_row + r / G) * H + kvh * G + r % G; };
+
+  if (!few_rows) {  // a prefill tile reads the partition once per row block: fetch it all now
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      if (c > 0 && blocks[c] == blocks[c - 1]) continue;
+      prefetch_bytes(khead + blocks[c] * BS * D, BS * D);
+      prefetch_bytes(vhead + blocks[c] * BS * D, BS * D);
     }
-    // Per group and token: score scale x key scale, and the value scale (0 past the chunk).
-    float key_mul[kMaxGroups][kKeyChunk] = {}, value_mul[kMaxGroups][kKeyChunk] = {};
+  }
+  for (int64_t c = 0; c < num_chunks; ++c) {
     for (int64_t g = 0; g < groups; ++g) {
-      half_to_float(kscales + (block * groups + g) * BS + offset, n_keys, key_mul[g]);
-      half_to_float(vscales + (block * groups + g) * BS + offset, n_keys, value_mul[g]);
-#pragma omp simd
-      for (int64_t t = 0; t < kKeyChunk; ++t) key_mul[g][t] *= scale;
-    }
-    const int8_t* kblock = khead + block * BS * D;
-    const int8_t* vblock = vhead + block * BS * D;
-
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const int64_t nr = std::min(kRowBlock, rows - r0);
-      const int16_t* qr[kRowBlock];
-      int64_t lo[kRowBlock], hi[kRowBlock];
-      bool any_visible = false;
-      for (int64_t b = 0; b < kRowBlock; ++b) {
-        const int64_t r = r0 + std::min(b, nr - 1);  // padding rows repeat the last one, unused
-        qr[b] = q16 + r * D;
-        hi[b] = first_query_pos + r / G;
-        lo[b] = window > 0 ? hi[b] - window + 1 : 0;
-        any_visible |= j0 <= hi[b] && j1 > lo[b];
+      float* km = key_mul + (c * groups + g) * kKeyChunk;
+      float* vm = value_mul + (c * groups + g) * kKeyChunk;
+      if (nks[c] < kKeyChunk) {  // zero past the chunk's keys
+        std::fill(km, km + kKeyChunk, 0.f);
+        std::fill(vm, vm + kKeyChunk, 0.f);
       }
+      half_to_float(kscales + (blocks[c] * groups + g) * BS + offsets[c], nks[c], km);
+      half_to_float(vscales + (blocks[c] * groups + g) * BS + offsets[c], nks[c], vm);
+#pragma omp simd
+      for (int64_t t = 0; t < kKeyChunk; ++t) km[t] *= scale;
+    }
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int64_t nr = std::min(kRowBlock, rows - r0);
+    const int16_t* qr[kRowBlock];
+    int64_t lo[kRowBlock], hi[kRowBlock];
+    for (int64_t b = 0; b < kRowBlock; ++b) {
+      const int64_t r = r0 + std::min(b, nr - 1);  // padding rows repeat the last one, unused
+      qr[b] = q16 + query_of(r) * D;
+      hi[b] = first_query_pos + r / G;
+      lo[b] = window > 0 ? hi[b] - window + 1 : 0;
+    }
+    // The scores of the chunks some row of the block sees, in order.
+    int64_t block_chunks[kMaxChunks], block_j0s[kMaxChunks], block_nks[kMaxChunks];
+    const int8_t* block_values[kMaxChunks];
+    int64_t block_pairs[kMaxChunks];
+    int64_t n = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      bool any_visible = false;
+      for (int64_t b = 0; b < nr; ++b) any_visible |= j0s[c] <= hi[b] && j0s[c] + nks[c] > lo[b];
       if (!any_visible) continue;
-
-      float x[kRowBlock][kKeyChunk] = {};
+      const int8_t* kblock = khead + blocks[c] * BS * D;
+      const int8_t* vchunk = vhead + blocks[c] * BS * D + offsets[c] / 2 * 2 * D;
+      // A decode fetches, a line at a time in the score loop (int8_chunk_scores), the keys
+      // kPrefetchChunks chunks ahead and this chunk's values (read after every chunk's scores).
+      const int8_t* k_ahead = nullptr;
+      if (few_rows && c + kPrefetchChunks < num_chunks)
+        k_ahead = khead + blocks[c + kPrefetchChunks] * BS * D + offsets[c + kPrefetchChunks] * 2;
+      float(*x)[kKeyChunk] = scores + n * kRowBlock;
       for (int64_t g = 0; g < groups; ++g) {
         int32_t isum[kRowBlock][kKeyChunk];
         const int16_t* qg[kRowBlock];
         for (int64_t b = 0; b < kRowBlock; ++b) qg[b] = qr[b] + g * group;
         // Group g's share of the chunk ahead: its key dims, and group / 4 of the chunk's D / 4
         // lines of values.
-        int8_chunk_scores(qg, kblock + g * group * BS, BS, offset, n_keys, group, isum,
+        int8_chunk_scores(qg, kblock + g * group * BS, BS, offsets[c], nks[c], group, isum,
                           k_ahead != nullptr ? k_ahead + g * group * BS : nullptr,
-                          k_ahead != nullptr ? v_ahead + g * group * 16 : nullptr);
+                          few_rows ? vchunk + g * group * 16 : nullptr);
+        const float* km = key_mul + (c * groups + g) * kKeyChunk;
         for (int64_t b = 0; b < nr; ++b) {
+          if (g == 0) {
 #pragma omp simd
-          for (int64_t t = 0; t < kKeyChunk; ++t) x[b][t] += static_cast<float>(isum[b][t]) * key_mul[g][t];
+            for (int64_t t = 0; t < kKeyChunk; ++t) x[b][t] = static_cast<float>(isum[b][t]) * km[t];
+          } else {
+#pragma omp simd
+            for (int64_t t = 0; t < kKeyChunk; ++t) x[b][t] += static_cast<float>(isum[b][t]) * km[t];
+          }
         }
       }
-      float p[kRowBlock][kKeyChunk], correction[kRowBlock];
       for (int64_t b = 0; b < nr; ++b) {
-        const int64_t r = r0 + b;
 #pragma omp simd
-        for (int64_t t = 0; t < kKeyChunk; ++t) x[b][t] *= q_scale[r];
-        correction[b] = softmax_chunk(x[b], j0, n_keys, lo[b], hi[b], softcap, row_max[r], row_sum[r], p[b]);
+        for (int64_t t = 0; t < kKeyChunk; ++t) x[b][t] *= q_scale[query_of(r0 + b)];
       }
-      for (int64_t g = 0; g < groups; ++g) {
-        int16_t w16[kRowBlock][kKeyChunk] = {};
-        float w_scale[kRowBlock];
-        for (int64_t b = 0; b < nr; ++b) {
-          float w[kKeyChunk];
+      block_chunks[n] = c, block_j0s[n] = j0s[c], block_nks[n] = nks[c];
+      block_values[n] = vchunk, block_pairs[n] = (nks[c] + 1) / 2;
+      ++n;
+    }
+    const int64_t row_floats = n * kKeyChunk;
+    for (int64_t b = 0; b < nr; ++b)
+      partition_softmax_f32(scores[b], kRowBlock * kKeyChunk, n, block_j0s, block_nks, lo[b], hi[b], softcap,
+                            row_max + r0 + b, row_sum + r0 + b, weights + b * row_floats);
+    std::fill(w16 + nr * row_floats, w16 + kRowBlock * row_floats, int16_t{0});  // padding rows: no weight
+    for (int64_t g = 0; g < groups; ++g) {
+      float w_scale[kRowBlock];
+      for (int64_t b = 0; b < nr; ++b) {
+        const float* wb = weights + b * row_floats;
+        for (int64_t i = 0; i < n; ++i) {
+          const float* vm = value_mul + (block_chunks[i] * groups + g) * kKeyChunk;
 #pragma omp simd
-          for (int64_t t = 0; t < kKeyChunk; ++t) w[t] = p[b][t] * value_mul[g][t];
-          w_scale[b] = quantize_int16(w, kKeyChunk, w16[b]);
+          for (int64_t t = 0; t < kKeyChunk; ++t) scaled[i * kKeyChunk + t] = wb[i * kKeyChunk + t] * vm[t];
         }
-        int8_chunk_values(w16, vblock, D, g * group, (g + 1) * group, offset, (n_keys + 1) / 2, products);
-        for (int64_t b = 0; b < nr; ++b) {
-          float* a = acc + (r0 + b) * D;
-          const int32_t* prod = products + b * D;
+        w_scale[b] = quantize_int16(scaled, row_floats, w16 + b * row_floats);
+      }
+      int8_partition_values(w16, row_floats, n, block_values, block_pairs, D, g * group, (g + 1) * group, products);
+      for (int64_t b = 0; b < nr; ++b) {
+        float* a = acc + (r0 + b) * D;
+        const int32_t* prod = products + b * D;
 #pragma omp simd
-          for (int64_t d = g * group; d < (g + 1) * group; ++d)
-            a[d] = a[d] * correction[b] + static_cast<float>(prod[d]) * w_scale[b];
-        }
+        for (int64_t d = g * group; d < (g + 1) * group; ++d) a[d] = static_cast<float>(prod[d]) * w_scale[b];
       }
     }
-    j0 = j1;
   }
   finish_tile(acc, rows, D, partial, out, o_s0, o_s1, first_row, kvh, G);
+}
+
+// Every query row [T, H, D] (fp32, rows and heads strided) rotated into an int8 cache's basis and
+// rounded to int16 with one scale per row and head: q16 [T * H, D], q_scale [T * H].
+void rotated_int16_queries(const torch::Tensor& q, int64_t D, std::vector<int16_t>& q16, std::vector<float>& q_scale) {
+  const int64_t T = q.size(0), H = q.size(1);
+  const float* data = q.data_ptr<float>();
+  const int64_t s0 = q.stride(0), s1 = q.stride(1);
+  q16.resize(T * H * D);
+  q_scale.resize(T * H);
+  kvserve::parallel_for(0, T * H, std::max<int64_t>(1, 2048 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = data + (i / H) * s0 + (i % H) * s1;
+      std::copy(row, row + D, rotated.data());
+      hadamard_(rotated.data(), D);
+      q_scale[i] = quantize_int16(rotated.data(), D, q16.data() + i * D);
+    }
+  });
 }
 
 // Combine a tile's per-partition partials (each [rows, D] unnormalised accumulators, then
@@ -1847,6 +1987,12 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
   std::atomic<int64_t> next{0};
   const int64_t num_workers = total_cost * G < 1024 || items.size() < 2 ? 1 : at::get_num_threads();
   float* out_data = out.data_ptr<float>();
+  // An int8 cache's tiles take the queries rotated into its basis and rounded to int16, made
+  // here once for the step (a tile spanning several partitions, or a decode split over them,
+  // would repeat the work for each).
+  std::vector<int16_t> q16;
+  std::vector<float> q_scale;
+  if constexpr (std::is_same_v<cache_t, int8_t>) rotated_int16_queries(q, D, q16, q_scale);
 
   kvserve::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     std::vector<float> work, local_partials;
@@ -1865,7 +2011,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
         const cache_t* vhead = values + it.kv_head * NB * BS * D;
         const int32_t* table = tables + s * table_width;
         if constexpr (std::is_same_v<cache_t, int8_t>) {
-          attention_tile_int8<kD>(q.data_ptr<float>(), q.stride(0), q.stride(1), out_data, out.stride(0), out.stride(1),
+          attention_tile_int8<kD>(q16.data(), q_scale.data(), H, out_data, out.stride(0), out.stride(1),
                                   khead, vhead, scales + it.kv_head * NB * scale_groups * BS,
                                   scales + (KVH + it.kv_head) * NB * scale_groups * BS,
                                   table, BS, D, G, first_query_pos, num_queries, first_row, it.kv_head,
