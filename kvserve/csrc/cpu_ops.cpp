@@ -354,8 +354,8 @@ inline void hadamard_(float* x, int64_t D) {
 #ifdef KVSERVE_HADAMARD_LANES
   // Whole vectors: the strides below the width in registers, then the wider ones between
   // vectors; every element takes the same operations in the same stage order as below (an int8
-  // cache's queries and outputs are rotated per row of every tile: the scalar strides 1-4 were
-  // a third of its prefill attention).
+  // cache's every query and output row is rotated: the scalar strides 1-4 were a third of its
+  // prefill attention).
   using L = HadamardLanes;
   if (D % L::kWidth == 0) {
     for (int64_t i = 0; i < D; i += L::kWidth) L::store(x + i, L::in_lanes(L::load(x + i)));
@@ -503,8 +503,7 @@ struct TypeTag {
 constexpr int64_t kKeyChunk = 16;  // keys per inner tile: one 16-float vector of scores
 constexpr int64_t kQueryTile = 16;  // queries per work item (times G heads = rows)
 constexpr int64_t kRowBlock = 4;  // score rows computed together
-constexpr int64_t kPrefetchBlocks = 2;  // int8 caches: paged blocks fetched ahead of the one in use
-constexpr int64_t kPrefetchChunks = 2;  // other caches: key chunks fetched ahead of the one in use
+constexpr int64_t kPrefetchChunks = 2;  // a decode's key chunks fetched ahead of the one in use
 // Keys are split at multiples of this position into partitions with their own softmax, merged
 // in order (see attention_impl): a lone decode's partitions can run on every thread.
 constexpr int64_t kKeyPartition = 128;
@@ -517,16 +516,6 @@ inline int64_t first_visible_key(int64_t pos, int64_t window) {
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
-}
-
-// Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next ones: when
-// the chunk [j0, j1) ends a block, call fetch(b) for the table entries b up to kPrefetchBlocks
-// ahead (all of them at the first chunk, then the newest one) while this one is computed on.
-template <typename Fetch>
-inline void prefetch_ahead(int64_t j0, int64_t j1, int64_t first_key, int64_t last_key, int64_t BS, Fetch&& fetch) {
-  if (j1 % BS != 0) return;
-  const int64_t from = j0 == first_key ? j1 / BS : j1 / BS + kPrefetchBlocks - 1;
-  for (int64_t b = from; b < j1 / BS + kPrefetchBlocks && b <= last_key / BS; ++b) fetch(b);
 }
 
 // Row r (= query r / G, head r % G of KV head kvh) of a tile's output: acc / sum.
@@ -1506,10 +1495,10 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
 }
 
 // ---- int8 caches: integer products -------------------------------------------------------
-// A tile reading an int8 cache quantizes its query rows to int16 (one fp32 scale per row) and,
-// per chunk, its softmax weights times the tokens' value scales to int16 (one scale per row and
-// chunk); vpdpwssd then multiplies 32 int16 pairs with int8 values widened in one instruction,
-// summing exactly in int32 (so in any order). The per-token key scale, the query scale and the
+// Attention over an int8 cache takes its query rows as int16 (one fp32 scale per row, made once
+// per step) and, per row, key partition and group of dims, its softmax weights times the tokens'
+// value scales as int16 (one scale); vpdpwssd then multiplies 32 int16 pairs with int8 values
+// widened in one instruction, summing exactly in int32 (so in any order). The per-token key scale, the query scale and the
 // weight scale are applied to the sums in fp32. Nothing is dequantized; int16 keeps the
 // queries and weights to 1/65534 of their range, far inside int8's rounding of K and V.
 
@@ -1540,8 +1529,10 @@ inline int32_t int16_pair(const int16_t* x) {
 // acc + each lane's int16 pair times the pair at `pair` (two int16, broadcast), as one
 // instruction with an embedded broadcast: from _mm512_set1_epi32, GCC broadcast every pair into
 // a register of its own first, one more instruction per product.
+// (The pair is read through a may_alias type: the int16 stores that wrote it must stay before.)
+using aliased_int32 = int32_t __attribute__((may_alias));
 __attribute__((always_inline)) inline __m512i dpwssd_pair(__m512i acc, __m512i lanes, const int16_t* pair) {
-  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(lanes), "m"(*reinterpret_cast<const int32_t*>(pair)));
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(lanes), "m"(*reinterpret_cast<const aliased_int32*>(pair)));
   return acc;
 }
 #endif
@@ -1577,8 +1568,8 @@ struct PairSums16 {
 
 // isum[b][t] = sum_d q16[b][d] * key(d, offset + t) of one block's keys ([D/2][BS][2]), for
 // t < n_keys; 0 beyond. With k_ahead (a decode), the same dims of a chunk ahead are fetched into
-// L2 a line per step, with a line of its values (v_ahead) every other step: the fetches ride
-// along with the products, as in attention_tile.
+// L2 a line per step; with v_ahead, a line of the values at v_ahead every other step: the
+// fetches ride along with the products, as in attention_tile.
 inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, int64_t BS, int64_t offset,
                               int64_t n_keys, int64_t D, int32_t (*isum)[kKeyChunk], const int8_t* k_ahead = nullptr,
                               const int8_t* v_ahead = nullptr) {
@@ -1596,8 +1587,8 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
       if (k_ahead != nullptr) {
         __builtin_prefetch(k_ahead + dp * 2 * BS, 0, 2);
         __builtin_prefetch(k_ahead + (dp + 1) * 2 * BS, 0, 2);
-        __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
       }
+      if (v_ahead != nullptr) __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
       const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src));
       const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src + 2 * BS));
       e0 = dpwssd_pair(e0, k0, q0 + 2 * dp);
@@ -1621,10 +1612,8 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
     const int8_t* src = kblock + offset * 2;
     alignas(32) int8_t tail[2 * kKeyChunk] = {};  // a short chunk's keys, zeros beyond: no read past the block
     for (int64_t dp = 0; dp < D / 2; ++dp, src += 2 * BS) {
-      if (k_ahead != nullptr) {
-        __builtin_prefetch(k_ahead + dp * 2 * BS, 0, 2);
-        if (dp % 2 == 0) __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
-      }
+      if (k_ahead != nullptr) __builtin_prefetch(k_ahead + dp * 2 * BS, 0, 2);
+      if (v_ahead != nullptr && dp % 2 == 0) __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
       const int8_t* keys = src;
       if (n_keys < kKeyChunk) {
         std::memcpy(tail, src, 2 * n_keys);
