@@ -540,9 +540,10 @@ inline void finish_tile(const float* acc, int64_t rows, int64_t D, float* partia
     store_normalized_row(out, o_s0, o_s1, first_row, kvh, G, r, acc + r * D, row_sum[r], D);
 }
 
-// A chunk of keys [j0, j1) of a float or bf16 cache (see for_each_key_chunk): its keys start at
+// A chunk of keys [j0, j1) (see for_each_key_chunk). In a float or bf16 cache its keys start at
 // key_offset (row d at + d * BS) and its values at value_offset (row t at + t * D) in the head's
-// cache; key_ahead / value_ahead: the same for the chunk kPrefetchChunks ahead, or -1.
+// cache; key_ahead / value_ahead: the same for the chunk kPrefetchChunks ahead, or -1. (An int8
+// cache's tile takes j0 and j1 alone: its layout is its own.)
 struct KeyChunk {
   int64_t j0, j1, key_offset, value_offset, key_ahead, value_ahead;
 };
@@ -558,7 +559,7 @@ inline std::pair<int64_t, int64_t> visited_keys(int64_t first_query_pos, int64_t
 
 // The chunks of keys a tile of `num_queries` queries from `first_query_pos` visits within
 // [key_begin, key_end): at most kKeyChunk keys each, never crossing a paged block, from the
-// first key its queries see to the last, on a grid of 16 positions as in attention_tile_int8
+// first key its queries see to the last, on a grid of 16 positions for every cache and route
 // (keys before the first visible one come along, hidden by the rows' windows). A key's chunk,
 // and so its lane in the softmax's sums, then depends on its position alone, not on the tile's
 // first query: with a sliding window, a decode and a prefill tile summed a row's weights in
@@ -1498,8 +1499,8 @@ void attention_tile(const float* q, int64_t q_s0, int64_t q_s1, float* out, int6
 // Attention over an int8 cache takes its query rows as int16 (one fp32 scale per row, made once
 // per step) and, per row, key partition and group of dims, its softmax weights times the tokens'
 // value scales as int16 (one scale); vpdpwssd then multiplies 32 int16 pairs with int8 values
-// widened in one instruction, summing exactly in int32 (so in any order). The per-token key scale, the query scale and the
-// weight scale are applied to the sums in fp32. Nothing is dequantized; int16 keeps the
+// widened in one instruction, summing exactly in int32 (so in any order). The per-token key
+// scale, the query scale and the weight scale are applied to the sums in fp32. Nothing is dequantized; int16 keeps the
 // queries and weights to 1/65534 of their range, far inside int8's rounding of K and V.
 
 // x[0..n) as int16 with one scale s = max|x| / 32767: out[i] = round(x[i] / s); returns s.
@@ -1727,21 +1728,19 @@ void attention_tile_int8(const int16_t* q16, const float* q_scale, int64_t H, fl
   const int64_t rows = num_queries * G;
   const bool few_rows = rows <= kRowBlock;  // a decode's tile: one row block
 
-  // The partition's chunks. They sit on a grid of 16 positions (keys before the first visible
-  // one come along, hidden by the window that excluded them; partitions start at multiples of
-  // 128, so they are never another partition's). A key's chunk then depends on its position
-  // alone, not on the tile's first query: a row's arithmetic is the same in a decode, a prefill
-  // chunk or a recompute. It also starts value pairs (2j, 2j + 1) on even positions.
+  // The partition's chunks, on the grid of 16 positions every route shares (for_each_key_chunk):
+  // a key's chunk depends on its position alone, so a row's arithmetic is the same in a decode, a
+  // prefill chunk or a recompute. The grid also starts value pairs (2j, 2j + 1) on even positions.
   constexpr int64_t kMaxChunks = kKeyPartition;
   int64_t j0s[kMaxChunks], nks[kMaxChunks], blocks[kMaxChunks], offsets[kMaxChunks];
   int64_t num_chunks = 0;
-  const auto [first_key, last_key] = visited_keys(first_query_pos, num_queries, window, key_begin, key_end);
-  for (int64_t j0 = first_key; j0 <= last_key; ++num_chunks) {
+  for_each_key_chunk(table, BS, D, first_query_pos, num_queries, window, key_begin, key_end, false,
+                     [&](const KeyChunk& chunk) {
     TORCH_CHECK(num_chunks < kMaxChunks, "attention: more key chunks than a partition holds");
-    const int64_t j1 = std::min({j0 + kKeyChunk, (j0 / BS + 1) * BS, last_key + 1});
-    j0s[num_chunks] = j0, nks[num_chunks] = j1 - j0, blocks[num_chunks] = table[j0 / BS], offsets[num_chunks] = j0 % BS;
-    j0 = j1;
-  }
+    j0s[num_chunks] = chunk.j0, nks[num_chunks] = chunk.j1 - chunk.j0;
+    blocks[num_chunks] = table[chunk.j0 / BS], offsets[num_chunks] = chunk.j0 % BS;
+    ++num_chunks;
+  });
 
   // acc [rows, D], row_max, row_sum (adjacent, as finish_tile takes them); per chunk and group the
   // score scale x key scales and the value scales [chunks, groups, 16]; a row block's scores
