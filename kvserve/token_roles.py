@@ -74,6 +74,19 @@ class TokenRoles:
                 out.index_copy_(0, rows, y)
         return out
 
+    def subset(self, rows: torch.Tensor) -> "TokenRoles":
+        """The roles of ``rows`` of the step (sorted, distinct), renumbered 0.. in their order:
+        the last decoder layer's rows past its attention (models/base.py, ``last_layer_rows``)."""
+        if self.kind != MIXED:
+            return self
+        is_prompt = torch.isin(rows, self.prompt_rows)
+        num_prompt = int(is_prompt.sum())
+        if num_prompt == 0:
+            return TokenRoles(ALL_GENERATED)
+        if num_prompt == rows.numel():
+            return TokenRoles(ALL_PROMPT)
+        return TokenRoles(MIXED, torch.nonzero(is_prompt).flatten(), torch.nonzero(~is_prompt).flatten())
+
 
 def _run(rows: Optional[torch.Tensor]) -> Optional[tuple[int, int]]:
     """(start, length) when the sorted distinct ``rows`` are consecutive, else None."""
@@ -90,6 +103,18 @@ def current_token_roles() -> Optional[TokenRoles]:
     """The roles of the step being computed, or None (every row generated: the 4-bit
     weights, as for a draft model's forward or a direct call of the layers)."""
     return _current.get()
+
+
+@contextmanager
+def roles_of_rows(rows: Optional[torch.Tensor]) -> Iterator[None]:
+    """Inside the block, the step's rows are ``rows`` of it (sorted, distinct; None: all of
+    them), each keeping its role: for the last decoder layer's rows past its attention."""
+    if rows is None:
+        yield
+        return
+    roles = current_token_roles()
+    with use_token_roles(None if roles is None else roles.subset(rows)):
+        yield
 
 
 @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -15,17 +15,19 @@ from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.loader import load_model, resolve_model
 from kvserve.models.fused import attach_fused_layers
-from kvserve.token_roles import ALL_PROMPT, MIXED, TokenRoles, use_token_roles
+from kvserve.token_roles import ALL_GENERATED, ALL_PROMPT, MIXED, TokenRoles, use_token_roles
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
 
 def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16, kv_dtype: str = "float32",
-                 prompt_lens: Optional[list[int]] = None) -> torch.Tensor:
+                 prompt_lens: Optional[list[int]] = None,
+                 output_rows: Optional[Callable[[int], list[int]]] = None) -> torch.Tensor:
     """Two sequences: a 150-token prefill (in two chunks, spanning attention's 128-key
     partitions) beside a short one, then a mixed step, then two decodes; the hidden states.
     ``prompt_lens``: the sequences' prompt lengths, to run each step with its token roles
-    (kvserve/token_roles.py); None: no roles (every row generated)."""
+    (kvserve/token_roles.py); None: no roles (every row generated). ``output_rows``: a step's
+    rows to return, given its number of rows; None: every row."""
     caches = allocate_kv_cache(cfg, n_blocks, block_size, kv_dtype, "cpu")
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, cfg.vocab_size, (200,), generator=gen)
@@ -41,8 +43,9 @@ def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16, kv_dtype:
         if prompt_lens is not None:
             seq = torch.cat([torch.full((n,), s) for s, n in enumerate(new)])
             roles = TokenRoles.from_mask((pos < torch.tensor(prompt_lens)[seq]).numpy())
+        wanted = None if output_rows is None else torch.tensor(output_rows(len(rows)), dtype=torch.int64)
         with use_token_roles(roles):
-            outs.append(model.model(rows, pos, md, caches))
+            outs.append(model.model(rows, pos, md, caches, wanted))
     return torch.cat(outs)
 
 
@@ -105,6 +108,66 @@ def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prom
     with ops.use_kernels(False):  # plain torch everywhere, as in the test above
         plain = _three_steps(model, cfg, prompt_lens=prompt_lens)
     assert (native - plain).abs().max() <= 1e-2 * plain.abs().max()
+
+
+# Rows of a step of n rows: its last; none (a prompt chunk without logits); its first and last
+# (with prompt_lens [40, 10] the first step's are prompt, prompt: one run); a prompt, a
+# generated and a prompt row ([40, 10]'s first step: the prompt rows are gathered).
+_OUTPUT_ROWS = [lambda n: [n - 1], lambda n: [], lambda n: [0, n - 1], lambda n: sorted({0, n // 2, n - 1})]
+
+
+@pytest.mark.parametrize("quantization,copies,prompt_lens",
+                         [(None, None, None), ("int4", "bf16", [40, 10]), ("int4", "int8", [120, 5])])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_last_layer_past_attention_computes_only_the_output_rows(name, quantization, copies, prompt_lens):
+    """models/base.py's last_layer_rows: the last layer's output projection and MLP see only the
+    rows whose hidden states are wanted (each in its own token role), and those rows keep the bits
+    they have when every row is computed, natively and layer by layer (the same calls)."""
+    kwargs = {} if quantization is None else {"quantization": quantization, "int4_prefill": copies}
+    model, cfg = load_model(resolve_model(name), **kwargs)
+    fused = model.model.fused_layers
+    assert fused is not None
+    every_row = _three_steps(model, cfg, prompt_lens=prompt_lens)
+    sizes = [110, 51, 2]  # _three_steps' steps
+    for choose in _OUTPUT_ROWS:
+        wanted = torch.cat([torch.tensor(choose(n), dtype=torch.int64) + sum(sizes[:i]) for i, n in enumerate(sizes)])
+        native = _three_steps(model, cfg, prompt_lens=prompt_lens, output_rows=choose)
+        assert torch.equal(native, every_row[wanted])
+        model.model.fused_layers = None
+        try:
+            layer_by_layer = _three_steps(model, cfg, prompt_lens=prompt_lens, output_rows=choose)
+        finally:
+            model.model.fused_layers = fused
+        assert torch.equal(layer_by_layer, native)
+
+
+def test_last_layer_rows_and_the_logits_they_gather():
+    """The model's forward: logits_indices in any order, repeated (prompt logprobs after the
+    sampled rows), or none give the logits the rows have when every row is computed."""
+    from kvserve.models.base import last_layer_rows
+
+    assert last_layer_rows(torch.arange(4), 4)[0] is None  # a decode step: every row
+    rows, gather = last_layer_rows(torch.tensor([9, 2, 5, 2]), 12)
+    assert rows.tolist() == [2, 5, 9] and rows[gather].tolist() == [9, 2, 5, 2]
+    model, cfg = load_model(resolve_model("tiny-llama"))
+    caches = allocate_kv_cache(cfg, 12, 16, "float32", "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    md = build_attention_metadata([list(range(0, 4)), list(range(4, 8))], [0, 0], [30, 10], 16)
+    pos = torch.cat([torch.arange(30), torch.arange(10)])
+    every = model(ids, pos, md, caches, torch.arange(40))
+    for indices in ([29, 39], [39, 3, 29, 3], [], [0]):
+        logits = model(ids, pos, md, caches, torch.tensor(indices, dtype=torch.int64))
+        assert torch.equal(logits, every[indices])
+
+
+def test_token_roles_of_rows():
+    """TokenRoles.subset: the roles of some rows, renumbered; decoder.cpp's roles_of_rows twin."""
+    roles = TokenRoles.from_mask(torch.tensor([True, False, False, True, True]).numpy())
+    assert roles.subset(torch.tensor([1, 2])).kind == ALL_GENERATED
+    assert roles.subset(torch.tensor([0, 4])).kind == ALL_PROMPT
+    part = roles.subset(torch.tensor([0, 2, 3]))
+    assert part.kind == MIXED and part.prompt_rows.tolist() == [0, 2] and part.generated_run == (1, 1)
+    assert TokenRoles.from_mask(torch.tensor([True]).numpy()).subset(torch.tensor([0])).kind == ALL_PROMPT
 
 
 def _first_layers(model, cfg, n: int):

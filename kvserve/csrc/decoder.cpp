@@ -194,6 +194,49 @@ void add_rows_(const torch::Tensor& x, const torch::Tensor& y) {
   });
 }
 
+// The roles of `rows` of the step (sorted, distinct), renumbered 0.. in their order
+// (TokenRoles.subset in kvserve/token_roles.py): the last layer's rows past its attention.
+TokenRoles roles_of_rows(const TokenRoles& roles, const torch::Tensor& rows) {
+  if (roles.kind != TokenRoles::Kind::kMixed) return roles;
+  const int64_t n = rows.numel(), num_prompt = roles.prompt_rows.numel();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* prompt_rows = roles.prompt_rows.data_ptr<int64_t>();
+  std::vector<int64_t> prompt, generated;
+  for (int64_t i = 0, j = 0; i < n; ++i) {
+    while (j < num_prompt && prompt_rows[j] < r[i]) ++j;
+    (j < num_prompt && prompt_rows[j] == r[i] ? prompt : generated).push_back(i);
+  }
+  TokenRoles out;
+  out.kind = prompt.empty()      ? TokenRoles::Kind::kAllGenerated
+             : generated.empty() ? TokenRoles::Kind::kAllPrompt
+                                 : TokenRoles::Kind::kMixed;
+  if (out.kind != TokenRoles::Kind::kMixed) return out;
+  out.prompt_rows = torch::tensor(prompt, torch::kInt64);
+  out.generated_rows = torch::tensor(generated, torch::kInt64);
+  std::tie(out.prompt_start, out.prompt_len) = row_run(out.prompt_rows);
+  std::tie(out.generated_start, out.generated_len) = row_run(out.generated_rows);
+  return out;
+}
+
+// Rows `rows` (ascending, distinct) of x [T, n] (contiguous rows) moved to its first rows, in
+// their order: row rows[j] >= j is read before any write reaches it.
+void compact_rows_(const torch::Tensor& x, const torch::Tensor& rows) {
+  const int64_t n = x.size(1), stride = x.stride(0), count = rows.numel();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  float* p = x.data_ptr<float>();
+  for (int64_t j = 0; j < count; ++j)
+    if (r[j] != j) std::copy(p + r[j] * stride, p + r[j] * stride + n, p + j * stride);
+}
+
+// A step's activations past a layer's attention, [rows, columns] each.
+struct LayerRows {
+  torch::Tensor hidden, attn, normed, projected, gate_up, activated;
+  LayerRows first(int64_t rows) const {
+    return {hidden.narrow(0, 0, rows),    attn.narrow(0, 0, rows),    normed.narrow(0, 0, rows),
+            projected.narrow(0, 0, rows), gate_up.narrow(0, 0, rows), activated.narrow(0, 0, rows)};
+  }
+};
+
 struct Layer {
   torch::Tensor input_norm, pre_ffn_norm;
   c10::optional<torch::Tensor> post_attn_norm, post_ffn_norm, q_norm, k_norm;  // Gemma's extra norms
@@ -254,7 +297,8 @@ class FusedDecoderLayers {
                                const std::vector<torch::Tensor>& block_tables, torch::Tensor seq_lens,
                                const torch::Tensor& query_start_loc, int64_t roles_kind,
                                c10::optional<torch::Tensor> prompt_rows,
-                               c10::optional<torch::Tensor> generated_rows) const {
+                               c10::optional<torch::Tensor> generated_rows,
+                               c10::optional<torch::Tensor> output_rows) const {
     TORCH_CHECK(input_ids.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 &&
                     input_ids.dim() == 1 && input_ids.is_contiguous() && positions.is_contiguous() &&
                     positions.numel() == input_ids.numel(),
@@ -314,7 +358,7 @@ class FusedDecoderLayers {
     const bool shared = local_cos_table.is_same(cos_table) && local_sin_table.is_same(sin_table);
     const auto local_cos = shared ? cos : rows(local_cos_table), local_sin = shared ? sin : rows(local_sin_table);
     return forward(hidden, cos, sin, local_cos, local_sin, kv_caches, kv_scales, kv_groups, slot_mappings, block_tables,
-                   seq_lens, seq_ids, query_starts, query_lens, roles_kind, prompt_rows, generated_rows);
+                   seq_lens, seq_ids, query_starts, query_lens, roles_kind, prompt_rows, generated_rows, output_rows);
   }
 
   // A multi-step round's later steps (kvserve.runner's _decode_steps) for rows that are one
@@ -376,7 +420,7 @@ class FusedDecoderLayers {
         const auto hidden = forward_tokens(input_ids, positions, embed_weight, embed_scale, cos_table, sin_table,
                                            local_cos_table, local_sin_table, kv_caches, kv_scales, kv_groups,
                                            slot_mappings, block_tables, seq_lens, query_start_loc, 0, c10::nullopt,
-                                           c10::nullopt);
+                                           c10::nullopt, c10::nullopt);
         screened_logits_out(logits, rms_norm(hidden, norm_weight, norm_eps, norm_offset), screen, exact, top_k);
         tokens[step].copy_(std::get<1>(top_k_rows(logits, 1)).select(1, 0));
       }
@@ -390,7 +434,9 @@ class FusedDecoderLayers {
   bool team_safe() const { return team_safe_; }
 
  private:
-  // hidden [T, hidden] (this step's embeddings, consumed) -> the last layer's output (pre final norm).
+  // hidden [T, hidden] (this step's embeddings, consumed) -> the last layer's output (pre final norm)
+  // for output_rows of the step (ascending, distinct; none: every row; models/base.py's
+  // last_layer_rows: past the last layer's attention, a row only feeds its own logits).
   // rope tables [T, D] for global and local layers; attention metadata as paged_attention's.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor local_cos,
                         torch::Tensor local_sin, const std::vector<torch::Tensor>& kv_caches,
@@ -398,7 +444,7 @@ class FusedDecoderLayers {
                         const std::vector<torch::Tensor>& slot_mappings, const std::vector<torch::Tensor>& block_tables,
                         torch::Tensor seq_lens, torch::Tensor seq_ids, torch::Tensor query_starts,
                         torch::Tensor query_lens, int64_t roles_kind, c10::optional<torch::Tensor> prompt_rows,
-                        c10::optional<torch::Tensor> generated_rows) const {
+                        c10::optional<torch::Tensor> generated_rows, c10::optional<torch::Tensor> output_rows) const {
     // KV cache groups (kvserve/kv_cache.py): layer i writes and reads its cache through the slot
     // mapping and block tables of its group kv_groups[i] (sliding-window groups hold fewer blocks).
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
@@ -421,6 +467,17 @@ class FusedDecoderLayers {
       std::tie(roles.prompt_start, roles.prompt_len) = row_run(roles.prompt_rows);
       std::tie(roles.generated_start, roles.generated_len) = row_run(roles.generated_rows);
     }
+    int64_t num_output_rows = T;
+    if (output_rows) {
+      TORCH_CHECK(output_rows->scalar_type() == torch::kInt64 && output_rows->dim() == 1 &&
+                      output_rows->is_contiguous() && output_rows->numel() <= T,
+                  "output_rows must be a contiguous int64 [R <= T]");
+      num_output_rows = output_rows->numel();
+      const int64_t* r = output_rows->data_ptr<int64_t>();
+      for (int64_t j = 0; j < num_output_rows; ++j)
+        TORCH_CHECK(r[j] >= (j ? r[j - 1] + 1 : 0) && r[j] < T, "output_rows must be ascending, distinct rows of the step");
+    }
+    const TokenRoles output_roles = output_rows ? roles_of_rows(roles, *output_rows) : roles;
     hidden = hidden.contiguous();  // the residual stream, updated in place (the caller's fresh embeddings)
     // Every layer has the same shapes, so the step's intermediates (and the q/k/v views of
     // the projection) are made once and reused by each layer in turn: per layer they were a
@@ -435,11 +492,28 @@ class FusedDecoderLayers {
     const auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
     const auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
     const auto attn_heads = attn.view({T, H, D});
+    const LayerRows every_row{hidden, attn, normed, projected, gate_up, activated};
+    const LayerRows output_rows_first = every_row.first(num_output_rows);  // (views, made outside the team)
     std::optional<pybind11::gil_scoped_release> no_gil;  // (decode_round's steps come without it)
     if (PyGILState_Check()) no_gil.emplace();
     // One parallel region for the step's layers where every call is one of kvserve's kernels (a
     // mixed step's role that is not one run of rows is gathered by torch ops).
-    const bool gathers = roles.kind == TokenRoles::Kind::kMixed && (roles.prompt_len == 0 || roles.generated_len == 0);
+    const auto gathers_rows = [](const TokenRoles& r) {
+      return r.kind == TokenRoles::Kind::kMixed && (r.prompt_len == 0 || r.generated_len == 0);
+    };
+    const bool gathers = gathers_rows(roles) || gathers_rows(output_roles);
+    // The layer past its attention, on rows whose attention output is in `rows.attn`.
+    const auto finish_layer = [&](const Layer& layer, const LayerRows& rows, const TokenRoles& rows_roles) {
+      layer.o.into(rows.projected, rows.attn, rows_roles);
+      if (layer.post_attn_norm) rms_norm_out(rows.projected, rows.projected, *layer.post_attn_norm, eps_, norm_offset_);
+      add_rows_(rows.hidden, rows.projected);
+      rms_norm_out(rows.normed, rows.hidden, layer.pre_ffn_norm, eps_, norm_offset_);
+      layer.gate_up.into(rows.gate_up, rows.normed, rows_roles);
+      act_and_mul_out(rows.activated, rows.gate_up, activation_);
+      layer.down.into(rows.projected, rows.activated, rows_roles);
+      if (layer.post_ffn_norm) rms_norm_out(rows.projected, rows.projected, *layer.post_ffn_norm, eps_, norm_offset_);
+      add_rows_(rows.hidden, rows.projected);
+    };
     const auto run_layers = [&] {
       for (size_t i = 0; i < layers_.size(); ++i) {
         const Layer& layer = layers_[i];
@@ -456,19 +530,17 @@ class FusedDecoderLayers {
           paged_attention(attn_heads, q, kv_caches[i], scales, block_tables[group], seq_lens, seq_ids, query_starts,
                           query_lens, layer.scale, layer.window, layer.softcap);
         }
-        layer.o.into(projected, attn, roles);
-        if (layer.post_attn_norm) rms_norm_out(projected, projected, *layer.post_attn_norm, eps_, norm_offset_);
-        add_rows_(hidden, projected);
-        rms_norm_out(normed, hidden, layer.pre_ffn_norm, eps_, norm_offset_);
-        layer.gate_up.into(gate_up, normed, roles);
-        act_and_mul_out(activated, gate_up, activation_);
-        layer.down.into(projected, activated, roles);
-        if (layer.post_ffn_norm) rms_norm_out(projected, projected, *layer.post_ffn_norm, eps_, norm_offset_);
-        add_rows_(hidden, projected);
+        if (i + 1 < layers_.size() || !output_rows) {
+          finish_layer(layer, every_row, roles);
+        } else {
+          compact_rows_(attn, *output_rows);
+          compact_rows_(hidden, *output_rows);
+          if (num_output_rows) finish_layer(layer, output_rows_first, output_roles);
+        }
       }
     };
     kvserve::run_in_step_team(run_layers, team_safe_ && !gathers);
-    return hidden;
+    return output_rows ? output_rows_first.hidden : hidden;
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;

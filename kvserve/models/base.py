@@ -19,6 +19,22 @@ from kvserve.quant import RescoredLMHead
 from kvserve.token_roles import TokenRoles, use_token_roles
 
 
+def last_layer_rows(logits_indices: torch.Tensor, num_rows: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(rows, gather): the rows of a step of ``num_rows`` that its last decoder layer computes
+    past attention (sorted and distinct; None: every row), and the rows of the decoder's output
+    that are ``logits_indices``' (which may repeat rows or come in any order).
+
+    Past the last layer's attention a row only feeds its own logits: its keys and values are in
+    the cache by then, and the later rows read those, not its hidden state. So a prompt chunk's
+    rows without logits skip that layer's output projection and MLP (llama.cpp skips them as
+    well): ~1/30 of SmolLM2's prefill, ~1/18 of Gemma 3's. The kernels reduce each row alone, so
+    the rows that are computed keep their bits."""
+    if logits_indices.numel() >= num_rows:
+        return None, logits_indices
+    rows, gather = torch.unique(logits_indices, sorted=True, return_inverse=True)
+    return rows, gather
+
+
 class PagedCausalLM(nn.Module):
     packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -47,12 +63,13 @@ class PagedCausalLM(nn.Module):
     ) -> Optional[torch.Tensor]:  # [S', vocab] float32; None on a pipeline stage before the last
         # The roles choose the decoder layers' weight format per row; the LM head, after the
         # block, computes every row alike.
+        rows, gather = last_layer_rows(logits_indices, input_ids.shape[0])
         with use_token_roles(token_roles):
-            hidden = self.model(input_ids, positions, attn_metadata, kv_caches)
+            hidden = self.model(input_ids, positions, attn_metadata, kv_caches, rows)
         if self.pp is not None and not self.pp.is_last:
             return None  # the hidden states went to the next stage
         # Only the rows that will be sampled reach the final norm and the (vocab-wide) head.
-        hidden = self.model.norm(hidden.index_select(0, logits_indices))
+        hidden = self.model.norm(hidden.index_select(0, gather))
         if isinstance(self.lm_head, RescoredLMHead):
             # (Transient logits may live in memory the head keeps: a fresh [rows, vocabulary]
             # tensor past glibc's mmap threshold is page-faulted in at every step.)

@@ -112,12 +112,13 @@ class FusedDecoderLayers:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, embed_weight: torch.Tensor,
                  embed_scale: float, rope_tables: tuple[torch.Tensor, torch.Tensor],
                  local_rope_tables: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata,
-                 kv_caches: KVCache) -> torch.Tensor:
+                 kv_caches: KVCache, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The step from its tokens: the embedding rows of ``input_ids`` times ``embed_scale``
         and the rope tables' rows at ``positions`` (``RopeFrequencies.tables``, covering them;
         the local ones may be the same) are read natively, the values the model's own ops give.
         Per step that is half a dozen fewer small torch ops and tensors from Python, each of
-        which finds its code and data evicted by the weights the last step streamed."""
+        which finds its code and data evicted by the weights the last step streamed.
+        ``output_rows``: the rows whose hidden states are returned (the model's forward)."""
         md = attn_metadata
         data, scales, groups = kv_caches.native_views
         roles = current_token_roles()  # None: every row generated (the 4-bit weights)
@@ -126,7 +127,7 @@ class FusedDecoderLayers:
                                           *local_rope_tables, data, scales, groups, md.all_slot_mappings(),
                                           md.all_block_tables(), md.seq_lens_tensor, md.query_start_loc_tensor,
                                           kind, None if roles is None else roles.prompt_rows,
-                                          None if roles is None else roles.generated_rows)
+                                          None if roles is None else roles.generated_rows, output_rows)
 
     def decode_round(self, num_steps: int, last_tokens: torch.Tensor, input_ids: torch.Tensor,
                      positions: torch.Tensor, block_size: int, fused_inputs: tuple, attn_metadata: AttentionMetadata,

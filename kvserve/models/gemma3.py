@@ -19,7 +19,8 @@ from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
-from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies
+from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, output_projection
+from kvserve.token_roles import roles_of_rows
 from kvserve.models.llama import GatedMLP
 
 if TYPE_CHECKING:
@@ -46,8 +47,9 @@ class Gemma3Attention(nn.Module):
         self.softcap = config.attn_logit_softcapping
         self.attention = get_attention_backend(attn_backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: LayerKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_cache: LayerKV, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[T, hidden] -> the attention block's output for ``output_rows`` of them (None: all)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         ops.rope_qk_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -57,7 +59,7 @@ class Gemma3Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window, self.softcap)
-        y = self.o_proj(out.reshape(n, -1))
+        y = output_projection(self.o_proj, out.reshape(n, -1), output_rows)
         return y if self.tp is None else self.tp.all_reduce(y)
 
 
@@ -73,12 +75,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
 
     def forward(self, hidden: torch.Tensor, rope: dict[bool, tuple[torch.Tensor, torch.Tensor]],
-                attn_metadata: AttentionMetadata, kv_cache: LayerKV) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, kv_cache: LayerKV,
+                output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The layer's output for ``output_rows`` of the step (None: every row)."""
         cos, sin = rope[self.self_attn.is_sliding]
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata, kv_cache)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata, kv_cache, output_rows)
+        if output_rows is not None:
+            hidden = hidden.index_select(0, output_rows)
+        with roles_of_rows(output_rows):
+            hidden = hidden + self.post_attention_layernorm(attn)
+            mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+            return hidden + self.post_feedforward_layernorm(mlp)
 
 
 class Gemma3Model(nn.Module):
@@ -111,13 +118,14 @@ class Gemma3Model(nn.Module):
         return (self.embed_tokens.weight, self._embed_scale(torch.float32),
                 self.rope_inv_freq.tables(num_positions, device), self.local_rope_inv_freq.tables(num_positions, device))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_caches: KVCache, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As LlamaModel.forward: the hidden states of ``output_rows`` (None: every row)."""
         cfg = self.config
         fused = self.fused_layers
         if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
             return fused(input_ids, positions, *self.fused_inputs(attn_metadata.max_seq_len, input_ids.device),
-                         attn_metadata, kv_caches)
+                         attn_metadata, kv_caches, output_rows)
         if self.pp is None or self.pp.is_first:
             hidden = self.embed_tokens(input_ids)
             # HF rounds the scale to float32 and then to the weights' dtype before multiplying;
@@ -130,8 +138,9 @@ class Gemma3Model(nn.Module):
             False: self.rope_inv_freq.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len),
             True: self.local_rope_inv_freq.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len),
         }
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, rope, attn_metadata, kv_cache)
+        last = len(self.layers) - 1 if self.pp is None or self.pp.is_last else -1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden = layer(hidden, rope, attn_metadata, kv_cache, output_rows if i == last else None)
         if self.pp is not None and not self.pp.is_last:
             self.pp.send(hidden)
         return hidden  # pre-norm: the caller norms only the rows it needs logits for

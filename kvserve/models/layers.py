@@ -14,6 +14,7 @@ from torch import nn
 
 from kvserve import ops
 from kvserve.config import ConfigError
+from kvserve.token_roles import roles_of_rows
 
 
 class RMSNorm(nn.Module):
@@ -132,3 +133,12 @@ def _cos_sin(positions: torch.Tensor, doubled_inv_freq: torch.Tensor, dtype: tor
     emb = positions.float().unsqueeze(1) * doubled_inv_freq  # [T, head_dim]: each half p * inv_freq
     cos, sin = emb.cos(), emb.sin()
     return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
+
+
+def output_projection(o_proj: nn.Module, attention: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """``o_proj`` of the attention output's ``rows`` (sorted, distinct; None: every row), each
+    row in its own token role (models/base.py's ``last_layer_rows``)."""
+    if rows is None:
+        return o_proj(attention)
+    with roles_of_rows(rows):
+        return o_proj(attention.index_select(0, rows))

@@ -17,7 +17,8 @@ from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
-from kvserve.models.layers import RMSNorm, RopeFrequencies
+from kvserve.models.layers import RMSNorm, RopeFrequencies, output_projection
+from kvserve.token_roles import roles_of_rows
 
 if TYPE_CHECKING:
     from kvserve.models.fused import FusedDecoderLayers
@@ -60,8 +61,9 @@ class LlamaAttention(nn.Module):
         self.sliding_window = config.sliding_window if config.is_sliding(layer_idx) else None
         self.attention = get_attention_backend(attn_backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: LayerKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_cache: LayerKV, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[T, hidden] -> the attention block's output for ``output_rows`` of them (None: all)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         ops.rope_qk_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -70,7 +72,7 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
-        y = self.o_proj(out.reshape(n, -1))
+        y = output_projection(self.o_proj, out.reshape(n, -1), output_rows)
         return y if self.tp is None else self.tp.all_reduce(y)
 
 
@@ -82,10 +84,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: LayerKV) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_cache: LayerKV, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The layer's output for ``output_rows`` of the step (None: every row)."""
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata, kv_cache, output_rows)
+        if output_rows is not None:
+            hidden = hidden.index_select(0, output_rows)
+        hidden = hidden + attn
+        with roles_of_rows(output_rows):
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaModel(nn.Module):
@@ -110,12 +117,14 @@ class LlamaModel(nn.Module):
         tables = self.rope_inv_freq.tables(num_positions, device)
         return self.embed_tokens.weight, 1.0, tables, tables
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_caches: KVCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_caches: KVCache, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The hidden states of ``output_rows`` of the step (sorted, distinct; None: every row)
+        before the final norm; on a pipeline stage before the last, of every row."""
         fused = self.fused_layers
         if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
             return fused(input_ids, positions, *self.fused_inputs(attn_metadata.max_seq_len, input_ids.device),
-                         attn_metadata, kv_caches)
+                         attn_metadata, kv_caches, output_rows)
         if self.pp is None or self.pp.is_first:
             hidden = self.embed_tokens(input_ids)
         else:
@@ -123,8 +132,9 @@ class LlamaModel(nn.Module):
                                   input_ids.device)
         # Rope rows for this step's positions only, shared by all layers.
         cos, sin = self.rope_inv_freq.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, attn_metadata, kv_cache)
+        last = len(self.layers) - 1 if self.pp is None or self.pp.is_last else -1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden = layer(hidden, cos, sin, attn_metadata, kv_cache, output_rows if i == last else None)
         if self.pp is not None and not self.pp.is_last:
             self.pp.send(hidden)
         return hidden  # pre-norm: the caller norms only the rows it needs logits for
