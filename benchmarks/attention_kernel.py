@@ -7,9 +7,11 @@ evict it). Prints the CPU and the kernel's route for a bf16 cache (dot | widened
 KVSERVE_ATTENTION_ROUTE overrides); best medians of ``--repeats`` rounds. ``--routes`` runs
 several routes in this one process, alternated round by round (on an AMX machine:
 ``--routes widened,amx``; ``amx-emulated`` is the tile program's C++ model, for checks, not speed).
+``--batch N``: the decode step is N sequences' (each on its own blocks), as in a batched step;
+past N = 4 or so their keys and values outgrow L3, and warm reads come from memory too.
 
     python benchmarks/attention_kernel.py [--model gemma-3-270m] [--prompt 256] [--context 320]
-        [--routes widened,amx]
+        [--batch 32] [--routes widened,amx]
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--context", type=int, default=320)
+    ap.add_argument("--batch", type=int, default=1, help="sequences in the decode step")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--routes", default="", help="comma-separated attention routes (default: this process's)")
     ap.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "int8"],
@@ -62,7 +65,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     longest = max(args.prompt, args.context)
-    num_blocks = -(-longest // BLOCK) + 1
+    blocks_per_sequence = -(-longest // BLOCK)
+    num_blocks = args.batch * blocks_per_sequence + 1  # (block 0 unused)
     caches, scales = [], []
     int8 = args.kv_cache_dtype == "int8"
     for _ in range(layers):
@@ -76,13 +80,17 @@ def main() -> None:
             cache.copy_(torch.randn(shape))
             scales.append(None)
         caches.append(cache)
-    table = torch.arange(1, num_blocks, dtype=torch.int32).reshape(1, -1)
-    seq_ids, starts = torch.tensor([0]), torch.tensor([0])
+    tables = torch.arange(1, num_blocks, dtype=torch.int32).reshape(args.batch, blocks_per_sequence)
     scale = dim ** -0.5
 
-    def through_layers(rows: int, keys: int):
+    def through_layers(queries: int, keys: int, sequences: int = 1):
+        """Each of `sequences` sequences: `queries` queries, the last at position keys - 1."""
+        rows = queries * sequences
         q, out = torch.randn(rows, heads, dim), torch.empty(rows, heads, dim)
-        seq_lens, query_lens = torch.tensor([keys], dtype=torch.int32), torch.tensor([rows])
+        seq_lens = torch.full((sequences,), keys, dtype=torch.int32)
+        query_lens = torch.full((sequences,), queries, dtype=torch.int64)
+        seq_ids, starts = torch.arange(sequences), torch.arange(sequences) * queries
+        table = tables[:sequences]
 
         def run():
             for cache, cache_scales in zip(caches, scales):
@@ -90,7 +98,7 @@ def main() -> None:
                                     0.0)
         return run
 
-    prefill, decode = through_layers(args.prompt, args.prompt), through_layers(1, args.context)
+    prefill, decode = through_layers(args.prompt, args.prompt), through_layers(1, args.context, args.batch)
     sweep = torch.empty(64 << 20, dtype=torch.uint8)
     results = {route: {"prefill": [], "decode warm": [], "decode cold": []} for route in routes}
     for _ in range(args.repeats):
@@ -99,13 +107,18 @@ def main() -> None:
             results[route]["prefill"].append(_median_ms(prefill, 9))
             results[route]["decode warm"].append(_median_ms(decode, 41))
             results[route]["decode cold"].append(_median_ms(decode, 41, before=lambda: sweep.add_(1)))
-    kv_mb = layers * 2 * kv_heads * args.context * dim * (1 if int8 else 2) / 1e6
+    kv_mb = args.batch * layers * 2 * kv_heads * args.context * dim * (1 if int8 else 2) / 1e6
+    sequences = "" if args.batch == 1 else f" x {args.batch} sequences"
+    # The machine's plain read rate in this process, the reference for the GB/s below.
+    sweep_floats = sweep.view(torch.float32)
+    read_ms = min(_median_ms(sweep_floats.sum, 9) for _ in range(args.repeats))
+    print(f"plain read of {sweep.numel() >> 20} MB (torch sum): {sweep.numel() / 1e6 / read_ms:.1f} GB/s")
     for route in routes:
         print(f"route {route}:")
         print(f"  prefill of {args.prompt} tokens   {min(results[route]['prefill']):8.2f} ms through {layers} layers")
         for kind in ("decode warm", "decode cold"):
             ms = min(results[route][kind])
-            print(f"  {kind} at {args.context} keys {ms:8.3f} ms through {layers} layers "
+            print(f"  {kind} at {args.context} keys{sequences} {ms:8.3f} ms through {layers} layers "
                   f"({kv_mb:.1f} MB of keys and values, {kv_mb / ms:.1f} GB/s)")
 
 
