@@ -141,23 +141,32 @@ def test_last_layer_past_attention_computes_only_the_output_rows(name, quantizat
         assert torch.equal(layer_by_layer, native)
 
 
-def test_last_layer_rows_and_the_logits_they_gather():
+@pytest.mark.parametrize("name,quantization", [("tiny-llama", None), ("tiny-gemma3", "int4")])
+def test_last_layer_rows_and_the_logits_they_gather(name, quantization):
     """The model's forward: logits_indices in any order, repeated (prompt logprobs after the
-    sampled rows), or none give the logits the rows have when every row is computed."""
+    sampled rows), or none give the logits the rows have when every row is computed; int4 with
+    token roles (the second sequence's last 4 rows generated), natively and layer by layer."""
     from kvserve.models.base import last_layer_rows
 
     assert last_layer_rows(torch.arange(4), 4)[0] is None  # a decode step: every row
     rows, gather = last_layer_rows(torch.tensor([9, 2, 5, 2]), 12)
     assert rows.tolist() == [2, 5, 9] and rows[gather].tolist() == [9, 2, 5, 2]
-    model, cfg = load_model(resolve_model("tiny-llama"))
+    kwargs = {} if quantization is None else {"quantization": quantization, "int4_prefill": "bf16"}
+    model, cfg = load_model(resolve_model(name), **kwargs)
     caches = allocate_kv_cache(cfg, 12, 16, "float32", "cpu")
     ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
     md = build_attention_metadata([list(range(0, 4)), list(range(4, 8))], [0, 0], [30, 10], 16)
     pos = torch.cat([torch.arange(30), torch.arange(10)])
-    every = model(ids, pos, md, caches, torch.arange(40))
-    for indices in ([29, 39], [39, 3, 29, 3], [], [0]):
-        logits = model(ids, pos, md, caches, torch.tensor(indices, dtype=torch.int64))
-        assert torch.equal(logits, every[indices])
+    roles = {} if quantization is None else {"token_roles": TokenRoles.from_mask((torch.arange(40) < 36).numpy())}
+    every = model(ids, pos, md, caches, torch.arange(40), **roles)
+    fused = model.model.fused_layers
+    assert fused is not None
+    for native in (True, False):
+        model.model.fused_layers = fused if native else None
+        for indices in ([29, 39], [39, 3, 29, 3], [], [0], [37, 2, 38, 35]):
+            logits = model(ids, pos, md, caches, torch.tensor(indices, dtype=torch.int64), **roles)
+            assert torch.equal(logits, every[indices]), (native, indices)
+    model.model.fused_layers = fused
 
 
 def test_token_roles_of_rows():

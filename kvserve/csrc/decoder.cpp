@@ -470,8 +470,8 @@ class FusedDecoderLayers {
     int64_t num_output_rows = T;
     if (output_rows) {
       TORCH_CHECK(output_rows->scalar_type() == torch::kInt64 && output_rows->dim() == 1 &&
-                      output_rows->is_contiguous() && output_rows->numel() <= T,
-                  "output_rows must be a contiguous int64 [R <= T]");
+                      output_rows->is_contiguous() && output_rows->device().is_cpu() && output_rows->numel() <= T,
+                  "output_rows must be a contiguous int64 CPU tensor [R <= T]");
       num_output_rows = output_rows->numel();
       const int64_t* r = output_rows->data_ptr<int64_t>();
       for (int64_t j = 0; j < num_output_rows; ++j)
@@ -493,7 +493,9 @@ class FusedDecoderLayers {
     const auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
     const auto attn_heads = attn.view({T, H, D});
     const LayerRows every_row{hidden, attn, normed, projected, gate_up, activated};
-    const LayerRows output_rows_first = every_row.first(num_output_rows);  // (views, made outside the team)
+    // The last layer's rows past attention: views made here, before the step team (a decode's
+    // step, every row wanted, makes none).
+    const LayerRows output_rows_first = output_rows ? every_row.first(num_output_rows) : every_row;
     std::optional<pybind11::gil_scoped_release> no_gil;  // (decode_round's steps come without it)
     if (PyGILState_Check()) no_gil.emplace();
     // One parallel region for the step's layers where every call is one of kvserve's kernels (a
@@ -540,7 +542,7 @@ class FusedDecoderLayers {
       }
     };
     kvserve::run_in_step_team(run_layers, team_safe_ && !gathers);
-    return output_rows ? output_rows_first.hidden : hidden;
+    return output_rows_first.hidden;
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;

@@ -68,6 +68,8 @@ class PagedCausalLM(nn.Module):
             hidden = self.model(input_ids, positions, attn_metadata, kv_caches, rows)
         if self.pp is not None and not self.pp.is_last:
             return None  # the hidden states went to the next stage
+        # (gather indexes the decoder's rows: a decoder that returned every row would be misread)
+        assert hidden.shape[0] == (input_ids.shape[0] if rows is None else rows.numel()), "decoder ignored output_rows"
         # Only the rows that will be sampled reach the final norm and the (vocab-wide) head.
         hidden = self.model.norm(hidden.index_select(0, gather))
         if isinstance(self.lm_head, RescoredLMHead):
