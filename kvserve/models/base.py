@@ -63,10 +63,12 @@ class PagedCausalLM(nn.Module):
     ) -> Optional[torch.Tensor]:  # [S', vocab] float32; None on a pipeline stage before the last
         # The roles choose the decoder layers' weight format per row; the LM head, after the
         # block, computes every row alike.
-        rows, gather = last_layer_rows(logits_indices, input_ids.shape[0])
+        # A stage before the last sends every row on: only the model's last layer selects rows.
+        last_stage = self.pp is None or self.pp.is_last
+        rows, gather = last_layer_rows(logits_indices, input_ids.shape[0]) if last_stage else (None, logits_indices)
         with use_token_roles(token_roles):
             hidden = self.model(input_ids, positions, attn_metadata, kv_caches, rows)
-        if self.pp is not None and not self.pp.is_last:
+        if not last_stage:
             return None  # the hidden states went to the next stage
         # (gather indexes the decoder's rows: a decoder that returned every row would be misread)
         assert hidden.shape[0] == (input_ids.shape[0] if rows is None else rows.numel()), "decoder ignored output_rows"

@@ -138,7 +138,7 @@ class Gemma3Model(nn.Module):
             False: self.rope_inv_freq.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len),
             True: self.local_rope_inv_freq.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len),
         }
-        last = len(self.layers) - 1 if self.pp is None or self.pp.is_last else -1
+        last = len(self.layers) - 1  # (output_rows: None on a stage before the last)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden = layer(hidden, rope, attn_metadata, kv_cache, output_rows if i == last else None)
         if self.pp is not None and not self.pp.is_last:

@@ -120,7 +120,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_caches: KVCache, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The hidden states of ``output_rows`` of the step (sorted, distinct; None: every row)
-        before the final norm; on a pipeline stage before the last, of every row."""
+        before the final norm (a stage before the last is given None: every row goes on)."""
         fused = self.fused_layers
         if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
             return fused(input_ids, positions, *self.fused_inputs(attn_metadata.max_seq_len, input_ids.device),
@@ -132,7 +132,7 @@ class LlamaModel(nn.Module):
                                   input_ids.device)
         # Rope rows for this step's positions only, shared by all layers.
         cos, sin = self.rope_inv_freq.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len)
-        last = len(self.layers) - 1 if self.pp is None or self.pp.is_last else -1
+        last = len(self.layers) - 1  # (output_rows: None on a stage before the last)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden = layer(hidden, cos, sin, attn_metadata, kv_cache, output_rows if i == last else None)
         if self.pp is not None and not self.pp.is_last:
