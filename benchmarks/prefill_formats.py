@@ -1,10 +1,11 @@
 """int4 mode's prompt rows, layer by layer: through the layer's own blocks (the 4-bit tiles,
 Q5_0, Q8_0/Q6_K kernels), through its bf16 copy or through an int8 copy under int8 activations
-(``--int4-prefill int8``, W8A8Linear), at one prompt length, on this CPU. It is
+(``--int4-prefill int8``, W8A8Linear: the blocks' byte codes; a bf16 copy for Q6_K, marked),
+at one prompt length, on this CPU. It is
 the measurement behind ``--int4-prefill auto`` (``DecodeFormatLinear.prefill_copy_pays``):
 the table says, per layer kind, which way is faster here and what ``auto`` chose, and the
 totals over the decoder's linear layers compare all blocks, all copies, ``auto`` and the
-per-kind best. Calls alternate between the two ways; each figure is the minimum of
+per-kind best. Calls alternate between the three ways, each first in turn; each figure is the minimum of
 ``--repeats`` calls (the machine is shared and noisy: only the ratios mean much).
 
     python benchmarks/prefill_formats.py [--model gemma-3-270m] [--rows 256] [--repeats 7]
@@ -57,14 +58,18 @@ def main() -> None:
     with torch.inference_mode():
         for name, layer in layers:
             x = torch.randn(args.rows, layer.in_features, dtype=torch.bfloat16)
-            int8_copy = W8A8Linear(layer.dequantized(), layer.bias)
-            layer.forward_blocks(x), layer.prefill(x), int8_copy(x)  # warm: page in, pack caches
-            blocks = copy = int8 = float("inf")
-            for _ in range(args.repeats):
-                blocks = min(blocks, _min_ms(layer.forward_blocks, x, 1))
-                copy = min(copy, _min_ms(layer.prefill, x, 1))
-                int8 = min(int8, _min_ms(int8_copy, x, 1))
-            per_kind[_kind(name, layer)].append((blocks, copy, layer.prefill_copy_pays(), int8))
+            int8_copy = layer.make_prefill_copy("int8")  # (a Bf16Linear where the format has no byte codes)
+            ways = [layer.forward_blocks, layer.prefill, int8_copy]
+            for way in ways:
+                way(x)  # warm: page in, pack caches
+            best = [float("inf")] * 3
+            for repeat in range(args.repeats):
+                for i in range(3):  # each way first in turn (what runs after what moves the figures)
+                    way = (repeat + i) % 3
+                    best[way] = min(best[way], _min_ms(ways[way], x, 1))
+            blocks, copy, int8 = best
+            per_kind[_kind(name, layer) + ("" if isinstance(int8_copy, W8A8Linear) else " (int8: bf16 copy)")].append(
+                (blocks, copy, layer.prefill_copy_pays(), int8))
     print(f"\n{args.model}, int4, {args.rows} prompt rows per call, min of {args.repeats} alternated calls\n")
     print("| layer kind | layers | blocks ms | bf16 copy ms | blocks / copy | auto keeps the copy | int8 copy ms | bf16 / int8 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -44,8 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--int4-prefill", default=EngineArgs.int4_prefill, choices=INT4_PREFILL_MODES,
                    help="int4 mode's prompt tokens: through bf16 copies of the weights (bf16), "
                         "through the 4-bit blocks (blocks), per layer the faster of those two on this "
-                        "CPU (auto), or through int8 copies under int8 activations (int8: faster with "
-                        "AVX512-VNNI, 3-4 points less top-1 agreement; never chosen by auto)")
+                        "CPU (auto), or through the blocks' byte codes under int8 activations (int8: faster with "
+                        "AVX512-VNNI, ~1 point less top-1 agreement; never chosen by auto)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N worker processes (gloo on CPU, NCCL on CUDA)")

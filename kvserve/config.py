@@ -12,8 +12,8 @@ class ConfigError(ValueError):
 # How int4 mode computes prompt tokens (EngineArgs.int4_prefill): through bf16 copies of the
 # block-quantized layers ("bf16"), through the blocks themselves ("blocks"), per layer the faster
 # of those two here ("auto": kvserve.quant's DecodeFormatLinear.prefill_copy_pays), or
-# through int8 copies under int8 activations ("int8", opt-in: faster with AVX512-VNNI, less
-# exact; kvserve.quant.W8A8Linear).
+# through byte-code copies under int8 activations ("int8", opt-in: faster with AVX512-VNNI, the
+# activations rounded; kvserve.quant.W8A8Linear).
 INT4_PREFILL_MODES = ("auto", "bf16", "int8", "blocks")
 
 @dataclass

@@ -137,48 +137,65 @@ class Bf16Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-W8A8_GROUP = 64  # inputs per scale, weights and activations (csrc/w8a8_linear.cpp kGroup)
+W8A8_GROUP = 32  # inputs per group: the weights' a and b, the activations' scale (csrc/w8a8_linear.cpp kGroup)
 W8A8_PANEL = 16  # output columns per packed panel (kPanel)
 W8A8_OUTLIERS = 4  # activation inputs per row kept exact (kOutliers)
 
 
-def pack_w8a8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (uint8 ``[Np / 16, Kp / 4, 16, 4]``, fp32 ``[Np / 16, Kp / 64, 16]``): each row
-    rounded to int8 per group of 64 inputs against the group's largest magnitude, stored as
-    ``w + 128`` in panels of 16 output columns by 4 inputs (one 512-bit load is what vpdpbusd
-    multiplies with a broadcast word of 4 int8 activations), and the groups' scales, 16 columns
-    side by side. Np is N rounded up to 16, Kp K rounded up to 64; the padding is 128 (a zero
-    weight) with scale 0."""
-    n, k = weight.shape
+def pack_w8a8_weight(codes: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights ``w = a * u + b`` per group of 32 inputs (codes u ``[N, K]`` in 0..255, a and b
+    ``[N, ceil(K / 32)]``) -> (uint8 ``[Np / 16, Kp / 4, 16, 4]``, fp32 ``[Np / 16, Kp / 32, 2,
+    16]``): the codes in panels of 16 output columns by 4 inputs (one 512-bit load is what
+    vpdpbusd multiplies with a broadcast word of 4 int8 activations), and per group the 16
+    columns' a, then their b. Np is N rounded up to 16, Kp K rounded up to 32; the padding is
+    code 0 with a = b = 0."""
+    n, k = codes.shape
     n_pad, k_pad = -(-n // W8A8_PANEL) * W8A8_PANEL, -(-k // W8A8_GROUP) * W8A8_GROUP
-    w = nn.functional.pad(weight.detach().float(), (0, k_pad - k, 0, n_pad - n)).view(n_pad, -1, W8A8_GROUP)
-    scale = w.abs().amax(dim=-1) / 127.0  # [Np, G]
-    q = torch.round(w / torch.where(scale > 0, scale, 1.0)[..., None]).clamp(-127, 127).view(n_pad, k_pad)
-    packed = (q + 128).to(torch.uint8).view(n_pad // W8A8_PANEL, W8A8_PANEL, k_pad // 4, 4).permute(0, 2, 1, 3)
-    scales = scale.view(n_pad // W8A8_PANEL, W8A8_PANEL, -1).permute(0, 2, 1)
-    return packed.contiguous(), scales.contiguous()
+    groups = k_pad // W8A8_GROUP
+    if a.shape != (n, groups) or b.shape != (n, groups):
+        raise ValueError(f"a and b must be [{n}, {groups}], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if codes.numel() and (codes.min() < 0 or codes.max() > 255):
+        raise ValueError("codes must lie in 0..255")
+    u = nn.functional.pad(codes.to(torch.int32), (0, k_pad - k, 0, n_pad - n)).to(torch.uint8)
+    packed = u.view(n_pad // W8A8_PANEL, W8A8_PANEL, k_pad // 4, 4).permute(0, 2, 1, 3)
+    affine = nn.functional.pad(torch.stack([a.float(), b.float()]), (0, 0, 0, n_pad - n))  # [2, Np, G]
+    affine = affine.view(2, n_pad // W8A8_PANEL, W8A8_PANEL, groups).permute(1, 3, 0, 2)
+    return packed.contiguous(), affine.contiguous()
 
 
 def unpack_w8a8_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """pack_w8a8_weight's integers: int32 ``[n, k]`` in -127..127 (times the scales: the weights)."""
+    """pack_w8a8_weight's codes: int32 ``[n, k]`` in 0..255."""
     panels, quads = packed.shape[:2]
     full = packed.permute(0, 2, 1, 3).reshape(panels * W8A8_PANEL, quads * 4)
-    return full[:n, :k].to(torch.int32) - 128
+    return full[:n, :k].to(torch.int32)
 
 
-def unpack_w8a8_scales(scales: torch.Tensor, n: int) -> torch.Tensor:
-    """pack_w8a8_weight's scales as fp32 ``[n, Kp / 64]``: row i's group g at ``[i, g]``."""
-    return scales.permute(0, 2, 1).reshape(-1, scales.shape[1])[:n]
+def unpack_w8a8_affine(affine: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_w8a8_weight's a and b as fp32 ``[n, Kp / 32]`` each: row i's group g at ``[i, g]``."""
+    full = affine.permute(2, 0, 3, 1).reshape(2, -1, affine.shape[1])
+    return full[0, :n], full[1, :n]
+
+
+def affine_min_max(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """8-bit asymmetric min/max codes of each group of 32 input weights (K padded with zeros):
+    (codes ``[N, K]`` in 0..255, a, b ``[N, ceil(K / 32)]``), ``w ~ a * u + b`` to half a step."""
+    n, k = weight.shape
+    k_pad = -(-k // W8A8_GROUP) * W8A8_GROUP
+    w = nn.functional.pad(weight.detach().float(), (0, k_pad - k)).view(n, -1, W8A8_GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    a = (hi - lo) / 255.0
+    codes = torch.round((w - lo[..., None]) / torch.where(a > 0, a, 1.0)[..., None]).clamp(0, 255)
+    return codes.view(n, k_pad)[:, :k].to(torch.int32), a, lo
 
 
 def w8a8_activations(x: torch.Tensor, padded_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]:
     """The W8A8 kernel's activations in plain torch. Each row's ``min(4, K)`` largest magnitudes
     (of equal ones, the lower index; a NaN counts as infinite) are its outliers, kept exact; the
-    rest, zero-padded to ``padded_k``, is rounded per group of 64 inputs to integers in
+    rest (a NaN or inf among it read as 0), zero-padded to ``padded_k``, is rounded per group of 32 inputs to integers in
     -127..127 against the group's largest magnitude (``x * (127 / max)``, ties to even).
     Returns (the integers ``[M, padded_k]`` with the outliers zeroed, the scales ``max / 127``
-    ``[M, padded_k / 64]``, the outliers' indices ``[M, R]`` ascending, their values ``[M, R]``)."""
+    ``[M, padded_k / 32]``, the outliers' indices ``[M, R]`` ascending, their values ``[M, R]``)."""
     m, k = x.shape
     x = x.float()
     r = min(W8A8_OUTLIERS, k)
@@ -187,63 +204,82 @@ def w8a8_activations(x: torch.Tensor, padded_k: int) -> tuple[torch.Tensor, torc
     index = order[:, :r].sort(dim=1).values
     values = x.gather(1, index)
     rest = x.scatter(1, index, 0.0)
+    rest = torch.where(rest.isfinite(), rest, 0.0)  # (a NaN or inf past the outliers reads as 0)
     groups = nn.functional.pad(rest, (0, padded_k - k)).view(m, padded_k // W8A8_GROUP, W8A8_GROUP)
     amax = groups.abs().amax(dim=-1)
     readable = amax > 127.0 / torch.finfo(torch.float32).max  # (below: 127 / max overflows; zeros)
-    inv = torch.where(readable, 127.0 / torch.where(readable, amax, 1.0), 0.0)
+    # (A tensor divided, not 127.0 / tensor: torch computes that as reciprocal * 127, another
+    # rounding than the kernel's 127.f / amax.)
+    inv = torch.where(readable, torch.full_like(amax, 127.0) / torch.where(readable, amax, 1.0), 0.0)
     return torch.round(groups * inv[..., None]).view(m, padded_k), amax / 127.0, index.to(torch.int32), values
 
 
 class W8A8Linear(nn.Module):
-    """int8 weights (one scale per output column and group of 64 inputs) times int8 activations
-    (one scale per row and group of 64 inputs, each row's 4 largest magnitudes kept exact),
-    summed as integers (kvserve/csrc/w8a8_linear.cpp; batch invariant, as the other kernels):
-    int4 mode's prompt rows with ``int4_prefill="int8"``, a copy of each block-quantized layer
-    (``DecodeFormatLinear.add_prefill_copy``), ~0.53x the bytes of a bf16 one.
+    """Weights as byte codes with per-group constants, ``w = a * u + b`` per output column and
+    group of 32 inputs, times int8 activations (one scale per row and group of 32 inputs, each
+    row's 4 largest magnitudes kept exact), summed as integers (kvserve/csrc/w8a8_linear.cpp;
+    batch invariant, as the other kernels): int4 mode's prompt rows with ``int4_prefill="int8"``,
+    a copy of each block-quantized layer (``DecodeFormatLinear.add_prefill_copy``).
 
-    Faster and less exact, so opt-in. With AVX512-VNNI, vpdpbusd multiplies twice the pairs per
-    instruction that vdpbf16ps does: SmolLM2's decoder GEMMs at 256 rows 1.35x faster than
-    through bf16 copies (Zen 4), a 256-token TTFT of 127 against 161 ms. The roundings cost the
-    prompt rows top-1 agreement with the fp32 model (97.8 % on both models on
-    tests/test_precision.py's text, whose bar is 98 %, bf16 copies 99.7 %; 96.2 % / 97.4 % over
-    2,048 tokens of its long text, bf16 copies 99.1 % / 99.5 %), KL divergence 0.002-0.003
-    (bf16 copies 0.0002). Without the outliers and the weights' group scales: 95.5-96.5 % on the
-    tolerance text, 94.3-95.7 % over the long one, KL 0.006-0.008. Without AVX512-VNNI (AVX2,
-    AVX-VNNI only, portable) the same bits come from a scalar loop: slower than the bf16 copies
-    there.
+    The codes are the block formats' own (``DecodeFormatLinear.affine_codes``: Q4_1, Q4_K, Q5_0,
+    Q8_0), so the copy holds the decode weights exactly, in 1.25 bytes per weight against a bf16
+    copy's 2; only the activations are rounded. With AVX512-VNNI, vpdpbusd multiplies twice the
+    pairs per instruction that vdpbf16ps does. Without it (AVX2, AVX-VNNI only, portable) the
+    same bits come from a scalar loop: slower than the bf16 copies there.
+
+    Measured on Zen 4 (benchmarks/results/zen4-int8-exact-codes): the decoder GEMMs at 256 rows
+    1.21x (SmolLM2) / 1.19x (Gemma 3) faster than through bf16 copies; prompt rows' top-1 agreement with the fp32 model
+    98.7 % (SmolLM2) / 99.0 % (Gemma 3) on tests/test_precision.py's text, KL 0.0005 / 0.0004
+    (bf16 copies 99.7 % / 99.4 %, 0.0001). The earlier version, weights rounded to int8 per 64
+    inputs, was 1.35x faster and 97.8 % / 97.8 %, KL 0.002: its epilogue was one scale per 64
+    inputs, this one a scale and an offset per 32.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    def __init__(self, codes: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        packed, scales = pack_w8a8_weight(weight)
+        self.out_features, self.in_features = codes.shape
+        packed, affine = pack_w8a8_weight(codes, a, b)
         self.register_buffer("weight", packed)
-        self.register_buffer("scales", scales)
+        self.register_buffer("affine", affine)
         self.register_buffer("bias", _fp32_bias(bias))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "W8A8Linear":
+        """Float weights rounded to 8-bit codes per group of 32 (``affine_min_max``)."""
+        return cls(*affine_min_max(weight), bias)
+
+    def weight_values(self) -> torch.Tensor:
+        """The weights ``a * u + b`` as fp32 ``[N, K]`` (the block formats' values exactly; the
+        kernel's outlier products compute ``fma(u, a, b)``, the same where ``u * a`` is exact)."""
+        codes = unpack_w8a8_weight(self.weight, self.out_features, self.in_features).float()
+        a, b = (t.repeat_interleave(W8A8_GROUP, dim=1)[:, :self.in_features]
+                for t in unpack_w8a8_affine(self.affine, self.out_features))
+        return torch.addcmul(b, codes, a)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features
         return _block_quantized_forward(
-            self, x, lambda ext, rows: ext.w8a8_linear(rows, self.weight, self.scales, n, self.bias))
+            self, x, lambda ext, rows: ext.w8a8_linear(rows, self.weight, self.affine, n, self.bias))
 
     def forward_into(self, x: torch.Tensor, buffer: Callable[[int], torch.Tensor]) -> Optional[torch.Tensor]:
         """``self(x)`` written by the kernel into ``buffer(rows)``; None off the kernel."""
         return _block_quantized_forward_into(
-            self, x, buffer, True, lambda ext, rows, out: ext.w8a8_linear_out(out, rows, self.weight, self.scales, self.bias))
+            self, x, buffer, True, lambda ext, rows, out: ext.w8a8_linear_out(out, rows, self.weight, self.affine, self.bias))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The kernel's sums in plain torch: the same integers (exact, in float64), the rows' and
-        columns' group scales and the outliers' exact values times their int8 weights applied in
+        """The kernel's sums in plain torch: the same integers (exact, in float64), the groups'
+        scales and constants and the outliers' exact values times their weights applied in
         float64 (equal to the kernel's fp32 to rounding)."""
         k_pad = self.weight.shape[1] * 4
         q, scale, index, values = w8a8_activations(x, k_pad)
-        w = unpack_w8a8_weight(self.weight, self.out_features, k_pad).double()
-        w_scale = unpack_w8a8_scales(self.scales, self.out_features).double()  # [N, G]
+        codes = unpack_w8a8_weight(self.weight, self.out_features, k_pad).double()
+        a, b = (t.double() for t in unpack_w8a8_affine(self.affine, self.out_features))  # [N, G]
         groups = q.double().view(q.shape[0], -1, W8A8_GROUP)
-        sums = torch.einsum("mgk,ngk->mng", groups, w.view(self.out_features, -1, W8A8_GROUP))
-        y = (sums * scale.double()[:, None, :] * w_scale[None]).sum(-1)
+        sums = torch.einsum("mgk,ngk->mng", groups, codes.view(self.out_features, -1, W8A8_GROUP))
+        scale = scale.double()[:, None, :]
+        y = (sums * scale * a[None] + groups.sum(-1)[:, None, :] * scale * b[None]).sum(-1)
         index = index.long()
-        outlier_weights = w[:, index] * w_scale[:, index // W8A8_GROUP]  # [N, M, R]
+        outlier_weights = codes[:, index] * a[:, index // W8A8_GROUP] + b[:, index // W8A8_GROUP]  # [N, M, R]
         y = (y + torch.einsum("nmr,mr->mn", outlier_weights, values.double())).float()
         return y if self.bias is None else y + self.bias
 
@@ -311,7 +347,8 @@ class DecodeFormatLinear(nn.Module):
     prefill, where hundreds of rows make the step compute-bound and unpacking small integers
     costs more than the bytes it saves (issue #17: SmolLM2's 256-token TTFT was 481 ms through
     the 4-bit row kernel, 204 ms with bf16 weights). ``add_prefill_copy`` gives the layer a
-    ``Bf16Linear`` holding ``bf16(w)`` (or, opt-in, a faster and less exact ``W8A8Linear``),
+    ``Bf16Linear`` holding ``bf16(w)`` (or, opt-in, a ``W8A8Linear`` of the blocks' own codes,
+    faster with AVX512-VNNI, under rounded activations),
     and the rows of a step's prompt tokens go through it,
     the others through the blocks (kvserve/token_roles.py: by the token's role, never by the
     batch, so results stay deterministic). Where the blocks' kernel is the faster one at
@@ -340,11 +377,23 @@ class DecodeFormatLinear(nn.Module):
         (Q8_0, Q6_K: int8 widened to fp32 FMAs) runs at half the bf16 kernel's rate everywhere."""
         return True
 
+    def affine_codes(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The weights as ``w = a * u + b`` per group of 32 inputs, exactly: (codes u ``[N, K]``
+        in 0..255, a, b fp32 ``[N, ceil(K / 32)]``), what a W8A8Linear copy holds; None where the
+        format's groups are not 32 inputs of one a and b (Q6_K's 16)."""
+        return None
+
+    def make_prefill_copy(self, copy_format: str = "bf16") -> nn.Module:
+        """The layer's prefill weights in ``copy_format``: "bf16" (Bf16Linear) or "int8" (a
+        W8A8Linear of the format's own codes; a Bf16Linear where the format has none)."""
+        if copy_format not in ("bf16", "int8"):
+            raise ValueError(f"unknown prefill copy format {copy_format!r}")
+        codes = self.affine_codes() if copy_format == "int8" else None
+        return Bf16Linear(self.dequantized(), self.bias) if codes is None else W8A8Linear(*codes, self.bias)
+
     def add_prefill_copy(self, copy_format: str = "bf16") -> int:
-        """Give the layer its prefill weights (see the class), ``copy_format`` "bf16" or "int8";
-        their bytes."""
-        copy_type = {"bf16": Bf16Linear, "int8": W8A8Linear}[copy_format]
-        self.prefill = copy_type(self.dequantized(), self.bias)
+        """Give the layer its prefill weights (``make_prefill_copy``); their bytes."""
+        self.prefill = self.make_prefill_copy(copy_format)
         return _buffer_bytes(self.prefill)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -516,14 +565,22 @@ class Int4Linear(DecodeFormatLinear):
         groups = qs.view(n, kp // 32, 16)
         return torch.cat([groups & 15, groups >> 4], dim=-1)  # weights 0-15, then 16-31
 
+    def _blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q ``[N, Kp]``, d, m ``[N, Kp / 32]``) from whichever layout the layer holds."""
+        if self.packed is not None:
+            return untile_nibbles(self.packed, self.out_features)
+        return self._row_values(self.qs).view(self.out_features, -1), *self._row_scales(self.qs, self.dm)
+
     def dequantized(self) -> torch.Tensor:
         """The weights ``d * q + m`` as fp32 ``[N, K]`` (computed afresh: not kept)."""
-        if self.packed is not None:
-            values, d, m = untile_nibbles(self.packed, self.out_features)
-        else:
-            values, (d, m) = self._row_values(self.qs), self._row_scales(self.qs, self.dm)
+        values, d, m = self._blocks()
         values = values.view(self.out_features, -1, INT4_GROUP_SIZE).float()
         return (values * d[..., None] + m[..., None]).view(self.out_features, -1)[:, :self.in_features]
+
+    def affine_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        values, d, m = self._blocks()
+        groups = -(-self.in_features // INT4_GROUP_SIZE)
+        return values[:, :self.in_features].to(torch.int32), d[:, :groups].float(), m[:, :groups].float()
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: Optional[torch.Tensor],
@@ -582,14 +639,28 @@ class Q5Linear(DecodeFormatLinear):
         self.register_buffer("qh", torch.from_numpy(np.ascontiguousarray(block_formats.q5_plane_masks(blocks.qh))))
         self.register_buffer("d", torch.from_numpy(np.ascontiguousarray(blocks.d)))
 
+    def _file_blocks(self) -> block_formats.Q5Blocks:
+        qh = block_formats.q5_fifth_bits(self.qh.numpy(), self.d.shape[1])
+        return block_formats.Q5Blocks(self.qs.numpy(), qh, self.d.numpy())
+
     def dequantized(self) -> torch.Tensor:
         if self.packed is not None:
             values, d, _ = untile_nibbles(self.packed, self.out_features)
             w = (values.view(self.out_features, -1, INT4_GROUP_SIZE) - 16).float() * d[..., None]
             return w.view(self.out_features, -1)[:, :self.in_features]
-        qh = block_formats.q5_fifth_bits(self.qh.numpy(), self.d.shape[1])
-        blocks = block_formats.Q5Blocks(self.qs.numpy(), qh, self.d.numpy())
-        return torch.from_numpy(block_formats.q5_values(blocks, self.in_features))
+        return torch.from_numpy(block_formats.q5_values(self._file_blocks(), self.in_features))
+
+    def affine_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes ``q + 16`` in 0..31, a = d, b = -16 d."""
+        if self.packed is not None:
+            values, d, _ = untile_nibbles(self.packed, self.out_features)
+        else:
+            blocks = self._file_blocks()
+            values = torch.from_numpy(block_formats.q5_codes(blocks) + 16).view(self.out_features, -1)
+            d = torch.from_numpy(blocks.d.view(np.float16).astype(np.float32))
+        groups = -(-self.in_features // INT4_GROUP_SIZE)
+        d = d[:, :groups].float()
+        return values[:, :self.in_features].to(torch.int32), d, -16.0 * d
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -632,6 +703,14 @@ class Q8Linear(DecodeFormatLinear):
     def dequantized(self) -> torch.Tensor:
         return torch.from_numpy(block_formats.byte_values(block_formats.ByteBlocks(self.qs.numpy(), self.d.numpy())))
 
+    def affine_codes(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Q8_0: codes ``q + 128``, a = d, b = -128 d. Q6_K (groups of 16): None."""
+        blocks = block_formats.ByteBlocks(self.qs.numpy(), self.d.numpy())
+        if blocks.group != INT4_GROUP_SIZE:
+            return None
+        d = torch.from_numpy(blocks.scales)
+        return self.qs.to(torch.int32) + 128, d, -128.0 * d
+
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q8_linear(rows, self.qs, self.d, self.bias))
 
@@ -664,6 +743,12 @@ class SegmentedLinear(DecodeFormatLinear):
 
     def dequantized(self) -> torch.Tensor:
         return torch.cat([s.dequantized() for s in self.segments])
+
+    def affine_codes(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        parts = [s.affine_codes() for s in self.segments]
+        if any(part is None for part in parts):
+            return None
+        return tuple(torch.cat(column) for column in zip(*parts))
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([s.forward_blocks(x) for s in self.segments], dim=-1)
@@ -884,8 +969,8 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
 
     ``int4_prefill`` (INT4_PREFILL_MODES): which int4 layers also get prefill weights for the
     prompt tokens (``DecodeFormatLinear``), in which format: those where a bf16 copy pays here
-    ("auto"), all in bf16 ("bf16"), all in int8 under int8 activations ("int8": faster, less
-    exact, see W8A8Linear), or none ("blocks": a draft model, which runs every row through the
+    ("auto"), all in bf16 ("bf16"), all as byte codes under int8 activations ("int8": faster,
+    the activations rounded, see W8A8Linear), or none ("blocks": a draft model, which runs every row through the
     blocks).
 
     ``raw_weights`` (HF name -> GGUF QuantizedTensor): int4 mode reads a GGUF's own blocks

@@ -1,21 +1,23 @@
-"""The W8A8 kernel (csrc/w8a8_linear.cpp: int8 weights times int8 activations, int4 mode's
-prompt rows on CPUs with AVX512-VNNI) against its plain-torch twin, its two routes against each
+"""The W8A8 kernel (csrc/w8a8_linear.cpp: the weights' byte codes times int8 activations, int4
+mode's prompt rows on CPUs with AVX512-VNNI) against its plain-torch twin, its two routes against each
 other (the same bits), and a row's bits whatever the rows around it."""
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
-from kvserve import ops
-from kvserve.quant import (W8A8Linear, pack_w8a8_weight, unpack_w8a8_scales, unpack_w8a8_weight,
+from kvserve import block_formats, ops
+from kvserve.quant import (Bf16Linear, Int4Linear, Q5Linear, Q8Linear, SegmentedLinear, W8A8Linear,
+                           affine_min_max, pack_w8a8_weight, unpack_w8a8_affine, unpack_w8a8_weight,
                            w8a8_activations)
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 13, 97, 200)
-# Ragged N (not a multiple of 16) and K (not of 64); K = 3: fewer inputs than outliers.
+# Ragged N (not a multiple of 16) and K (not of 32); K = 3: fewer inputs than outliers.
 SHAPES = [(96, 64), (70, 33), (40, 576), (200, 130), (20, 3)]
 
 
@@ -29,23 +31,34 @@ def route(request):
     ext.set_portable_w8a8_kernel(False)
 
 
-def test_packing_round_trips_the_rounded_groups():
+def test_packing_round_trips_codes_and_constants():
     torch.manual_seed(0)
+    codes = torch.randint(0, 256, (70, 130), dtype=torch.int32)
+    a, b = torch.rand(70, 5), torch.randn(70, 5)
+    packed, affine = pack_w8a8_weight(codes, a, b)
+    assert packed.shape == (5, 40, 16, 4) and packed.dtype == torch.uint8 and affine.shape == (5, 5, 2, 16)
+    assert torch.equal(unpack_w8a8_weight(packed, 70, 130), codes)
+    a_back, b_back = unpack_w8a8_affine(affine, 80)
+    assert torch.equal(a_back[:70], a) and torch.equal(b_back[:70], b)
+    # The padding is a zero weight: code 0 with a = b = 0, in every padded column and input.
+    assert (a_back[70:] == 0).all() and (b_back[70:] == 0).all()
+    full = packed.permute(0, 2, 1, 3).reshape(80, 160)
+    assert (full[70:] == 0).all() and (full[:, 130:] == 0).all()
+    with pytest.raises(ValueError, match="0..255"):
+        pack_w8a8_weight(codes + 1, a, b)
+    with pytest.raises(ValueError, match="must be"):
+        pack_w8a8_weight(codes, a[:, :4], b[:, :4])
+
+
+def test_min_max_codes_of_float_weights():
+    torch.manual_seed(1)
     w = torch.randn(70, 130) * torch.tensor([1e-3, 1.0, 1e2]).repeat_interleave(64)[:130]  # groups far apart
-    w[3] = 0.0  # a zero row: scale 0, every integer 0
-    packed, scales = pack_w8a8_weight(w)
-    assert packed.shape == (5, 48, 16, 4) and packed.dtype == torch.uint8 and scales.shape == (5, 3, 16)
-    q = unpack_w8a8_weight(packed, 70, 130)
-    group_scales = unpack_w8a8_scales(scales, 80)
-    assert q.abs().max() == 127 and torch.equal(q[3], torch.zeros(130, dtype=torch.int32))
-    assert torch.equal(group_scales[70:], torch.zeros(10, 3)) and (group_scales[3] == 0).all()
-    # Each weight within half a step of its own group's grid (the small groups as exact as the large).
-    per_weight = group_scales[:70].repeat_interleave(64, dim=1)[:, :130]
-    assert ((q * per_weight - w).abs() <= per_weight / 2 + 1e-9 * w.abs()).all()
-    assert (q[:, :64].abs().amax(dim=1)[torch.arange(70) != 3] == 127).all()
-    # The padding is a zero weight (128) in every padded column and input.
-    full = packed.permute(0, 2, 1, 3).reshape(80, 192)
-    assert (full[70:] == 128).all() and (full[:, 130:] == 128).all()
+    w[3] = 0.5  # a constant row: step 0, every code 0
+    codes, a, b = affine_min_max(w)
+    layer = W8A8Linear(codes, a, b, None)
+    step = a.repeat_interleave(32, dim=1)[:, :130]
+    assert ((layer.weight_values() - w).abs() <= step / 2 + 1e-6 * w.abs()).all()
+    assert torch.equal(layer.weight_values()[3], w[3]) and codes.max() == 255 and codes.min() == 0
 
 
 def test_activations_match_the_plain_torch_rounding():
@@ -58,9 +71,10 @@ def test_activations_match_the_plain_torch_rounding():
     x[5, 100] = -50.0
     x[5, 3] = 50.0
     x[6] = 1.0  # all tied: the first four
-    q, scale, index, values = ext.w8a8_activations(x, 192)
-    q_ref, scale_ref, index_ref, values_ref = w8a8_activations(x, 192)
+    q, scale, index, values, scaled_sum = ext.w8a8_activations(x, 160)
+    q_ref, scale_ref, index_ref, values_ref = w8a8_activations(x, 160)
     assert torch.equal(q.to(torch.float32), q_ref) and torch.equal(scale, scale_ref)
+    assert torch.equal(scaled_sum, scale * q.view(9, 5, 32).sum(-1).float())
     assert torch.equal(index, index_ref) and torch.equal(values, values_ref)
     assert index[5].tolist() == [3, 7, 20, 90] and index[6].tolist() == [0, 1, 2, 3]
     assert torch.equal(index[0], x[0].abs().topk(4).indices.sort().values.to(torch.int32))
@@ -70,23 +84,30 @@ def test_activations_match_the_plain_torch_rounding():
     # A NaN is an outlier (the largest magnitude), not rounded into its group.
     x_nan = torch.randn(2, 130)
     x_nan[1, 77] = float("nan")
-    q, scale, index, values = ext.w8a8_activations(x_nan, 192)
-    q_ref, scale_ref, index_ref, _ = w8a8_activations(x_nan, 192)
+    q, scale, index, values, _ = ext.w8a8_activations(x_nan, 160)
+    q_ref, scale_ref, index_ref, _ = w8a8_activations(x_nan, 160)
     assert 77 in index[1].tolist() and torch.equal(index, index_ref) and torch.equal(scale, scale_ref)
     assert torch.equal(q.to(torch.float32), q_ref) and values[1].isnan().sum() == 1
+    # More NaNs and infs than outliers: those past the outliers read as 0 (the row's outputs are
+    # NaN through its NaN outliers).
+    x_bad = torch.randn(2, 130)
+    x_bad[0, [3, 40, 41, 77, 100, 129]] = float("nan")
+    x_bad[1, [5, 6, 70, 71, 72]] = torch.tensor([float("inf"), -float("inf"), float("inf"), float("nan"), 1.0])
+    q, scale, index, values, scaled_sum = ext.w8a8_activations(x_bad, 160)
+    q_ref, scale_ref, index_ref, values_ref = w8a8_activations(x_bad, 160)
+    assert torch.equal(q.to(torch.float32), q_ref) and torch.equal(scale, scale_ref) and torch.equal(index, index_ref)
+    assert scale.isfinite().all() and scaled_sum.isfinite().all() and values[0].isnan().all()
     # Fewer inputs than outliers: every input is one.
-    q, scale, index, values = ext.w8a8_activations(torch.tensor([[2.0, -1.0]]), 64)
+    q, scale, index, values, _ = ext.w8a8_activations(torch.tensor([[2.0, -1.0]]), 32)
     assert index.tolist() == [[0, 1]] and values.tolist() == [[2.0, -1.0]] and (q == 0).all()
 
 
 def test_a_massive_activation_costs_no_precision():
     # One input 1,000x the others (LLMs' "massive activations"): exact as an outlier, it would
-    # otherwise set its group's step (the other 63 inputs rounded to about 0).
+    # otherwise set its group's step (the other 31 inputs rounded to about 0).
     torch.manual_seed(2)
-    w = torch.randn(64, 576) * 0.05
-    layer = W8A8Linear(w, None)
-    exact_w = (unpack_w8a8_weight(layer.weight, 64, 576)
-               * unpack_w8a8_scales(layer.scales, 64).repeat_interleave(64, dim=1)).float()  # the int8 weights
+    layer = W8A8Linear.from_float(torch.randn(64, 576) * 0.05, None)
+    exact_w = layer.weight_values()
     x = torch.randn(8, 576)
     spiked = x.clone()
     spiked[:, 130] = 1000.0
@@ -99,7 +120,7 @@ def test_a_massive_activation_costs_no_precision():
 def test_kernel_matches_plain_torch_and_each_row_is_the_same_in_any_call(route, n, k):
     torch.manual_seed(n + k)
     w, b = torch.randn(n, k) * 0.1, torch.randn(n)
-    layer = W8A8Linear(w, b)
+    layer = W8A8Linear.from_float(w, b)
     x_all = torch.randn(max(ROW_COUNTS), k)
     alone = torch.cat([layer(x_all[i:i + 1]) for i in range(x_all.shape[0])])
     for rows in ROW_COUNTS:
@@ -109,8 +130,9 @@ def test_kernel_matches_plain_torch_and_each_row_is_the_same_in_any_call(route, 
         assert torch.equal(y, alone[:rows]), rows  # batch invariant
     # A row's own bits, not only its value, in the middle of another call's rows.
     assert torch.equal(layer(x_all[50:53]), alone[50:53])
-    # And close to the float product: int8 rounding of both sides, ~1 % of the largest output.
-    exact = x_all @ w.T + b
+    # And close to the float product of its weights: the activations' int8 rounding, ~1 % of the
+    # largest output.
+    exact = x_all @ layer.weight_values().T + b
     assert (alone - exact).abs().max() <= 0.03 * exact.abs().max()
 
 
@@ -120,7 +142,7 @@ def test_the_routes_give_the_same_bits(n, k):
     if ext.w8a8_kernel_route() != "avx512vnni":
         pytest.skip("no AVX512-VNNI route on this CPU")
     torch.manual_seed(7)
-    layer = W8A8Linear(torch.randn(n, k), None)
+    layer = W8A8Linear.from_float(torch.randn(n, k), None)
     x = torch.randn(37, k)
     vector = layer(x)
     ext.set_portable_w8a8_kernel(True)
@@ -134,24 +156,59 @@ def test_the_routes_give_the_same_bits(n, k):
 def test_out_writes_into_a_column_range_and_checks_its_inputs():
     ext = ops.load_extension()
     torch.manual_seed(3)
-    layer = W8A8Linear(torch.randn(48, 64), torch.randn(48))
+    layer = W8A8Linear.from_float(torch.randn(48, 64), torch.randn(48))
     x = torch.randn(5, 64)
     wide = torch.zeros(5, 100)
-    ext.w8a8_linear_out(wide.narrow(1, 20, 48), x, layer.weight, layer.scales, layer.bias)
+    ext.w8a8_linear_out(wide.narrow(1, 20, 48), x, layer.weight, layer.affine, layer.bias)
     assert torch.equal(wide[:, 20:68], layer(x)) and (wide[:, :20] == 0).all() and (wide[:, 68:] == 0).all()
     with pytest.raises(RuntimeError, match="inputs"):
-        ext.w8a8_linear(torch.randn(5, 65), layer.weight, layer.scales, 48, None)
+        ext.w8a8_linear(torch.randn(5, 65), layer.weight, layer.affine, 48, None)
     with pytest.raises(RuntimeError, match="output columns"):
-        ext.w8a8_linear(x, layer.weight, layer.scales, 70, None)
+        ext.w8a8_linear(x, layer.weight, layer.affine, 70, None)
     with pytest.raises(RuntimeError, match="bias"):
-        ext.w8a8_linear(x, layer.weight, layer.scales, 48, torch.randn(47))
+        ext.w8a8_linear(x, layer.weight, layer.affine, 48, torch.randn(47))
 
 
 def test_without_the_kernels_the_layer_computes_its_reference():
     torch.manual_seed(4)
-    layer = W8A8Linear(torch.randn(40, 70), torch.randn(40))
+    layer = W8A8Linear.from_float(torch.randn(40, 70), torch.randn(40))
     x = torch.randn(6, 70)
     with ops.use_kernels(False):
         assert torch.equal(layer(x), layer.forward_reference(x))
     assert (layer(x) - layer.forward_reference(x)).abs().max() <= 1e-5 * layer(x).abs().max()
 
+
+def _q6_k_like(n: int, k: int) -> Q8Linear:
+    """Q6_K's layout (int8 values, an fp32 scale per 16 inputs)."""
+    return Q8Linear(torch.randint(-32, 32, (n, k), dtype=torch.int8), torch.rand(n, k // 16) * 0.01)
+
+
+def test_int8_copies_hold_the_block_formats_weights_exactly():
+    torch.manual_seed(5)
+    w = torch.randn(40, 96) * 0.1
+    q5_values = np.random.default_rng(0).integers(-16, 16, (40, 96))
+    q5 = Q5Linear(_q5_blocks(q5_values, np.full((40, 3), 0.01, np.float16)), 96, None)  # a padded 4th group
+    layers = {"Q4_1": Int4Linear.from_float(w, None), "Q8_0": Q8Linear.from_float(w), "Q5_0": q5,
+              "Q5_0 + Q8_0": SegmentedLinear([q5, Q8Linear.from_float(w[:8])])}
+    for name, layer in layers.items():
+        copy = layer.make_prefill_copy("int8")
+        assert isinstance(copy, W8A8Linear), name
+        assert torch.equal(copy.weight_values(), layer.dequantized()), name
+    # Q6_K's groups of 16 have no 32-input codes: its copy is bf16 (also inside a segmented layer).
+    assert isinstance(_q6_k_like(16, 64).make_prefill_copy("int8"), Bf16Linear)
+    assert isinstance(SegmentedLinear([layers["Q4_1"], _q6_k_like(16, 96)]).make_prefill_copy("int8"), Bf16Linear)
+
+
+def _q5_blocks(values: np.ndarray, d: np.ndarray) -> block_formats.Q5Blocks:
+    """Q5_0 blocks holding ``d * values`` (values -16..15 ``[N, K]``, K a multiple of 32; d
+    ``[N, K / 32]``), padded with zero groups to a multiple of 64 inputs as unpack_q5_0 does."""
+    n, k = values.shape
+    kp = -(-k // 64) * 64
+    values = np.pad(values, ((0, 0), (0, kp - k)))
+    d = np.pad(d, ((0, 0), (0, (kp - k) // 32)))
+    k = kp
+    codes = (values + 16).astype(np.uint32).reshape(n, k // 32, 32)
+    low = codes & 15
+    qs = (low[..., :16] | (low[..., 16:] << 4)).astype(np.uint8).reshape(n, k // 2)
+    qh = ((codes >> 4) << np.arange(32, dtype=np.uint32)).sum(-1).astype(np.uint32).view(np.int32)
+    return block_formats.Q5Blocks(qs, qh, d.view(np.int16))

@@ -52,7 +52,7 @@ struct Linear {
   enum class Kind { kQ4, kQ5, kTiles, kQ8, kBf16, kW8A8, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
   Kind kind = Kind::kDense;
   // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); tiles (Q4 / Q5 on AVX512): packed, out_features
-  // given; Q8: qs, d; int8: weight, scales; bf16: packed; w8a8: packed, group scales;
+  // given; Q8: qs, d; int8: weight, scales; bf16: packed; w8a8: packed codes, affine constants;
   // fp32 / oneDNN / dense: weight
   torch::Tensor weight, scales, extra;
   // kSegments (kvserve.quant.SegmentedLinear): consecutive output rows in their own formats.

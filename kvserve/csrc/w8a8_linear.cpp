@@ -1,40 +1,37 @@
-// int8 weights times int8 activations: int4 mode's prompt rows with int4_prefill "int8" (issue #17).
+// Byte codes of the weights times int8 activations: int4 mode's prompt rows with int4_prefill
+// "int8" (issue #17).
 //
 // A prompt of hundreds of tokens makes each linear layer compute-bound, where a 4-bit format's
 // unpacking costs more than the bytes it saves: int4 mode computes prompt rows through copies of
 // its weights (kvserve.quant.DecodeFormatLinear), bf16 by default. On a CPU with AVX512-VNNI,
 // vpdpbusd adds 64 products of bytes per instruction where vdpbf16ps adds 32 of bf16 pairs, at
 // the same instruction rate (measured on Zen 4: 937 against 468 G multiply-adds per second, 2
-// cores), so int8 copies compute faster, with half the bytes of bf16 ones. They are also less
-// exact (kvserve.quant.W8A8Linear has the measurements), so they are opt-in.
+// cores), so byte copies compute faster, with less memory than bf16 ones.
 //
-// Numbers. Rounding to int8 costs most where one scale covers values of very different sizes,
-// so the scales are local on both sides:
-// - each weight row per group of 64 inputs against that group's largest magnitude (one scale
-//   per output column and group: the blocks of a 4-bit row have very different ranges);
-// - each activation row per group of 64 inputs, after its kOutliers largest magnitudes are taken
-//   out: LLMs' activations have a few channels tens of times the others (the residual stream's
-//   "massive" dimensions, in every row of the qkv and gate_up inputs), which would set their
-//   groups' steps. Those inputs stay exact fp32 and are multiplied by their weights' int8 values.
-// vpdpbusd multiplies unsigned bytes by signed ones, so the weights are stored as w + 128 and each
-// group's sum starts at -128 * (the sum of its activations), which takes the offset out exactly.
-// Per output (s_x: the row's group scale, s_w: the column's group scale):
+// Numbers. The weights lose nothing: GGUF's block formats store each group of 32 weights as
+// `w = a * u + b` with small unsigned integer codes u (Q4_1 and Q4_K: 0..15; Q5_0: 0..31 with
+// b = -16a; Q8_0: q + 128 with b = -128a), and the copy keeps those codes as bytes with the
+// group's a and b in fp32 (kvserve.quant.W8A8Linear). Rounding the weights to int8 against a
+// scale of their own (an earlier version of this kernel) was most of the error: the mean |logit
+// error| 0.15 against 0.07 with exact codes. The activations are rounded per row and group of 32
+// inputs to int8, after each row's kOutliers largest magnitudes are taken out: LLMs'
+// activations have a few channels tens of times the others (the residual stream's "massive"
+// dimensions, in every row of the qkv and gate_up inputs), which would set their groups' steps.
+// Those inputs stay exact fp32 and are multiplied by their exact weights.
 //
-//   acc_g = -128 * sum(q) + sum((w + 128) * q)   over the group's 64 inputs, exact in int32
-//   sum   = fma(float(acc_g), s_x * s_w, sum)    over the groups in ascending order, from 0
-//   sum   = fma(float(w_k), x_k * s_w, sum)      for each outlier input k, in ascending k
-//   y     = sum + bias                           (bias 0 when there is none)
+// vpdpbusd multiplies unsigned bytes (the codes) by signed ones (the activations). Per output
+// (s_x: the row's group scale; a, b: the column's group constants; q: the rounded activations):
 //
-// (An outlier's w_k comes from vpdpbusd too: w + 128 times a one-hot word of 1, from -128.)
-// Integer sums are exact in any order, and the fp32 steps are the same for every row whatever
-// the tile: a row's result does not depend on how many rows share the call (batch invariant),
-// and the portable loop gives the same bits as the VNNI kernel.
+//   acc_g = sum(u * q)                    over the group's 32 inputs, exact in int32
+//   sum   = fma(float(acc_g), s_x * a, sum)
+//   sum   = fma(b, s_x * float(sum(q)), sum)   over the groups in ascending order, from 0
+//   sum   = fma(fma(float(u_k), a, b), x_k, sum)   for each outlier input k, in ascending k
+//   y     = sum + bias                    (bias 0 when there is none)
 //
-// Measured on SmolLM2 / Gemma 3 (tests/test_precision.py's text, every position a prompt row,
-// against the fp32 model): outliers and group scales take the mean |logit error| from 0.27 /
-// 0.22 (activations per 64 inputs, weights per column) to 0.15 / 0.10 and the KL divergence
-// from 0.0066 / 0.0058 to 0.0021 / 0.0016, for ~7 % of the kernel's speed; bf16 copies: 0.04 /
-// 0.02 and 0.0001. Top-1 agreement 97.8 % on both, still under that test's 98 % bar.
+// (An outlier's u_k comes from vpdpbusd too: the codes times a one-hot word of 1.) Integer sums
+// are exact in any order, and the fp32 steps are the same for every row whatever the tile: a
+// row's result does not depend on how many rows share the call (batch invariant), and the
+// portable loop gives the same bits as the VNNI kernel.
 #include "w8a8_linear.h"
 #include "step_team.h"
 #include "linear_args.h"
@@ -56,7 +53,7 @@
 
 namespace {
 
-constexpr int64_t kGroup = 64;  // inputs per scale, weights and activations
+constexpr int64_t kGroup = 32;  // inputs per group: the weights' a and b, the activations' scale
 constexpr int64_t kPanel = 16;  // output columns per packed panel (one 16-lane vector)
 constexpr int64_t kRowBlock = 96;  // activation rows kept in cache while a thread's panels pass over them
 constexpr int64_t kSmallWork = 1 << 18;  // multiply-adds below which one thread does the whole call
@@ -70,7 +67,7 @@ bool g_portable = false;
 struct Activations {
   const int8_t* q;  // [M][Kp], the outliers zeroed
   const float* scale;  // [M][G]
-  const int32_t* offset;  // [M][G]: -128 * the group's sum of q
+  const float* scaled_sum;  // [M][G]: scale * the group's sum of q (what the weights' b multiplies)
   const int32_t* outlier_index;  // [M][R], ascending
   const float* outlier_value;  // [M][R]: x at those inputs
   int64_t R;
@@ -105,10 +102,18 @@ void largest_magnitudes(const float* x, int64_t K, int64_t R, int32_t* index) {
   constexpr int64_t kChunk = 16;
   int64_t k0 = 0;
   for (; k0 + kChunk <= K; k0 += kChunk) {
+#ifdef KVSERVE_W8A8_VNNI
+    if (count == R) {  // one compare of the chunk against the R-th largest (a NaN beats it)
+      const __m512 v = _mm512_loadu_ps(x + k0);
+      const __mmask16 beats = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(best[R - 1]), _CMP_NLE_UQ);
+      if (!beats) continue;
+    }
+#else
     float chunk_max = 0.f;
 #pragma omp simd reduction(max : chunk_max)
     for (int64_t i = 0; i < kChunk; ++i) chunk_max = std::max(chunk_max, magnitude(x[k0 + i]));
     if (count == R && !(chunk_max > best[R - 1])) continue;
+#endif
     for (int64_t i = k0; i < k0 + kChunk; ++i) offer(i);
   }
   for (int64_t i = k0; i < K; ++i) offer(i);
@@ -119,12 +124,12 @@ void largest_magnitudes(const float* x, int64_t K, int64_t R, int32_t* index) {
 Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, int64_t Kp) {
   const int64_t G = Kp / kGroup, R = std::min(kOutliers, K);
   thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> scale, outlier_value;
-  thread_local std::vector<int32_t> offset, outlier_index;
+  thread_local std::vector<float> scale, scaled_sum, outlier_value;
+  thread_local std::vector<int32_t> outlier_index;
   if (static_cast<int64_t>(q.size()) < M * Kp) q.resize(M * Kp);
   if (static_cast<int64_t>(scale.size()) < M * G) {
     scale.resize(M * G);
-    offset.resize(M * G);
+    scaled_sum.resize(M * G);
   }
   if (static_cast<int64_t>(outlier_index.size()) < M * R) {
     outlier_index.resize(M * R);
@@ -132,7 +137,7 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
   }
   int8_t* const qd = q.data();  // the caller's buffers (inside the workers the thread_locals are theirs)
   float* const sd = scale.data();
-  int32_t* const od = offset.data();
+  float* const ss = scaled_sum.data();
   int32_t* const oi = outlier_index.data();
   float* const ov = outlier_value.data();
   kvserve::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
@@ -149,6 +154,27 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t k0 = g * kGroup, n = std::min(kGroup, K - k0);
+#ifdef KVSERVE_W8A8_VNNI
+        if (n == kGroup) {  // the loop below in two vectors (the same bits: max, product and sum are exact or alike)
+          // (non-finite inputs past the outliers read as 0, as below: fpclass 0x99 = NaN or inf)
+          const __m512 lo = _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_fpclass_ps_mask(_mm512_loadu_ps(xr + k0), 0x99)),
+                                                _mm512_loadu_ps(xr + k0));
+          const __m512 hi = _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_fpclass_ps_mask(_mm512_loadu_ps(xr + k0 + 16), 0x99)),
+                                                _mm512_loadu_ps(xr + k0 + 16));
+          const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+          const __m512 inv = _mm512_set1_ps(amax > kSmallestGroup ? 127.f / amax : 0.f);
+          const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qd + m * Kp + k0), _mm512_cvtepi32_epi8(qlo));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qd + m * Kp + k0 + 16), _mm512_cvtepi32_epi8(qhi));
+          sd[m * G + g] = amax / 127.f;
+          ss[m * G + g] = sd[m * G + g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+          continue;
+        }
+#endif
+        // A NaN or inf input past the row's outliers (only when it has more than kOutliers of
+        // them: its outputs are NaN or inf through those anyway) reads as 0.
+        for (int64_t i = 0; i < n; ++i)
+          if (!std::isfinite(xr[k0 + i])) xr[k0 + i] = 0.f;
         float amax = 0.f;
 #pragma omp simd reduction(max : amax)
         for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xr[k0 + i]));
@@ -164,17 +190,17 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
         }
         for (int64_t i = n; i < kGroup; ++i) qg[i] = 0;  // K's padding
         sd[m * G + g] = amax / 127.f;
-        od[m * G + g] = -128 * sum;
+        ss[m * G + g] = sd[m * G + g] * static_cast<float>(sum);  // |sum| <= 32 * 127: exact
       }
     }
   });
-  return {qd, sd, od, oi, ov, R};
+  return {qd, sd, ss, oi, ov, R};
 }
 
 struct Call {
   Activations x;
-  const uint8_t* w;  // [P][Kp / 4][16][4]
-  const float* weight_scale;  // [P][G][16]
+  const uint8_t* w;  // codes [P][Kp / 4][16][4]
+  const float* affine;  // [P][G][2][16]: per group the 16 columns' a, then their b
   const float* bias;  // [N] or null
   int64_t Kp, G, N;
   float* out;
@@ -183,7 +209,7 @@ struct Call {
 
 #ifdef KVSERVE_W8A8_VNNI
 // MR activation rows x NV panels of 16 columns: MR * NV int32 sums for the current group and as
-// many fp32 sums across groups (4 x 3: 24 registers, the 3 weight vectors beside them; each
+// many fp32 sums across groups (4 x 3: 24 registers, the 3 code vectors beside them; each
 // activation word is broadcast from memory by vpdpbusd itself).
 template <int MR, int NV>
 void w8a8_tile(const Call& c, int64_t m0, int64_t p0) {
@@ -191,20 +217,22 @@ void w8a8_tile(const Call& c, int64_t m0, int64_t p0) {
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) total[r][v] = _mm512_setzero_ps();
   const uint8_t* w[NV];
-  const float* ws[NV];
+  const float* affine[NV];  // per group: a[16], b[16]
   for (int v = 0; v < NV; ++v) {
     w[v] = c.w + (p0 + v) * c.Kp * kPanel;
-    ws[v] = c.weight_scale + (p0 + v) * c.G * kPanel;
+    affine[v] = c.affine + (p0 + v) * c.G * 2 * kPanel;
   }
   const int8_t* x[MR];  // each 4 bytes: one row's 4 consecutive inputs, broadcast as one word
   for (int r = 0; r < MR; ++r) x[r] = c.x.q + (m0 + r) * c.Kp;
   for (int64_t g = 0; g < c.G; ++g) {
     __m512i acc[MR][NV];
-    for (int r = 0; r < MR; ++r) {
-      const __m512i start = _mm512_set1_epi32(c.x.offset[(m0 + r) * c.G + g]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = start;
-    }
-    for (int64_t kq = g * (kGroup / 4); kq < (g + 1) * (kGroup / 4); ++kq) {
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_si512();
+    // A constant trip count, unrolled: with a variable one GCC copied every accumulator to
+    // another register after each vpdpbusd (the W8A8 GEMMs ran at ~0.7x).
+#pragma GCC unroll 8
+    for (int i = 0; i < kGroup / 4; ++i) {
+      const int64_t kq = g * (kGroup / 4) + i;
       __m512i b[NV];
       for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(w[v] + kq * 4 * kPanel);
       for (int r = 0; r < MR; ++r) {
@@ -216,13 +244,15 @@ void w8a8_tile(const Call& c, int64_t m0, int64_t p0) {
     }
     for (int r = 0; r < MR; ++r) {
       const __m512 sx = _mm512_set1_ps(c.x.scale[(m0 + r) * c.G + g]);
+      const __m512 sq = _mm512_set1_ps(c.x.scaled_sum[(m0 + r) * c.G + g]);
       for (int v = 0; v < NV; ++v) {
-        const __m512 both = _mm512_mul_ps(sx, _mm512_loadu_ps(ws[v] + g * kPanel));
+        const float* ab = affine[v] + g * 2 * kPanel;
+        const __m512 both = _mm512_mul_ps(sx, _mm512_loadu_ps(ab));
         total[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][v]), both, total[r][v]);
+        total[r][v] = _mm512_fmadd_ps(_mm512_loadu_ps(ab + kPanel), sq, total[r][v]);
       }
     }
   }
-  const __m512i minus128 = _mm512_set1_epi32(-128);
   for (int r = 0; r < MR; ++r) {
     const int32_t* index = c.x.outlier_index + (m0 + r) * c.x.R;
     const float* value = c.x.outlier_value + (m0 + r) * c.x.R;
@@ -231,9 +261,11 @@ void w8a8_tile(const Call& c, int64_t m0, int64_t p0) {
       const __m512i one_hot = _mm512_set1_epi32(1 << (8 * (k % 4)));  // picks byte k % 4 of each lane
       const __m512 xk = _mm512_set1_ps(value[i]);
       for (int v = 0; v < NV; ++v) {
-        const __m512i wk = _mm512_dpbusd_epi32(minus128, _mm512_loadu_si512(w[v] + (k / 4) * 4 * kPanel), one_hot);
-        const __m512 both = _mm512_mul_ps(xk, _mm512_loadu_ps(ws[v] + (k / kGroup) * kPanel));
-        total[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wk), both, total[r][v]);
+        const __m512i uk = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w[v] + (k / 4) * 4 * kPanel),
+                                               one_hot);
+        const float* ab = affine[v] + (k / kGroup) * 2 * kPanel;
+        const __m512 wk = _mm512_fmadd_ps(_mm512_cvtepi32_ps(uk), _mm512_loadu_ps(ab), _mm512_loadu_ps(ab + kPanel));
+        total[r][v] = _mm512_fmadd_ps(wk, xk, total[r][v]);
       }
     }
   }
@@ -257,15 +289,17 @@ void w8a8_tile_np(const Call& c, int64_t m0, int64_t p0, int64_t np) {
 }
 
 // Panels [pb, pe) for all rows: blocks of kRowBlock rows (their activations stay in cache),
-// three panels at a time, four rows at a time over them (measured on Zen 4 at 256 rows: 4 x 3
-// 670-730 G multiply-adds per second on SmolLM2's shapes, 6 x 2 the same, 4 x 4 ~8 % slower).
+// three panels at a time, four rows at a time over them (measured on Zen 4 at 256 rows, the
+// decoder GEMMs of SmolLM2 against its bf16 copies: 4 x 3 1.18x, 4 x 2 1.14x, 6 x 2 1.10x).
+constexpr int64_t kTilePanels = 3;
+constexpr int kTileRows = 4;
 void w8a8_panels_vnni(const Call& c, int64_t M, int64_t pb, int64_t pe) {
   for (int64_t mb = 0; mb < M; mb += kRowBlock) {
     const int64_t me = std::min(M, mb + kRowBlock);
-    for (int64_t p = pb; p < pe; p += 3) {
-      const int64_t np = std::min<int64_t>(3, pe - p);
-      for (int64_t m = mb; m < me; m += 4)
-        dispatch_rows<4>(std::min<int64_t>(4, me - m), [&](auto mr) { w8a8_tile_np<decltype(mr)::value>(c, m, p, np); });
+    for (int64_t p = pb; p < pe; p += kTilePanels) {
+      const int64_t np = std::min<int64_t>(kTilePanels, pe - p);
+      for (int64_t m = mb; m < me; m += kTileRows)
+        dispatch_rows<kTileRows>(std::min<int64_t>(kTileRows, me - m), [&](auto mr) { w8a8_tile_np<decltype(mr)::value>(c, m, p, np); });
     }
   }
 }
@@ -278,25 +312,30 @@ void w8a8_panels_portable(const Call& c, int64_t M, int64_t pb, int64_t pe) {
     const int8_t* xq = c.x.q + m * c.Kp;
     for (int64_t p = pb; p < pe; ++p) {
       const uint8_t* w = c.w + p * c.Kp * kPanel;
-      const float* ws = c.weight_scale + p * c.G * kPanel;
+      const float* affine = c.affine + p * c.G * 2 * kPanel;
       float total[kPanel] = {};
       for (int64_t g = 0; g < c.G; ++g) {
-        int32_t acc[kPanel];
-        for (int j = 0; j < kPanel; ++j) acc[j] = c.x.offset[m * c.G + g];
+        int32_t acc[kPanel] = {};
         for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
           const uint8_t* wk = w + (k / 4) * 4 * kPanel + k % 4;
           for (int j = 0; j < kPanel; ++j) acc[j] += static_cast<int32_t>(wk[4 * j]) * xq[k];
         }
-        const float sx = c.x.scale[m * c.G + g];
-        for (int j = 0; j < kPanel; ++j) total[j] = std::fma(static_cast<float>(acc[j]), sx * ws[g * kPanel + j], total[j]);
+        const float sx = c.x.scale[m * c.G + g], sq = c.x.scaled_sum[m * c.G + g];
+        const float* a = affine + g * 2 * kPanel;
+        const float* b = a + kPanel;
+        for (int j = 0; j < kPanel; ++j) {
+          total[j] = std::fma(static_cast<float>(acc[j]), sx * a[j], total[j]);
+          total[j] = std::fma(b[j], sq, total[j]);
+        }
       }
       for (int64_t i = 0; i < c.x.R; ++i) {
         const int64_t k = c.x.outlier_index[m * c.x.R + i];
         const float xk = c.x.outlier_value[m * c.x.R + i];
         const uint8_t* wk = w + (k / 4) * 4 * kPanel + k % 4;
-        const float* wsk = ws + (k / kGroup) * kPanel;
+        const float* a = affine + (k / kGroup) * 2 * kPanel;
+        const float* b = a + kPanel;
         for (int j = 0; j < kPanel; ++j)
-          total[j] = std::fma(static_cast<float>(static_cast<int32_t>(wk[4 * j]) - 128), xk * wsk[j], total[j]);
+          total[j] = std::fma(std::fma(static_cast<float>(wk[4 * j]), a[j], b[j]), xk, total[j]);
       }
       for (int j = 0; j < kPanel; ++j) {
         const int64_t col = p * kPanel + j;
@@ -320,16 +359,17 @@ std::string w8a8_kernel_route() {
 std::vector<torch::Tensor> w8a8_activations(torch::Tensor x, int64_t padded_k) {
   check_activation_rows(x);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(padded_k % kGroup == 0 && K <= padded_k && padded_k - K < kGroup, "padded_k must be K rounded up to 64");
+  TORCH_CHECK(padded_k % kGroup == 0 && K <= padded_k && padded_k - K < kGroup, "padded_k must be K rounded up to ", kGroup);
   const Activations a = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, padded_k);
   auto q = torch::from_blob(const_cast<int8_t*>(a.q), {M, padded_k}, torch::kInt8).clone();
   auto scale = torch::from_blob(const_cast<float*>(a.scale), {M, padded_k / kGroup}, torch::kFloat32).clone();
   auto index = torch::from_blob(const_cast<int32_t*>(a.outlier_index), {M, a.R}, torch::kInt32).clone();
   auto value = torch::from_blob(const_cast<float*>(a.outlier_value), {M, a.R}, torch::kFloat32).clone();
-  return {q, scale, index, value};
+  auto scaled_sum = torch::from_blob(const_cast<float*>(a.scaled_sum), {M, padded_k / kGroup}, torch::kFloat32).clone();
+  return {q, scale, index, value, scaled_sum};
 }
 
-void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch::Tensor scales,
+void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch::Tensor affine,
                      c10::optional<torch::Tensor> bias) {
   RECORD_FUNCTION("kvserve::w8a8_linear", std::vector<c10::IValue>());  // kvserve profile's label
   const int64_t N = out.size(1);
@@ -339,13 +379,14 @@ void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch
               "wp must be uint8 [Np / 16, Kp / 4, 16, 4] (kvserve.quant.pack_w8a8_weight)");
   const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), Kp = wp.size(1) * 4;
   TORCH_CHECK(Kp % kGroup == 0 && K <= Kp && Kp - K < kGroup, "x has ", K, " inputs; the weights ", Kp, " padded");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == P * (Kp / kGroup) * kPanel,
-              "scales must be a contiguous float32 [Np / 16, Kp / 64, 16]");
+  TORCH_CHECK(affine.scalar_type() == torch::kFloat32 && affine.is_contiguous() &&
+                  affine.numel() == P * (Kp / kGroup) * 2 * kPanel,
+              "affine must be a contiguous float32 [Np / 16, Kp / 32, 2, 16]");
   TORCH_CHECK(N <= P * kPanel && N > (P - 1) * kPanel, "out has ", N, " columns, not the weights' output columns");
   const float* b = optional_bias(bias, N);
   if (M == 0) return;
   const Call call{quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, Kp), wp.data_ptr<uint8_t>(),
-                  scales.data_ptr<float>(), b, Kp, Kp / kGroup, N, out.data_ptr<float>(), out.stride(0)};
+                  affine.data_ptr<float>(), b, Kp, Kp / kGroup, N, out.data_ptr<float>(), out.stride(0)};
   const int64_t threads = std::min(P, M * N * K < kSmallWork ? int64_t{1} : static_cast<int64_t>(at::get_num_threads()));
   kvserve::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -362,9 +403,9 @@ void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch
   });
 }
 
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor scales, int64_t n,
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor affine, int64_t n,
                           c10::optional<torch::Tensor> bias) {
   auto out = torch::empty({x.size(0), n}, x.options());
-  w8a8_linear_out(out, x, wp, scales, bias);
+  w8a8_linear_out(out, x, wp, affine, bias);
   return out;
 }

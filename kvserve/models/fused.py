@@ -46,7 +46,7 @@ def _linear_spec(layer: nn.Module) -> Optional[tuple]:
     if isinstance(layer, Int8Linear):
         return "int8", layer.weight, layer.scales, layer.bias
     if isinstance(layer, W8A8Linear):
-        return "w8a8", layer.weight, layer.scales, layer.bias, layer.out_features
+        return "w8a8", layer.weight, layer.affine, layer.bias, layer.out_features
     if isinstance(layer, Bf16Linear):
         if layer.packed:
             return "bf16", layer.weight, None, layer.bias, layer.out_features
