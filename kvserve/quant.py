@@ -868,6 +868,19 @@ class RescoredLMHead(nn.Module):
         out = self._kept_buffer(rows, self.screen.out_features, x)
         return out, self.screen.packed, exact, min(SCREEN_TOP_K, out.shape[-1])
 
+    def argmax_tokens(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Each row's argmax of ``self(x, argmax_only=True)`` as int64 ``[rows]`` (the token
+        ``ops.argmax`` takes from those logits), without writing the rows of -inf around the
+        candidates (``screened_argmax_out``); None where ``forward`` would not take the native
+        screen."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        call = self.native_screen(rows, x) if x.dim() == 2 and x.is_contiguous() else None
+        if call is None:
+            return None
+        tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
+        ops.cpu_extension().screened_argmax_out(tokens, call[0], x, *call[1:])
+        return tokens
+
     def _kept_buffer(self, rows: int, columns: int, x: torch.Tensor) -> torch.Tensor:
         """The transient logits' memory, kept from call to call and grown as needed: what a
         transient call returns is valid until the next one (the runner samples from it in the

@@ -263,6 +263,7 @@ class ModelRunner:
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache,
                 inputs.logits_indices, **roles, argmax_only=argmax_only, transient_logits=True,
+                argmax_tokens=argmax_only,
             )
         out = StepOutput(num_prefill_tokens=inputs.num_prefill_tokens,
                          num_decode_tokens=inputs.num_decode_tokens)
@@ -280,9 +281,12 @@ class ModelRunner:
                 self._verify_with_draft_probs(logits, inputs, out)
             return out
         with label("sampler"):
-            md = build_sampling_metadata(inputs.sampled_requests, logits.shape[-1], logits.device)
-            sampler_out = self.sampler(logits, md)
-            token_ids = sampler_out.sampled_token_ids.tolist()
+            # (int64 [S]: the LM head's own argmax of each row, for an argmax-only step)
+            head_tokens = logits.dtype == torch.int64
+            vocab = self.model_config.vocab_size if head_tokens else logits.shape[-1]
+            md = build_sampling_metadata(inputs.sampled_requests, vocab, logits.device)
+            sampler_out = None if head_tokens else self.sampler(logits, md)
+            token_ids = (logits if sampler_out is None else sampler_out.sampled_token_ids).tolist()
         if step.num_steps > 1:
             return self._decode_steps(step, inputs, md, argmax_only, token_ids, out)
         row = 0
@@ -291,7 +295,7 @@ class ModelRunner:
             num_rows = len(spec) + 1
             tokens = accept_run(spec, token_ids[row:row + num_rows]) if spec else [token_ids[row]]
             out.sampled[req.request_id] = tokens
-            if sampler_out.logprobs is not None and sampler_out.logprobs[row] is not None:
+            if sampler_out is not None and sampler_out.logprobs is not None and sampler_out.logprobs[row] is not None:
                 out.logprobs[req.request_id] = sampler_out.logprobs[row:row + len(tokens)]
             row += num_rows
         return out
@@ -340,9 +344,10 @@ class ModelRunner:
             md.derived.clear()
             with label("model.forward.decode"):
                 logits = forward(input_ids, positions, md, self.kv_cache, inputs.logits_indices,
-                                 argmax_only=argmax_only, transient_logits=True)
+                                 argmax_only=argmax_only, transient_logits=True, argmax_tokens=argmax_only)
             with label("sampler"):
-                token_ids = self.sampler(logits, sampling).sampled_token_ids.tolist()
+                token_ids = (logits if logits.dtype == torch.int64 else
+                             self.sampler(logits, sampling).sampled_token_ids).tolist()
             for tokens, token in zip(sampled, token_ids):
                 tokens.append(token)
         return self._round_output(inputs, sampled, num_steps, out)

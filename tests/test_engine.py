@@ -125,6 +125,43 @@ def test_prefix_sharing_allocates_shared_blocks_once(llm_factory):
     assert [outs[k] for k in sorted(outs, key=lambda r: int(r.split("-")[1]))] == expected
 
 
+@pytest.mark.parametrize("quantization", ["bf16", "int4"])
+def test_greedy_steps_take_the_lm_heads_own_argmax(llm_factory, quantization):
+    """A step whose rows read only their argmax takes each row's token from the LM head
+    (RescoredLMHead.argmax_tokens: no vocabulary-wide rows of -inf written, no sampler argmax):
+    the same tokens as the sampler's argmax of the head's argmax-only logits."""
+    import torch
+
+    from kvserve import ops
+    from kvserve.quant import RescoredLMHead
+
+    llm = llm_factory(model="tiny-llama", dtype="float32", quantization=quantization)
+    net = llm.engine.executor.runner.model
+    if ops.load_extension() is None or not isinstance(net.lm_head, RescoredLMHead) or net.lm_head.screen is None:
+        pytest.skip("no native argmax screen here")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 17, 33)]
+    original, returned = net.forward, []
+
+    def forward(*args, refuse_tokens: bool, **kwargs):
+        if refuse_tokens:
+            kwargs["argmax_tokens"] = False
+        out = original(*args, **kwargs)
+        returned.append(None if out is None else out.dtype)
+        return out
+
+    try:
+        net.forward = lambda *a, **k: forward(*a, refuse_tokens=True, **k)
+        expected = _greedy_tokens(llm, prompts)
+        assert torch.int64 not in returned
+        returned.clear()
+        net.forward = lambda *a, **k: forward(*a, refuse_tokens=False, **k)
+        assert _greedy_tokens(llm, prompts) == expected
+        assert torch.int64 in returned  # (the steps with prompt rows may take logits)
+    finally:
+        del net.forward
+
+
 def test_abort_mid_decode_frees_blocks_in_same_step(llm_factory):
     llm = llm_factory(model="tiny-llama")
     engine = llm.engine

@@ -230,6 +230,34 @@ def test_rescored_head_argmax_only_in_one_call_matches_the_separate_kernels():
         assert torch.equal(head(x, argmax_only=True), expected)
 
 
+@pytest.mark.skipif(ops.load_extension() is None, reason="needs the fused CPU kernels")
+def test_rescored_head_argmax_tokens_are_the_argmax_of_its_argmax_only_logits():
+    """argmax_tokens (screened_argmax_out: no rows of -inf written) gives the token ops.argmax
+    takes from the argmax-only logits, also where that scan's rules decide: candidates tied on
+    the same logit (the lower token), token 0 among the candidates, a NaN logit, and a row whose
+    candidates are all -inf (token 0, the first entry of a row of -inf)."""
+    torch.manual_seed(6)
+    w = torch.randn(4001, 96)
+    w[1000] = w[3000] = w[7]  # identical rows: tied logits, always candidates together
+    w[0] = w[7]  # and token 0 tied with them
+    head = RescoredLMHead(Bf16Linear(w, None), w, screen=Q4Screen.from_float(w))
+    for rows in (1, 5, 11):
+        x = torch.randn(rows, 96)
+        x[0] = w[7] * 3  # row 0: tokens 0, 7, 1000 and 3000 tie at the top
+        expected = ops.argmax(head(x, argmax_only=True))
+        got = head.argmax_tokens(x)
+        assert got.dtype == torch.int64 and torch.equal(got, expected), rows
+        assert got[0] == 0
+    w_nan = w.clone()
+    w_nan[7] = float("nan")  # tokens 7's logit NaN (and the screen's rank of it)
+    head = RescoredLMHead(Bf16Linear(w_nan, None), w_nan, screen=Q4Screen.from_float(w))
+    x = torch.randn(4, 96)
+    x[1] = float("-inf")  # every logit NaN or -inf
+    assert torch.equal(head.argmax_tokens(x), ops.argmax(head(x, argmax_only=True)))
+    # No screen: no tokens (the caller takes the logits).
+    assert RescoredLMHead(Bf16Linear(w, None), w).argmax_tokens(x) is None
+
+
 def test_rescored_head_reuses_its_argmax_only_logits_across_calls():
     """Argmax-only calls write into one buffer that grows with the row count (fresh pages
     of a large one cost a page fault each): every call's result is what a fresh head

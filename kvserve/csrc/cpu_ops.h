@@ -18,3 +18,5 @@ torch::Tensor act_and_mul(torch::Tensor x, int64_t act);
 void act_and_mul_out(torch::Tensor out, const torch::Tensor& x, int64_t act);
 std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k);
 void screened_logits_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor exact, int64_t k);
+void screened_argmax_out(torch::Tensor tokens, torch::Tensor scratch, torch::Tensor x, torch::Tensor packed,
+                         torch::Tensor exact, int64_t k);

@@ -364,9 +364,9 @@ class FusedDecoderLayers {
   // A multi-step round's later steps (kvserve.runner's _decode_steps) for rows that are one
   // greedy decode each and read only the argmax: per step, every row's last token is fed back one
   // position on (input_ids, positions, each group's slot from its block table, seq_lens: the
-  // caller's tensors, advanced in place), then forward_tokens, the final norm, the LM head's
-  // argmax screen (screened_logits_out into `logits`) and the argmax (top_k_rows, k = 1): the
-  // native calls the Python path makes per step, in its order, so the same tokens and the same
+  // caller's tensors, advanced in place), then forward_tokens, the final norm and the LM head's
+  // argmax screen with its argmax (screened_argmax_out, `logits` its scratch): the native calls
+  // the Python path makes per step, in its order, so the same tokens and the same
   // KV, without a return to Python between steps (~0.4 ms a step of a single int4 SmolLM2
   // stream, mostly dispatch slowed by caches the weights evicted). Returns the tokens [steps, S].
   torch::Tensor decode_round(int64_t num_steps, const torch::Tensor& last_tokens, const torch::Tensor& input_ids,
@@ -421,8 +421,8 @@ class FusedDecoderLayers {
                                            local_cos_table, local_sin_table, kv_caches, kv_scales, kv_groups,
                                            slot_mappings, block_tables, seq_lens, query_start_loc, 0, c10::nullopt,
                                            c10::nullopt, c10::nullopt);
-        screened_logits_out(logits, rms_norm(hidden, norm_weight, norm_eps, norm_offset), screen, exact, top_k);
-        tokens[step].copy_(std::get<1>(top_k_rows(logits, 1)).select(1, 0));
+        screened_argmax_out(tokens[step], logits, rms_norm(hidden, norm_weight, norm_eps, norm_offset), screen, exact,
+                            top_k);
       }
     };
     kvserve::run_in_step_team(run_round, team_safe_);

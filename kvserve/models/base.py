@@ -60,7 +60,12 @@ class PagedCausalLM(nn.Module):
         token_roles: Optional[TokenRoles] = None,  # which rows are prompt tokens (dual-format linears)
         argmax_only: bool = False,  # the caller reads only each row's argmax (see RescoredLMHead)
         transient_logits: bool = False,  # the caller is done with the logits before its next call
-    ) -> Optional[torch.Tensor]:  # [S', vocab] float32; None on a pipeline stage before the last
+        argmax_tokens: bool = False,  # with argmax_only: return each row's argmax where the head gives it
+    ) -> Optional[torch.Tensor]:
+        """[S', vocab] float32 logits; with ``argmax_tokens``, where the LM head takes the argmax
+        itself (RescoredLMHead.argmax_tokens: no vocabulary-wide rows are written), each row's
+        argmax token instead, int64 [S'] (tell them apart by dtype); None on a pipeline stage
+        before the last."""
         # The roles choose the decoder layers' weight format per row; the LM head, after the
         # block, computes every row alike.
         # A stage before the last sends every row on: only the model's last layer selects rows.
@@ -74,6 +79,11 @@ class PagedCausalLM(nn.Module):
         assert hidden.shape[0] == (input_ids.shape[0] if rows is None else rows.numel()), "decoder ignored output_rows"
         # Only the rows that will be sampled reach the final norm and the (vocab-wide) head.
         hidden = self.model.norm(hidden.index_select(0, gather))
+        if (argmax_tokens and argmax_only and isinstance(self.lm_head, RescoredLMHead) and self.tp is None
+                and not self.config.final_logit_softcapping):  # (a cap's tanh can tie logits: argmax over capped rows)
+            tokens = self.lm_head.argmax_tokens(hidden)
+            if tokens is not None:
+                return tokens
         if isinstance(self.lm_head, RescoredLMHead):
             # (Transient logits may live in memory the head keeps: a fresh [rows, vocabulary]
             # tensor past glibc's mmap threshold is page-faulted in at every step.)
