@@ -1,7 +1,7 @@
 """How coarse can the LM head's argmax screen be? The rank of the fp32 argmax among a simulated
 screen's logits, over every position of the precision tests' texts, for weights at 4, 3 and 2
 bits (asymmetric min/max per group, as kvserve.quant.Q4Screen) against activations rounded to
-int8 per group of 32 (as the screen's kernel). The screen rescores its best SCREEN_TOP_K (64)
+int8 per group of 64 (as the screen's kernel). The screen rescores its best SCREEN_TOP_K (64)
 in fp32: a format is safe while the worst rank stays well below that.
 
     python benchmarks/screen_rank.py [--model gemma-3-270m] [--long-tokens 1200]
@@ -17,7 +17,7 @@ from kvserve.attention import build_attention_metadata
 from kvserve.engine import load_tokenizer
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.loader import load_model, resolve_model
-from kvserve.quant import SCREEN_TOP_K, quantize_min_max, screen_activations
+from kvserve.quant import SCREEN_GROUP, SCREEN_TOP_K, quantize_min_max, screen_activations
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 
@@ -52,8 +52,8 @@ def min_max_weights(weight: torch.Tensor, bits: int, group: int) -> torch.Tensor
     return (q.view(n, k // group, group) * d[..., None] + m[..., None]).view(n, k)
 
 
-def int8_activations(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """The activations as the screen's kernel rounds them (per group of 32), back in float."""
+def int8_activations(x: torch.Tensor, group: int = SCREEN_GROUP) -> torch.Tensor:
+    """The activations as the screen's kernel rounds them (per group of 64), back in float."""
     q, scale = screen_activations(x.view(x.shape[0], -1, group))
     return (q * scale[..., None]).view_as(x)
 
@@ -74,7 +74,7 @@ def main() -> None:
     quantized = int8_activations(hidden)
     print(f"{ns.model}: {hidden.shape[0]} positions, vocabulary {weight.shape[0]}; the screen rescores its best {SCREEN_TOP_K}")
     for bits in (4, 3, 2):
-        for group in (32, 16):
+        for group in (64, 32, 16):
             screen = min_max_weights(weight, bits, group)
             ranks = torch.cat([(approx > approx.gather(1, b[:, None])).sum(-1)
                                for approx, b in ((rows @ screen.T, b) for rows, b in zip(quantized.split(128), best.split(128)))])

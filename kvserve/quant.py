@@ -779,8 +779,11 @@ def _block_quantized_forward_into(layer: nn.Module, x: torch.Tensor, buffer: Cal
     return out
 
 
+SCREEN_GROUP = 64  # inputs per group of the screen's weights and activations (csrc/screen_linear.cpp kGroup)
+
+
 def screen_activations(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The screen kernel's activations: each group (last dimension, 32 inputs) rounded to
+    """The screen kernel's activations: each group (last dimension, 64 inputs) rounded to
     integers in -127..127 against its largest magnitude; (the integers, the groups' scales)."""
     scale = groups.abs().amax(-1) / 127.0
     return torch.round(groups / torch.where(scale > 0, scale, 1.0)[..., None]).clamp(-127, 127), scale
@@ -788,28 +791,40 @@ def screen_activations(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 class Q4Screen(nn.Module):
     """Approximate logits for ranking only: the weights at 4 bits (asymmetric min/max per group
-    of 32, ``d`` and ``m`` fp16: 0.625 bytes a weight, against Q8_0's 1.06) times activations
-    rounded to int8 per group of 32, summed as integers (kvserve/csrc/screen_linear.cpp).
+    of 64, ``d`` and ``m`` fp16: 0.5625 bytes a weight, against Q8_0's 1.06) times activations
+    rounded to int8 per group of 64, summed as integers (kvserve/csrc/screen_linear.cpp).
 
     Too coarse for logits (SmolLM2's head: mean error 0.4 against fp32) but a good ranking:
-    the fp32 argmax ranked at most 10th on the real models' texts. ``packed``: uint8
-    ``[ceil(N / 16), K / 32, 320]``, per tile of 16 rows and group of 32 inputs the nibbles
-    (byte ``64 i + 4 r + c``: row r's weight ``4 i + c`` low, ``16 + 4 i + c`` high), then
-    the 16 rows' ``d``, then their ``m``, as fp16.
+    the fp32 argmax ranked at most 12th on the real models' texts (benchmarks/screen_rank.py).
+    ``packed``: uint8 ``[ceil(N / 16), K / 64, 576]``, per tile of 16 rows and group of 64
+    inputs two blocks of nibbles in ``tile_nibbles``' layout (inputs 0-31, then 32-63), then the
+    16 rows' ``d``, then their ``m``, as fp16.
     """
 
     def __init__(self, packed: torch.Tensor, out_features: int) -> None:
         super().__init__()
         self.register_buffer("packed", packed.contiguous())
-        self.out_features, self.in_features = out_features, packed.shape[1] * INT4_GROUP_SIZE
+        self.out_features, self.in_features = out_features, packed.shape[1] * SCREEN_GROUP
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> "Q4Screen":
         n, k = weight.shape
-        if k % INT4_GROUP_SIZE:
-            raise ConfigError(f"the 4-bit screen needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
-        # The int4 layers' quantization, in the nibble kernel's tiles: nibbles, then fp16 d and m.
-        return cls(tile_nibbles(*quantize_min_max(weight)), n)
+        if k % SCREEN_GROUP:
+            raise ConfigError(f"the 4-bit screen needs in_features divisible by {SCREEN_GROUP}, got {k}")
+        q, d, m = quantize_min_max(weight, 4, SCREEN_GROUP)
+        # tile_nibbles' 32-input groups, each carrying its 64-group's d and m: keep both blocks'
+        # nibbles and the first one's scales.
+        halves = tile_nibbles(q, d.repeat_interleave(2, dim=1), m.repeat_interleave(2, dim=1))
+        halves = halves.view(halves.shape[0], k // SCREEN_GROUP, 2, -1)
+        return cls(torch.cat([halves[:, :, 0, :256], halves[:, :, 1, :256], halves[:, :, 0, 256:]], dim=-1), n)
+
+    def _blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q ``[N, K]`` in 0..15, d, m ``[N, K / 64]``) from ``packed``."""
+        p = self.packed
+        scales = p[:, :, 512:]
+        halves = torch.stack([torch.cat([p[:, :, :256], scales], -1), torch.cat([p[:, :, 256:512], scales], -1)], 2)
+        values, d, m = untile_nibbles(halves.view(p.shape[0], -1, 320), self.out_features)
+        return values, d[:, ::2], m[:, ::2]
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Approximate logits ``[rows, N]``, written into ``out`` (float32, that shape) when given."""
@@ -825,11 +840,11 @@ class Q4Screen(nn.Module):
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel's arithmetic in plain torch (other summation order)."""
-        groups, g32 = self.packed.shape[1], INT4_GROUP_SIZE
-        values, d, m = untile_nibbles(self.packed, self.out_features)
-        q = values.view(self.out_features, groups, g32).float()
+        groups = self.packed.shape[1]
+        values, d, m = self._blocks()
+        q = values.view(self.out_features, groups, SCREEN_GROUP).float()
         scales = torch.stack([d, m])
-        xg = x.float().view(x.shape[0], groups, g32)
+        xg = x.float().view(x.shape[0], groups, SCREEN_GROUP)
         xq, dx = screen_activations(xg)
         dots = torch.einsum("sgj,ngj->sng", xq, q)
         return (dots * scales[0][None] * dx[:, None]).sum(-1) + xg.sum(-1) @ scales[1].T
@@ -1035,11 +1050,12 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
         parent_name, attr = name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), attr, new)
     exact = model.lm_head.weight
-    screenable = exact.device.type == "cpu" and exact.shape[1] % INT4_GROUP_SIZE == 0
+    on_cpu = exact.device.type == "cpu"
     # Greedy steps rank with a 4-bit screen where the kernel exists (its plain-torch reference
     # is far slower than the head it would replace).
-    screen = Q4Screen.from_float(exact) if screenable and ops.load_extension() is not None else None
-    if weight_format == "int4" and screenable:
+    screen = (Q4Screen.from_float(exact) if on_cpu and exact.shape[1] % SCREEN_GROUP == 0
+              and ops.load_extension() is not None else None)
+    if weight_format == "int4" and on_cpu and exact.shape[1] % INT4_GROUP_SIZE == 0:
         # Q8_0, llama.cpp's format for SmolLM2's head: half the bytes of bf16 (1.0 against
         # 2.2 ms per token for its 28 M weights).
         model.lm_head, kind = RescoredLMHead(Q8Linear.from_float(exact), exact, screen=screen), "lm_head Q8_0"

@@ -11,8 +11,9 @@ import pytest
 
 from kvserve import ops
 from kvserve.block_formats import unpack_q4_1
+from kvserve.config import ConfigError
 from kvserve.quant import (SCREEN_TOP_K, Bf16Linear, Int4Linear, Int8Linear, Q4Screen, Q8Linear, RescoredLMHead,
-                           unpack_bf16_weight)
+                           quantize_min_max, unpack_bf16_weight)
 from kvserve.token_roles import ALL_GENERATED, ALL_PROMPT, MIXED, TokenRoles, use_token_roles
 
 
@@ -162,7 +163,7 @@ def test_rescored_head_gives_fp32_logits_for_top_candidates():
 # (70001, 64): logits past 2 MB from 8 rows up, which the VNNI kernel writes with non-temporal
 # stores (in one block of rows and in several, beside a partial last tile; fewer rows below it
 # with plain ones).
-@pytest.mark.parametrize("n,k", [(100, 64), (37, 96), (2000, 576), (70001, 64)])
+@pytest.mark.parametrize("n,k", [(100, 64), (37, 192), (2000, 576), (70001, 64)])
 def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
     """The screen's kernels (AVX512-VNNI, AVX2 or the portable loop, whichever this CPU has)
     compute the same integer sums and the same two FMAs per group: bit-identical to each
@@ -170,7 +171,7 @@ def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
     (N not a multiple of the 16-row tile, K of 64) and of how the logits are stored."""
     torch.manual_seed(0)
     screen = Q4Screen.from_float(torch.randn(n, k) * 0.05)
-    assert screen.packed.shape == (-(-n // 16), k // 32, 320)
+    assert screen.packed.shape == (-(-n // 16), k // 64, 576)
     x = torch.randn(19, k) * 3  # blocks of 8 activation rows (VNNI) or 4 (AVX2), and a rest
     ext = ops.load_extension()
     y = screen(x)
@@ -187,6 +188,18 @@ def test_q4_screen_kernel_matches_its_reference_and_its_portable_loop(n, k):
     assert screen(x, out=out) is out and torch.equal(out, y)
     misaligned = torch.full((19, n + 1), float("nan"))[:, 1:]  # most rows off the 64-byte grid: plain stores
     assert torch.equal(screen(x, out=misaligned), y)
+
+
+def test_q4_screen_holds_min_max_groups_of_64():
+    """The screen's weights are quantize_min_max's at 4 bits per 64 inputs (its blocks read back
+    exactly), and it needs K divisible by 64."""
+    torch.manual_seed(7)
+    w = torch.randn(37, 192) * torch.tensor([0.01, 1.0, 0.1]).repeat_interleave(64)
+    screen = Q4Screen.from_float(w)
+    for got, expected in zip(screen._blocks(), quantize_min_max(w, 4, 64)):
+        assert torch.equal(got.float(), expected.float())
+    with pytest.raises(ConfigError, match="divisible by 64"):
+        Q4Screen.from_float(torch.randn(8, 96))
 
 
 def test_q4_screen_approximates_the_weights_it_was_built_from():
@@ -220,10 +233,10 @@ def test_rescored_head_argmax_only_in_one_call_matches_the_separate_kernels():
     """The argmax-only head runs as one native call (screened_logits_out): the same logits, bit
     for bit, as the screen, the top-k, the fp32 rescoring and the -inf fill called one by one."""
     torch.manual_seed(5)
-    w = torch.randn(4001, 96)  # a partial last tile of the screen
+    w = torch.randn(4001, 128)  # a partial last tile of the screen
     head = RescoredLMHead(Bf16Linear(w, None), w, screen=Q4Screen.from_float(w))
     for rows in (1, 5, 11):
-        x = torch.randn(rows, 96)
+        x = torch.randn(rows, 128)
         screen = head.screen(x)
         idx = ops.top_k(screen, SCREEN_TOP_K)[1]
         expected = torch.full_like(screen, float("-inf")).scatter_(1, idx, ops.gathered_rows_dot(x, w, idx))
@@ -237,12 +250,12 @@ def test_rescored_head_argmax_tokens_are_the_argmax_of_its_argmax_only_logits():
     the same logit (the lower token), token 0 among the candidates, a NaN logit, and a row whose
     candidates are all -inf (token 0, the first entry of a row of -inf)."""
     torch.manual_seed(6)
-    w = torch.randn(4001, 96)
+    w = torch.randn(4001, 128)
     w[1000] = w[3000] = w[7]  # identical rows: tied logits, always candidates together
     w[0] = w[7]  # and token 0 tied with them
     head = RescoredLMHead(Bf16Linear(w, None), w, screen=Q4Screen.from_float(w))
     for rows in (1, 5, 11):
-        x = torch.randn(rows, 96)
+        x = torch.randn(rows, 128)
         x[0] = w[7] * 3  # row 0: tokens 0, 7, 1000 and 3000 tie at the top
         expected = ops.argmax(head(x, argmax_only=True))
         got = head.argmax_tokens(x)
@@ -251,7 +264,7 @@ def test_rescored_head_argmax_tokens_are_the_argmax_of_its_argmax_only_logits():
     w_nan = w.clone()
     w_nan[7] = float("nan")  # tokens 7's logit NaN (and the screen's rank of it)
     head = RescoredLMHead(Bf16Linear(w_nan, None), w_nan, screen=Q4Screen.from_float(w))
-    x = torch.randn(4, 96)
+    x = torch.randn(4, 128)
     x[1] = float("-inf")  # every logit NaN or -inf
     assert torch.equal(head.argmax_tokens(x), ops.argmax(head(x, argmax_only=True)))
     # No screen: no tokens (the caller takes the logits).

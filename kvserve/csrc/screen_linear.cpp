@@ -6,16 +6,21 @@
 // step's biggest read (Gemma 3: 262k rows x 640, 178 MB as Q8_0, 55 % of an int4 step at this
 // machine's read bandwidth). A ranking tolerates what the logits themselves would not, so this
 // kernel takes the cheapest route to a number per row: weights w = d * q + m with q in 0..15 per
-// group of 32 (asymmetric, d and m fp16: 0.625 bytes a weight), activations rounded to int8 per
-// group of 32 (scale amax / 127), integer dot products of each group (u8 x s8, vpdpbusd), and
+// group of 64 (asymmetric, d and m fp16: 0.5625 bytes a weight), activations rounded to int8 per
+// group of 64 (scale amax / 127), integer dot products of each group (u8 x s8, vpdpbusd), and
 //   y = sum_g (d_g * dx_g) * (q_g . x8_g) + m_g * sum(x_g).
+// Groups of 64 rather than 32: per row and group the 16 vpdpbusd carry 4 other vector operations
+// (cvt, mul, 2 FMAs), where two groups of 32 carried 10, and the bytes are 0.9x. The ranking
+// holds: the fp32 argmax ranked at most 10th (SmolLM2) / 12th (Gemma 3) on the precision texts
+// (benchmarks/screen_rank.py; 7th / 6th with groups of 32), and the head rescores the best 64.
 //
-// Layout, per tile of 16 output rows and group of 32 inputs (kTileBytes): 256 bytes of nibbles,
-// then the 16 rows' d (fp16), then their m (fp16). Byte 64 i + 4 r + c of the nibbles holds
-// row r's weight 4 i + c in its low nibble and weight 16 + 4 i + c in its high nibble, so that
-// each 32-bit lane of a vector is one output row: one vpdpbusd adds four products to each of
-// 16 rows against one broadcast word of activations, the scales are a plain vector load, and
-// no row needs a horizontal sum (llama.cpp's interleaved "repacked" layouts do the same).
+// Layout, per tile of 16 output rows and group of 64 inputs (kTileBytes): two blocks of 256
+// bytes of nibbles (inputs 0-31, 32-63), then the 16 rows' d (fp16), then their m (fp16). Byte
+// 64 i + 4 r + c of a block holds row r's weight 4 i + c in its low nibble and weight
+// 16 + 4 i + c in its high nibble, so that each 32-bit lane of a vector is one output row: one
+// vpdpbusd adds four products to each of 16 rows against one broadcast word of activations, the
+// scales are a plain vector load, and no row needs a horizontal sum (llama.cpp's interleaved
+// "repacked" layouts do the same).
 //
 // The AVX512-VNNI kernel, the AVX2 one and the portable loop compute the same integer sums and the same two
 // fused multiply-adds per group in the same order: their results are bit-identical, and every
@@ -44,8 +49,10 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kTileBytes = kTileNibbleBytes + 2 * kTileRows * 2;  // + d and m as fp16: 320
+constexpr int64_t kGroup = 64;
+constexpr int64_t kBlock = 32;  // inputs per block of nibbles (nibble_tiles.h's 32-input layout)
+constexpr int64_t kScaleOffset = 2 * kTileNibbleBytes;  // d, then m, after the two blocks
+constexpr int64_t kTileBytes = kScaleOffset + 2 * kTileRows * 2;  // + d and m as fp16: 576
 constexpr int64_t kStreamBytes = 2 << 20;
 // Activation rows sharing one decode of a tile's nibbles: 8 in the VNNI kernel's 32 registers
 // (its nibbles, 8 accumulators and the dot products' chains), 4 in AVX2's 16.
@@ -62,7 +69,7 @@ inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_v
 // One call's activations: per row and group, the int8 values, the scale and the fp32 sum.
 struct Int8Activations {
   int64_t groups;
-  int8_t* q;     // [M][groups][32]
+  int8_t* q;     // [M][groups][64]
   float* scale;  // [M][groups]
   float* sum;    // [M][groups]
 
@@ -111,23 +118,36 @@ void screen_tiles_vnni(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N,
     const uint8_t* tile = packed + t * groups * kTileBytes;
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = tile + g * kTileBytes;
-      __m512i lo[4], hi[4];
-      load_tile_nibbles(p, kTileBytes, lo, hi);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kTileNibbleBytes)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kTileNibbleBytes + 32)));
+      // Dependency chains of vpdpbusd: with 8 rows one per row through both blocks (they
+      // interleave; more would not fit the registers), with 3-4 rows two per row (low and high
+      // nibbles), with 1-2 rows four (each block's low and high nibbles): a lone row's one
+      // 16-deep chain bounded SmolLM2's screen at one row by its latency (0.47 against 0.41 ms
+      // with groups of 32). The same integers. Each word of activations is broadcast by the
+      // load itself (vpbroadcastd from memory): through a general register (one 32-byte copy,
+      // then shifts) the broadcasts took vector-ALU slots.
+      constexpr int kChains = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
+      __m512i s[MR][kChains];
+      for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < kChains; ++c) s[r][c] = _mm512_setzero_si512();
+      for (int b = 0; b < kGroup / kBlock; ++b) {
+        __m512i lo[4], hi[4];
+        load_tile_nibbles(p + b * kTileNibbleBytes, b == 0 ? kTileBytes : 0, lo, hi);  // (the group fetched once)
+        const int low = (2 * b) % kChains, high = (2 * b + 1) % kChains;
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xq = act.q + ((r0 + r) * groups + g) * kGroup + b * kBlock;
+          for (int i = 0; i < 4; ++i) {
+            s[r][low] = _mm512_dpbusd_epi32(s[r][low], lo[i], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * i)));
+            s[r][high] = _mm512_dpbusd_epi32(s[r][high], hi[i], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 16 + 4 * i)));
+          }
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kScaleOffset)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kScaleOffset + 32)));
       for (int r = 0; r < MR; ++r) {
         const int64_t ag = (r0 + r) * groups + g;
-        const int8_t* xq = act.q + ag * kGroup;
-        // Two dependency chains (low and high nibbles), added once. Each word of activations
-        // is broadcast by the load itself (vpbroadcastd from memory): through a general
-        // register (one 32-byte copy, then shifts) the broadcasts took vector-ALU slots.
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int i = 0; i < 4; ++i) {
-          s0 = _mm512_dpbusd_epi32(s0, lo[i], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * i)));
-          s1 = _mm512_dpbusd_epi32(s1, hi[i], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 16 + 4 * i)));
-        }
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(act.scale[ag])), acc[r]);
+        __m512i dot = s[r][0];
+        for (int c = 1; c < kChains; ++c) dot = _mm512_add_epi32(dot, s[r][c]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(act.scale[ag])), acc[r]);
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(act.sum[ag]), acc[r]);
       }
     }
@@ -162,24 +182,30 @@ void screen_tiles_avx2(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N,
       for (int64_t line = 0; line < kTileBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(p) + kTilePrefetchBytes + line, _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {  // rows 8 h .. 8 h + 7
-        __m256i lo[4], hi[4];
-        for (int i = 0; i < 4; ++i) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32 * h));
-          lo[i] = _mm256_and_si256(v, low_nibbles);
-          hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        __m256i s32[MR];
+        for (int r = 0; r < MR; ++r) s32[r] = _mm256_setzero_si256();
+        for (int b = 0; b < kGroup / kBlock; ++b) {  // each block's sums widened to 32 bits (64 inputs would overflow 16)
+          __m256i lo[4], hi[4];
+          for (int i = 0; i < 4; ++i) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * kTileNibbleBytes + 64 * i + 32 * h));
+            lo[i] = _mm256_and_si256(v, low_nibbles);
+            hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+          }
+          for (int r = 0; r < MR; ++r) {
+            int32_t words[8];
+            std::memcpy(words, act.q + ((r0 + r) * groups + g) * kGroup + b * kBlock, sizeof(words));
+            __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(words[0]));
+            for (int i = 1; i < 4; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[i], _mm256_set1_epi32(words[i])));
+            for (int i = 0; i < 4; ++i)
+              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[i], _mm256_set1_epi32(words[4 + i])));
+            s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s16, ones));
+          }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 16 * h)));
-        const __m256 m =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 32 + 16 * h)));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kScaleOffset + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kScaleOffset + 32 + 16 * h)));
         for (int r = 0; r < MR; ++r) {
           const int64_t ag = (r0 + r) * groups + g;
-          int32_t words[8];
-          std::memcpy(words, act.q + ag * kGroup, sizeof(words));
-          __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(words[0]));
-          for (int i = 1; i < 4; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[i], _mm256_set1_epi32(words[i])));
-          for (int i = 0; i < 4; ++i)
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[i], _mm256_set1_epi32(words[4 + i])));
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+          const __m256 dot = _mm256_cvtepi32_ps(s32[r]);
           acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(act.scale[ag])), acc[r][h]);
           acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(act.sum[ag]), acc[r][h]);
         }
@@ -213,15 +239,17 @@ void screen_tiles_portable(const uint8_t* packed, int64_t t0, int64_t t1, int64_
           const uint8_t* p = packed + (t * groups + g) * kTileBytes;
           const int8_t* xq = act.q + (r * groups + g) * kGroup;
           int32_t dot = 0;
-          for (int i = 0; i < 4; ++i) {
-            for (int c = 0; c < 4; ++c) {
-              const uint8_t byte = p[64 * i + 4 * lane + c];
-              dot += (byte & 15) * xq[4 * i + c] + (byte >> 4) * xq[16 + 4 * i + c];
+          for (int b = 0; b < kGroup / kBlock; ++b) {
+            for (int i = 0; i < 4; ++i) {
+              for (int c = 0; c < 4; ++c) {
+                const uint8_t byte = p[b * kTileNibbleBytes + 64 * i + 4 * lane + c];
+                dot += (byte & 15) * xq[b * kBlock + 4 * i + c] + (byte >> 4) * xq[b * kBlock + 16 + 4 * i + c];
+              }
             }
           }
           uint16_t dh, mh;
-          std::memcpy(&dh, p + kTileNibbleBytes + 2 * lane, 2);
-          std::memcpy(&mh, p + kTileNibbleBytes + 32 + 2 * lane, 2);
+          std::memcpy(&dh, p + kScaleOffset + 2 * lane, 2);
+          std::memcpy(&mh, p + kScaleOffset + 32 + 2 * lane, 2);
           const float scale = half_to_float(dh) * act.scale[r * groups + g];
           acc = std::fma(static_cast<float>(dot), scale, acc);
           acc = std::fma(half_to_float(mh), act.sum[r * groups + g], acc);
@@ -256,7 +284,7 @@ void q4_screen_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor pack
   check_activation_rows(x);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(2) == kTileBytes,
-              "packed must be uint8 [ceil(N / 16), K / 32, 320]");
+              "packed must be uint8 [ceil(N / 16), K / 64, 576] (kvserve.quant.Q4Screen)");
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = out.size(1);
   TORCH_CHECK(K == packed.size(1) * kGroup, "x has ", K, " features, the weights ", packed.size(1) * kGroup);
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
