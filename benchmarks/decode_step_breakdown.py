@@ -28,6 +28,7 @@ ENGINE_PARTS = {  # (attribute path from the engine, method) -> part
     ("executor.runner.model.model", "forward"): "decoder (embedding, rope, layers)",
     ("executor.runner.model.model.norm", "forward"): "final norm",
     ("executor.runner.model.lm_head", "forward"): "LM head (screen or fast head, + fp32 rescoring)",
+    ("executor.runner.model.lm_head", "argmax_tokens"): "LM head's argmax (screen, fp32 rescoring, argmax)",
     ("executor.runner", "sampler"): "sampler",
     ("scheduler", "update_from_output"): "scheduler.update (stops, detokenizer)",
 }
@@ -50,9 +51,9 @@ def instrument(engine: LLMEngine, acc: dict, parts: dict) -> None:
     that its time adds to ``acc[name]``; parts the engine lacks are skipped."""
     for (path, method), part in parts.items():
         owner = _resolve(engine, path)
-        if owner is None:
+        fn = None if owner is None else getattr(owner, method, None)
+        if fn is None:
             continue
-        fn = getattr(owner, method)
 
         def timed(*a, __fn=fn, __part=part, **kw):
             t0 = time.perf_counter()
@@ -118,18 +119,22 @@ def native_kernel_times(engine: LLMEngine, prompt: list[int], n_out: int = 32) -
     from torch.profiler import ProfilerActivity, profile, record_function
 
     head = _resolve(engine, "executor.runner.model.lm_head")
-    head_forward = head.forward
+    originals = {name: getattr(head, name) for name in ("forward", "argmax_tokens") if hasattr(head, name)}
 
-    def labelled(*a, **kw):
-        with record_function(LM_HEAD_RANGE):
-            return head_forward(*a, **kw)
+    def labelled(method):
+        def run(*a, **kw):
+            with record_function(LM_HEAD_RANGE):
+                return method(*a, **kw)
+        return run
 
-    object.__setattr__(head, "forward", labelled)
+    for name, method in originals.items():
+        object.__setattr__(head, name, labelled(method))
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             _, steps, _ = decode_steps(engine, prompt, n_out)
     finally:
-        object.__setattr__(head, "forward", head_forward)
+        for name, method in originals.items():
+            object.__setattr__(head, name, method)
     times: dict[str, float] = defaultdict(float)
     for event in prof.events():
         name = event.name

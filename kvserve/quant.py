@@ -37,8 +37,9 @@ INT4_GROUP_SIZE = 32
 LM_HEAD_RESCORE_TOP_K = 16
 # A step that needs only each row's argmax (kvserve.sampler.argmax_suffices) ranks the
 # vocabulary with the head's 4-bit screen and rescores this many candidates in fp32. On the
-# real models' tolerance texts the fp32 argmax ranked at most 10th in the screen (1,400
-# positions): 64 leaves a margin, and rescoring 64 rows costs microseconds.
+# real models' texts the fp32 argmax ranked at most 12th in the screen (1,512 positions,
+# benchmarks/results/zen4-screen-groups-64): 64 leaves a margin, and rescoring 64 rows costs
+# microseconds.
 SCREEN_TOP_K = 64
 _KERNEL_DTYPE = torch.bfloat16
 
@@ -784,9 +785,14 @@ SCREEN_GROUP = 64  # inputs per group of the screen's weights and activations (c
 
 def screen_activations(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The screen kernel's activations: each group (last dimension, 64 inputs) rounded to
-    integers in -127..127 against its largest magnitude; (the integers, the groups' scales)."""
-    scale = groups.abs().amax(-1) / 127.0
-    return torch.round(groups / torch.where(scale > 0, scale, 1.0)[..., None]).clamp(-127, 127), scale
+    integers in -127..127 against its largest magnitude, as the kernel computes them
+    (``x * (1 / scale)``, ties to even; a NaN input ignored by the maximum, and a NaN or inf
+    input's integer 0); (the integers, the groups' scales)."""
+    inf = float("inf")
+    scale = groups.nan_to_num(nan=0.0, posinf=inf, neginf=-inf).abs().amax(-1) / 127.0
+    inv = torch.where(scale > 0, torch.full_like(scale, 1.0) / torch.where(scale > 0, scale, 1.0), 0.0)
+    scaled = groups * inv[..., None]
+    return torch.where(scaled.isfinite(), torch.round(scaled).clamp(-127, 127), 0.0), scale
 
 
 class Q4Screen(nn.Module):

@@ -1,7 +1,8 @@
 // The tiled nibble layout read by the AVX512 4/5-bit kernel (quant_linear.cpp) and the LM-head
 // screen (screen_linear.cpp), written by kvserve.quant.tile_nibbles: per tile of 16 output rows
 // and group of 32 inputs, 256 bytes of nibbles, byte 64 i + 4 r + c holding row r's weight
-// 4 i + c in its low nibble and 16 + 4 i + c in its high nibble, then each format's scales. Each
+// 4 i + c in its low nibble and 16 + 4 i + c in its high nibble, then each format's scales (the
+// screen's groups of 64: two such blocks of nibbles, then its scales). Each
 // 32-bit lane of a 64-byte vector is one output row: one vpdpbusd adds four products to each of
 // 16 rows against one broadcast word of activations, and no row needs a horizontal sum.
 #pragma once

@@ -96,8 +96,10 @@ struct Int8Activations {
         const float dx = amax / 127.f;
         const float inv = dx > 0.f ? 1.f / dx : 0.f;
         int8_t* qg = q + (r * groups + g) * kGroup;
-        for (int64_t j = 0; j < kGroup; ++j)
-          qg[j] = static_cast<int8_t>(std::clamp(std::nearbyint(xg[j] * inv), -127.f, 127.f));
+        for (int64_t j = 0; j < kGroup; ++j) {  // (a NaN or inf input rounds to 0; its group's sum carries it)
+          const float v = xg[j] * inv;
+          qg[j] = std::isfinite(v) ? static_cast<int8_t>(std::clamp(std::nearbyint(v), -127.f, 127.f)) : 0;
+        }
         scale[r * groups + g] = dx;
         sum[r * groups + g] = s;
       }
@@ -164,9 +166,9 @@ void screen_tiles_vnni(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N,
 
 #ifdef KVSERVE_SCREEN_AVX2
 // The same tiles in two 8-lane halves (rows 0-7, 8-15): vpmaddubsw adds pairs of u8 x s8
-// products into 16 bits, the group's eight such vectors are added in 16 bits (at most
-// 8 * 2 * 15 * 127 = 30,480: no saturation) and vpmaddwd against ones widens them to the
-// lane's 32-bit sum: the same integer as vpdpbusd's.
+// products into 16 bits, each 32-input block's eight such vectors are added in 16 bits (at
+// most 8 * 2 * 15 * 127 = 30,480: no saturation), vpmaddwd against ones widens them to 32 bits
+// and the group's two blocks are added there: the same integer as vpdpbusd's.
 template <int MR>
 void screen_tiles_avx2(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N, const Int8Activations& act,
                        int64_t r0, float* out, int64_t out_stride) {

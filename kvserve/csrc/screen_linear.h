@@ -4,7 +4,8 @@
 #include <torch/extension.h>
 
 // out [M, N] = approximate x @ W^T for ranking: W packed by kvserve.quant.Q4Screen as uint8
-// [ceil(N / 16), K / 32, 320] (per tile of 16 rows and group of 32 inputs: nibbles, d, m).
+// [ceil(N / 16), K / 64, 576] (per tile of 16 rows and group of 64 inputs: two 256-byte blocks
+// of nibbles, then d and m as fp16).
 void q4_screen_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed);
 torch::Tensor q4_screen_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 
