@@ -15,7 +15,7 @@ src = sys.argv[2].rstrip("/") + "/"
 names = ["bind_screen.cpp", "screen_linear.cpp", "step_team.cpp"]
 new = ops.load_extension()
 old = load(name="kvserve_old_ops", sources=[src + n for n in names], build_directory=__import__("tempfile").mkdtemp(),
-           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
+           extra_cflags=["-O3", "-march=" + __import__("os").environ.get("KVSERVE_CPU_MARCH", "native"), "-fopenmp", "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
            extra_ldflags=["-fopenmp"], verbose=False)
 model_name = sys.argv[1]
 model, config = load_model(resolve_model(model_name), dtype=torch.float32, quantization="bf16")
