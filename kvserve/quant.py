@@ -894,11 +894,10 @@ class RescoredLMHead(nn.Module):
         ``ops.argmax`` takes from those logits), without writing the rows of -inf around the
         candidates (``screened_argmax_out``); None where ``forward`` would not take the native
         screen."""
-        rows = x.shape[0] if x.dim() == 2 else 0
-        call = self.native_screen(rows, x) if x.dim() == 2 and x.is_contiguous() else None
+        call = self.native_screen(x.shape[0], x) if x.dim() == 2 and x.is_contiguous() else None
         if call is None:
             return None
-        tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
+        tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
         ops.cpu_extension().screened_argmax_out(tokens, call[0], x, *call[1:])
         return tokens
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
 from kvserve import block_formats, ops
 from kvserve.quant import (Bf16Linear, Int4Linear, Q5Linear, Q8Linear, SegmentedLinear, W8A8Linear,
                            affine_min_max, pack_w8a8_weight, unpack_w8a8_affine, unpack_w8a8_weight,
                            w8a8_activations)
+from test_block_formats import random_blocks
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
@@ -178,37 +179,27 @@ def test_without_the_kernels_the_layer_computes_its_reference():
     assert (layer(x) - layer.forward_reference(x)).abs().max() <= 1e-5 * layer(x).abs().max()
 
 
-def _q6_k_like(n: int, k: int) -> Q8Linear:
-    """Q6_K's layout (int8 values, an fp32 scale per 16 inputs)."""
-    return Q8Linear(torch.randint(-32, 32, (n, k), dtype=torch.int8), torch.rand(n, k // 16) * 0.01)
+def _layer(quant_type: T, n: int, k: int, seed: int):
+    """A layer holding random valid GGUF blocks of ``quant_type`` (test_block_formats' blocks),
+    unpacked as the loader unpacks them."""
+    blocks = block_formats.unpack(quant_type.name, random_blocks(quant_type, n, k, seed), (n, k))
+    if quant_type in (T.Q4_1, T.Q4_K):
+        return Int4Linear.from_nibble_blocks(blocks, None)
+    if quant_type == T.Q5_0:
+        return Q5Linear(blocks, k, None)
+    return Q8Linear.from_byte_blocks(blocks, None)
 
 
 def test_int8_copies_hold_the_block_formats_weights_exactly():
-    torch.manual_seed(5)
-    w = torch.randn(40, 96) * 0.1
-    q5_values = np.random.default_rng(0).integers(-16, 16, (40, 96))
-    q5 = Q5Linear(_q5_blocks(q5_values, np.full((40, 3), 0.01, np.float16)), 96, None)  # a padded 4th group
-    layers = {"Q4_1": Int4Linear.from_float(w, None), "Q8_0": Q8Linear.from_float(w), "Q5_0": q5,
-              "Q5_0 + Q8_0": SegmentedLinear([q5, Q8Linear.from_float(w[:8])])}
+    # K = 96 for the 32-weight formats: Q5_0's blocks are padded to 128 inputs (a zero 4th group).
+    layers = {t.name: _layer(t, 40, 96, seed) for seed, t in enumerate((T.Q4_1, T.Q5_0, T.Q8_0))}
+    layers["Q4_K"] = _layer(T.Q4_K, 40, 256, 3)
+    layers["Q5_0 + Q8_0"] = SegmentedLinear([layers["Q5_0"], _layer(T.Q8_0, 8, 96, 4)])
     for name, layer in layers.items():
         copy = layer.make_prefill_copy("int8")
         assert isinstance(copy, W8A8Linear), name
         assert torch.equal(copy.weight_values(), layer.dequantized()), name
     # Q6_K's groups of 16 have no 32-input codes: its copy is bf16 (also inside a segmented layer).
-    assert isinstance(_q6_k_like(16, 64).make_prefill_copy("int8"), Bf16Linear)
-    assert isinstance(SegmentedLinear([layers["Q4_1"], _q6_k_like(16, 96)]).make_prefill_copy("int8"), Bf16Linear)
-
-
-def _q5_blocks(values: np.ndarray, d: np.ndarray) -> block_formats.Q5Blocks:
-    """Q5_0 blocks holding ``d * values`` (values -16..15 ``[N, K]``, K a multiple of 32; d
-    ``[N, K / 32]``), padded with zero groups to a multiple of 64 inputs as unpack_q5_0 does."""
-    n, k = values.shape
-    kp = -(-k // 64) * 64
-    values = np.pad(values, ((0, 0), (0, kp - k)))
-    d = np.pad(d, ((0, 0), (0, (kp - k) // 32)))
-    k = kp
-    codes = (values + 16).astype(np.uint32).reshape(n, k // 32, 32)
-    low = codes & 15
-    qs = (low[..., :16] | (low[..., 16:] << 4)).astype(np.uint8).reshape(n, k // 2)
-    qh = ((codes >> 4) << np.arange(32, dtype=np.uint32)).sum(-1).astype(np.uint32).view(np.int32)
-    return block_formats.Q5Blocks(qs, qh, d.view(np.int16))
+    q6_k = _layer(T.Q6_K, 16, 256, 5)
+    assert isinstance(q6_k.make_prefill_copy("int8"), Bf16Linear)
+    assert isinstance(SegmentedLinear([layers["Q4_K"], q6_k]).make_prefill_copy("int8"), Bf16Linear)

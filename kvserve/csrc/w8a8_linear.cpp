@@ -157,10 +157,10 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
 #ifdef KVSERVE_W8A8_VNNI
         if (n == kGroup) {  // the loop below in two vectors (the same bits: max, product and sum are exact or alike)
           // (non-finite inputs past the outliers read as 0, as below: fpclass 0x99 = NaN or inf)
-          const __m512 lo = _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_fpclass_ps_mask(_mm512_loadu_ps(xr + k0), 0x99)),
-                                                _mm512_loadu_ps(xr + k0));
-          const __m512 hi = _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_fpclass_ps_mask(_mm512_loadu_ps(xr + k0 + 16), 0x99)),
-                                                _mm512_loadu_ps(xr + k0 + 16));
+          const auto finite = [](__m512 v) {
+            return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_fpclass_ps_mask(v, 0x99)), v);
+          };
+          const __m512 lo = finite(_mm512_loadu_ps(xr + k0)), hi = finite(_mm512_loadu_ps(xr + k0 + 16));
           const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
           const __m512 inv = _mm512_set1_ps(amax > kSmallestGroup ? 127.f / amax : 0.f);
           const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
