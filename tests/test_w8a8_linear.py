@@ -101,6 +101,27 @@ def test_activations_match_the_plain_torch_rounding():
     # Fewer inputs than outliers: every input is one.
     q, scale, index, values, _ = ext.w8a8_activations(torch.tensor([[2.0, -1.0]]), 32)
     assert index.tolist() == [[0, 1]] and values.tolist() == [[2.0, -1.0]] and (q == 0).all()
+    # The outliers are found among the inputs at least as large as the 4th largest of the
+    # maxima of 16 strided lanes: several of the largest in one lane, ties at that bound across
+    # lanes and in the tail past the last 16, NaNs in a row of -0.0.
+    x = torch.randn(3, 48) * 0.1
+    x[0, [1, 17, 33]] = 9.0
+    x[0, 47] = -9.0
+    x[1, [0, 16, 32, 5, 21, 37]] = 4.0
+    x[2] = -0.0
+    x[2, [2, 18]] = float("nan")
+    _, _, index, _, _ = ext.w8a8_activations(x, 64)
+    assert index.tolist() == [[1, 17, 33, 47], [0, 5, 16, 21], [0, 1, 2, 18]]
+    assert torch.equal(index, w8a8_activations(x, 64)[2])
+    # K around the 16 boundary, each with a row of ties and a NaN in the last input.
+    for k in (3, 5, 16, 17, 31):
+        x = torch.randn(4, k)
+        x[1] = 1.0
+        x[2, -1] = float("nan")
+        padded = (k + 31) // 32 * 32
+        got, want = ext.w8a8_activations(x, padded), w8a8_activations(x, padded)
+        assert torch.equal(got[2], want[2]) and torch.equal(got[0].float(), want[0]) and torch.equal(got[1], want[1])
+        assert got[2][1].tolist() == list(range(min(4, k))) and (k - 1) in got[2][2].tolist()
 
 
 def test_a_massive_activation_costs_no_precision():

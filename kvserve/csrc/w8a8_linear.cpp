@@ -119,9 +119,11 @@ void largest_magnitudes(const float* x, int64_t K, int64_t R, int32_t* index) {
   for (int64_t k0 = 0; k0 < chunked; k0 += kLanes)
     for (int64_t i = 0; i < kLanes; ++i) lane_max[i] = std::max(lane_max[i], magnitude(x[k0 + i]));
 #endif
-  // (No full 16: a bound of 0 offers every input.)
-  std::nth_element(lane_max, lane_max + R - 1, lane_max + kLanes, std::greater<float>());
-  const float bound = chunked ? lane_max[R - 1] : 0.f;
+  float bound = 0.f;  // (no full 16: the loop below is empty, and the one after it offers every input)
+  if (chunked) {  // (then K >= 16 >= R)
+    std::nth_element(lane_max, lane_max + R - 1, lane_max + kLanes, std::greater<float>());
+    bound = lane_max[R - 1];
+  }
   for (int64_t k0 = 0; k0 < chunked; k0 += kLanes) {
 #ifdef KVSERVE_W8A8_VNNI
     const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + k0));  // (a NaN compares unordered: offered)

@@ -1,0 +1,3 @@
+#include <torch/extension.h>
+#include "w8a8_linear.h"
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("w8a8_linear_out", &w8a8_linear_out); m.def("w8a8_activations", &w8a8_activations); }
