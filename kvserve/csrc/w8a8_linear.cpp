@@ -161,8 +161,8 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
   kvserve::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* src = x + m * stride;
-      const int32_t* outliers = oi + m * R;  // ascending
-      largest_magnitudes(src, K, R, oi + m * R);
+      int32_t* const outliers = oi + m * R;  // ascending
+      largest_magnitudes(src, K, R, outliers);
       for (int64_t i = 0; i < R; ++i) ov[m * R + i] = src[outliers[i]];
       int64_t next_outlier = 0;
       for (int64_t g = 0; g < G; ++g) {
