@@ -243,6 +243,8 @@ class W8A8Linear(nn.Module):
         self.register_buffer("weight", packed)
         self.register_buffer("affine", affine)
         self.register_buffer("bias", _fp32_bias(bias))
+        # Each panel's largest code: how deep the AVX2 kernel may add its int16 sums.
+        self.register_buffer("largest_codes", packed.view(packed.shape[0], -1).amax(dim=1))
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "W8A8Linear":
@@ -260,12 +262,13 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features
         return _block_quantized_forward(
-            self, x, lambda ext, rows: ext.w8a8_linear(rows, self.weight, self.affine, n, self.bias))
+            self, x, lambda ext, rows: ext.w8a8_linear(rows, self.weight, self.affine, n, self.bias, self.largest_codes))
 
     def forward_into(self, x: torch.Tensor, buffer: Callable[[int], torch.Tensor]) -> Optional[torch.Tensor]:
         """``self(x)`` written by the kernel into ``buffer(rows)``; None off the kernel."""
         return _block_quantized_forward_into(
-            self, x, buffer, True, lambda ext, rows, out: ext.w8a8_linear_out(out, rows, self.weight, self.affine, self.bias))
+            self, x, buffer, True, lambda ext, rows, out: ext.w8a8_linear_out(out, rows, self.weight, self.affine, self.bias,
+                                                             self.largest_codes))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel's sums in plain torch: the same integers (exact, in float64), the groups'
@@ -705,12 +708,18 @@ class Q8Linear(DecodeFormatLinear):
         return torch.from_numpy(block_formats.byte_values(block_formats.ByteBlocks(self.qs.numpy(), self.d.numpy())))
 
     def affine_codes(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Q8_0: codes ``q + 128``, a = d, b = -128 d. Q6_K (groups of 16): None."""
+        """Q8_0: codes ``q + 128``, a = d, b = -128 d; where every q is in -16..15 (Q5_0 blocks
+        held as bytes, as Gemma 3's q/k/v and gate/up are) codes ``q + 16`` in 0..31 and b = -16 d,
+        as Q5Linear's: the same weights exactly, in codes that AVX2's vpmaddubsw multiplies 4
+        quads deep (csrc/w8a8_linear.cpp), and less to cancel in the offset. Q6_K (groups of 16):
+        None."""
         blocks = block_formats.ByteBlocks(self.qs.numpy(), self.d.numpy())
         if blocks.group != INT4_GROUP_SIZE:
             return None
         d = torch.from_numpy(blocks.scales)
-        return self.qs.to(torch.int32) + 128, d, -128.0 * d
+        q = self.qs.to(torch.int32)
+        offset = 16 if q.numel() and -16 <= q.min() and q.max() <= 15 else 128
+        return q + offset, d, -float(offset) * d
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q8_linear(rows, self.qs, self.d, self.bias))

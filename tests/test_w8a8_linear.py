@@ -1,6 +1,6 @@
 """The W8A8 kernel (csrc/w8a8_linear.cpp: the weights' byte codes times int8 activations, int4
-mode's prompt rows on CPUs with AVX512-VNNI) against its plain-torch twin, its two routes against each
-other (the same bits), and a row's bits whatever the rows around it."""
+mode's prompt rows) against its plain-torch twin, its vector route (AVX512-VNNI or AVX2) against the
+portable loop (the same bits), and a row's bits whatever the rows around it."""
 from __future__ import annotations
 
 import os
@@ -25,8 +25,8 @@ SHAPES = [(96, 64), (70, 33), (40, 576), (200, 130), (20, 3)]
 @pytest.fixture(params=["vector", "portable"])
 def route(request):
     ext = ops.load_extension()
-    if request.param == "vector" and ext.w8a8_kernel_route() != "avx512vnni":
-        pytest.skip("no AVX512-VNNI route on this CPU")
+    if request.param == "vector" and ext.w8a8_kernel_route() == "portable":
+        pytest.skip("no vector route on this CPU")
     ext.set_portable_w8a8_kernel(request.param == "portable")
     yield request.param
     ext.set_portable_w8a8_kernel(False)
@@ -158,14 +158,10 @@ def test_kernel_matches_plain_torch_and_each_row_is_the_same_in_any_call(route, 
     assert (alone - exact).abs().max() <= 0.03 * exact.abs().max()
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_the_routes_give_the_same_bits(n, k):
+def _routes_agree(layer: W8A8Linear, x: torch.Tensor) -> None:
     ext = ops.load_extension()
-    if ext.w8a8_kernel_route() != "avx512vnni":
-        pytest.skip("no AVX512-VNNI route on this CPU")
-    torch.manual_seed(7)
-    layer = W8A8Linear.from_float(torch.randn(n, k), None)
-    x = torch.randn(37, k)
+    if ext.w8a8_kernel_route() == "portable":
+        pytest.skip("no vector route on this CPU")
     vector = layer(x)
     ext.set_portable_w8a8_kernel(True)
     try:
@@ -173,6 +169,50 @@ def test_the_routes_give_the_same_bits(n, k):
     finally:
         ext.set_portable_w8a8_kernel(False)
     assert torch.equal(vector, portable)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_the_routes_give_the_same_bits(n, k):
+    torch.manual_seed(7)
+    _routes_agree(W8A8Linear.from_float(torch.randn(n, k), None), torch.randn(37, k))
+
+
+def test_the_routes_agree_at_each_codes_largest_int16_sums():
+    # The AVX2 route adds vpmaddubsw's int16 pair sums of a group as deep as its panel's largest
+    # code allows (codes to 16: 8 quads; 32: 4; 64: 2; 129: 1; past that, as two nibbles): a panel
+    # at each bound and one past it, every activation of a group at +-127 with one sign in rows 0
+    # and 1, so that every int16 sum is at its largest. Some groups stay below their panel's bound.
+    torch.manual_seed(11)
+    bounds = (15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 129, 130, 255)
+    n, k = 16 * len(bounds), 32 * len(bounds)
+    panel = torch.arange(n)[:, None] // 16
+    largest = torch.tensor(bounds)[panel].expand(n, k // 32).clone()
+    largest[:, 1::3] //= 2
+    codes = largest.repeat_interleave(32, dim=1)
+    codes[1::2, 1::5] = 0  # the smallest too, in every other column (the rest at their largest)
+    layer = W8A8Linear(codes.int(), torch.rand(n, k // 32) + 0.5, torch.randn(n, k // 32), torch.randn(n))
+    signs = torch.tensor([1.0, -1.0]).repeat(len(bounds))[:k // 32].repeat_interleave(32)
+    x = torch.ones(9, k) * signs  # rows 0 and 1: every group's inputs rounded to 127 of one sign
+    x[1] = -x[1]
+    x[2:] = torch.randn(7, k)
+    x[2:, 7::32] *= 40.0
+    _routes_agree(layer, x)
+    # The sums are the exact integers: the float64 product of the kernel's own rounding.
+    reference = layer.forward_reference(x)
+    assert (layer(x).double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 37])
+def test_the_routes_agree_on_each_block_formats_copy(rows):
+    # Each format's own codes (Q4_1 to 15, Q5_0 to 31, also held as bytes, Q8_0 past 129) with
+    # ragged N, through the copies the engine makes.
+    q5_blocks = block_formats.unpack("Q5_0", random_blocks(T.Q5_0, 40, 96, 6), (40, 96))
+    layers = [_layer(T.Q4_1, 40, 96, 0), _layer(T.Q5_0, 40, 96, 1), _layer(T.Q8_0, 40, 96, 2),
+              Q8Linear.from_byte_blocks(block_formats.q5_as_bytes(q5_blocks, 96), None)]
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 96)
+    for layer in layers:
+        _routes_agree(layer.make_prefill_copy("int8"), x)
 
 
 def test_out_writes_into_a_column_range_and_checks_its_inputs():
@@ -189,6 +229,11 @@ def test_out_writes_into_a_column_range_and_checks_its_inputs():
         ext.w8a8_linear(x, layer.weight, layer.affine, 70, None)
     with pytest.raises(RuntimeError, match="bias"):
         ext.w8a8_linear(x, layer.weight, layer.affine, 48, torch.randn(47))
+    # The panels' largest codes: the layer's own, or none (the kernel finds them), never others.
+    assert layer.largest_codes.shape == (3,) and torch.equal(layer.largest_codes, layer.weight.view(3, -1).amax(dim=1))
+    assert torch.equal(ext.w8a8_linear(x, layer.weight, layer.affine, 48, layer.bias, layer.largest_codes), layer(x))
+    with pytest.raises(RuntimeError, match="largest_codes"):
+        ext.w8a8_linear(x, layer.weight, layer.affine, 48, None, layer.largest_codes[:2])
 
 
 def test_without_the_kernels_the_layer_computes_its_reference():
@@ -216,10 +261,16 @@ def test_int8_copies_hold_the_block_formats_weights_exactly():
     layers = {t.name: _layer(t, 40, 96, seed) for seed, t in enumerate((T.Q4_1, T.Q5_0, T.Q8_0))}
     layers["Q4_K"] = _layer(T.Q4_K, 40, 256, 3)
     layers["Q5_0 + Q8_0"] = SegmentedLinear([layers["Q5_0"], _layer(T.Q8_0, 8, 96, 4)])
+    # Q5_0 held as bytes (as the loader keeps Gemma 3's q/k/v and gate/up): codes q + 16 in 0..31,
+    # as Q5Linear's, not q + 128 (which AVX2's kernel would multiply as two nibbles).
+    q5_blocks = block_formats.unpack("Q5_0", random_blocks(T.Q5_0, 40, 96, 6), (40, 96))
+    layers["Q5_0 as bytes"] = Q8Linear.from_byte_blocks(block_formats.q5_as_bytes(q5_blocks, 96), None)
+    largest_code = {"Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q5_0 as bytes": 31, "Q8_0": 255, "Q5_0 + Q8_0": 255}
     for name, layer in layers.items():
         copy = layer.make_prefill_copy("int8")
         assert isinstance(copy, W8A8Linear), name
         assert torch.equal(copy.weight_values(), layer.dequantized()), name
+        assert copy.weight.max() <= largest_code[name], name
     # Q6_K's groups of 16 have no 32-input codes: its copy is bf16 (also inside a segmented layer).
     q6_k = _layer(T.Q6_K, 16, 256, 5)
     assert isinstance(q6_k.make_prefill_copy("int8"), Bf16Linear)

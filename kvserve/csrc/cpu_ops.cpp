@@ -2738,8 +2738,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gathered_rows_dot", &gathered_rows_dot);
   m.def("set_portable_dense_kernels", &set_portable_dense_kernels);
   m.def("bf16_kernel_route", &bf16_kernel_route);
-  m.def("w8a8_linear", &w8a8_linear);
-  m.def("w8a8_linear_out", &w8a8_linear_out);
+  m.def("w8a8_linear", &w8a8_linear, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("affine"), pybind11::arg("n"),
+        pybind11::arg("bias"), pybind11::arg("largest_codes") = pybind11::none());
+  m.def("w8a8_linear_out", &w8a8_linear_out, pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("wp"),
+        pybind11::arg("affine"), pybind11::arg("bias"), pybind11::arg("largest_codes") = pybind11::none());
   m.def("w8a8_activations", &w8a8_activations);
   m.def("w8a8_kernel_route", &w8a8_kernel_route);
   m.def("set_portable_w8a8_kernel", &set_portable_w8a8_kernel);

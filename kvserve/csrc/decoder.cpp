@@ -100,7 +100,9 @@ struct Linear {
       case Kind::kTiles: tiled_nibble_linear_out(out, x, weight, bias); return;  // Int4Linear / Q5Linear on AVX512
       case Kind::kQ8: q8_linear_out(out, x, weight, scales, bias); return;
       case Kind::kBf16: bf16_linear_out(out, x, weight, bias); return;  // kvserve.quant.Bf16Linear, packed for kvserve's kernel
-      case Kind::kW8A8: w8a8_linear_out(out, x, weight, scales, bias); return;  // kvserve.quant.W8A8Linear
+      case Kind::kW8A8:  // kvserve.quant.W8A8Linear (extra: its panels' largest codes)
+        w8a8_linear_out(out, x, weight, scales, bias, extra.defined() ? c10::optional<torch::Tensor>(extra) : c10::nullopt);
+        return;
       case Kind::kFp32: fp32_linear_out(out, x, weight, bias); return;  // kvserve.quant.Fp32Linear
       case Kind::kSegments: {  // each segment straight into its own columns (the kernels take a row stride)
         int64_t column = 0;

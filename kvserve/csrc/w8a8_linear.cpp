@@ -28,10 +28,11 @@
 //   sum   = fma(fma(float(u_k), a, b), x_k, sum)   for each outlier input k, in ascending k
 //   y     = sum + bias                    (bias 0 when there is none)
 //
-// (An outlier's u_k comes from vpdpbusd too: the codes times a one-hot word of 1.) Integer sums
-// are exact in any order, and the fp32 steps are the same for every row whatever the tile: a
-// row's result does not depend on how many rows share the call (batch invariant), and the
-// portable loop gives the same bits as the VNNI kernel.
+// (With VNNI an outlier's u_k comes from vpdpbusd too: the codes times a one-hot word of 1.)
+// Integer sums are exact in any order, and the fp32 steps are the same for every row whatever the
+// tile: a row's result does not depend on how many rows share the call (batch invariant), and the
+// portable loop gives the same bits as the vector kernels (AVX512-VNNI; AVX2, below, also where
+// AVX512 comes without VNNI).
 #include "w8a8_linear.h"
 #include "step_team.h"
 #include "linear_args.h"
@@ -50,6 +51,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define KVSERVE_W8A8_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVSERVE_W8A8_AVX2 1
 #endif
 
 namespace {
@@ -115,6 +119,18 @@ void largest_magnitudes(const float* x, int64_t K, int64_t R, int32_t* index) {
     lanes = _mm512_max_ps(lanes, _mm512_mask_mov_ps(_mm512_abs_ps(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), inf));
   }
   _mm512_storeu_ps(lane_max, lanes);
+#elif defined(KVSERVE_W8A8_AVX2)
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t k0 = 0; k0 < chunked; k0 += kLanes)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 v = _mm256_loadu_ps(x + k0 + 8 * h);
+      const __m256 magnitude = _mm256_blendv_ps(_mm256_andnot_ps(sign, v), inf, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      lanes[h] = _mm256_max_ps(lanes[h], magnitude);
+    }
+  _mm256_storeu_ps(lane_max, lanes[0]);
+  _mm256_storeu_ps(lane_max + 8, lanes[1]);
 #else
   for (int64_t k0 = 0; k0 < chunked; k0 += kLanes)
     for (int64_t i = 0; i < kLanes; ++i) lane_max[i] = std::max(lane_max[i], magnitude(x[k0 + i]));
@@ -129,6 +145,11 @@ void largest_magnitudes(const float* x, int64_t K, int64_t R, int32_t* index) {
     const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + k0));  // (a NaN compares unordered: offered)
     for (unsigned at_least = _mm512_cmp_ps_mask(v, _mm512_set1_ps(bound), _CMP_NLT_UQ); at_least; at_least &= at_least - 1)
       offer(k0 + __builtin_ctz(at_least));
+#elif defined(KVSERVE_W8A8_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.f), at = _mm256_set1_ps(bound);
+    const unsigned lo = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k0)), at, _CMP_NLT_UQ));
+    const unsigned hi = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k0 + 8)), at, _CMP_NLT_UQ));
+    for (unsigned at_least = lo | hi << 8; at_least; at_least &= at_least - 1) offer(k0 + __builtin_ctz(at_least));
 #else
     for (int64_t i = k0; i < k0 + kLanes; ++i)
       if (!(magnitude(x[i]) < bound)) offer(i);
@@ -188,6 +209,40 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
           continue;
         }
 #endif
+#ifdef KVSERVE_W8A8_AVX2
+        if (n == kGroup) {  // the loop below in four vectors (the same bits, as the VNNI path's)
+          const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+          const __m256 sign = _mm256_set1_ps(-0.f);
+          const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+          __m256 v[4];
+          __m256 amax8 = _mm256_setzero_ps();
+          for (int j = 0; j < 4; ++j) {
+            const __m256i outlier = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>((is_outlier >> (8 * j)) & 0xFF)), lane_bit);
+            const __m256 kept = _mm256_castsi256_ps(_mm256_cmpeq_epi32(outlier, _mm256_setzero_si256()));
+            const __m256 x8 = _mm256_loadu_ps(src + k0 + 8 * j);
+            const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(sign, x8), inf, _CMP_LT_OQ);  // (false for NaN)
+            v[j] = _mm256_and_ps(x8, _mm256_and_ps(kept, finite));
+            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[j]));
+          }
+          __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+          m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+          const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+          const __m256 inv = _mm256_set1_ps(amax > kSmallestGroup ? 127.f / amax : 0.f);
+          __m256i q[4];
+          for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+          // int32 -> int8 (|q| <= 127), the 128-bit lanes' interleaving undone by one permute
+          const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qd + m * Kp + k0),
+                              _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+          const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+          __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+          sd[m * G + g] = amax / 127.f;
+          ss[m * G + g] = sd[m * G + g] * static_cast<float>(_mm_cvtsi128_si32(s4));
+          continue;
+        }
+#endif
         // The outliers read as 0 here; a NaN or inf input past them (only when the row has more
         // than kOutliers of them: its outputs are NaN or inf through those anyway) too.
         float xg[kGroup];
@@ -225,6 +280,7 @@ struct Call {
   int64_t Kp, G, N;
   float* out;
   int64_t out_stride;
+  const uint8_t* largest_codes;  // [P] or null (w8a8_linear.h)
 };
 
 #ifdef KVSERVE_W8A8_VNNI
@@ -325,6 +381,209 @@ void w8a8_panels_vnni(const Call& c, int64_t M, int64_t pb, int64_t pe) {
 }
 #endif
 
+#ifdef KVSERVE_W8A8_AVX2
+// Without VNNI, vpmaddubsw multiplies the codes (unsigned bytes) by the activations (signed ones)
+// and adds each two neighbouring products into an int16, which saturates past 32767; vpmaddwd
+// then adds neighbouring int16s into int32 lanes (one column's 4 inputs each, as vpdpbusd). Each
+// pair sum is at most 2 * 127 * u_max, so a group whose codes are small keeps `depth` of them in
+// int16 before one vpmaddwd (Q4_1 and Q4_K, codes to 15: the whole group of 8 quads; Q5_0, to
+// 31: 4), about one vpmaddubsw and one vpaddw per 32 products, twice the fp32 FMAs' rate. Codes
+// past 129 (Q8_0's q + 128) run as their two nibbles, 16 * high + low. The integer sums are
+// exact either way, so the bits are the portable loop's.
+constexpr int kQuadsPerGroup = kGroup / 4;
+#ifndef KVSERVE_AVX2_MR
+#define KVSERVE_AVX2_MR 3
+#endif
+#ifndef KVSERVE_AVX2_NP
+#define KVSERVE_AVX2_NP 1
+#endif
+constexpr int kAvx2TileRows = KVSERVE_AVX2_MR;
+constexpr int64_t kAvx2TilePanels = KVSERVE_AVX2_NP;
+static_assert(kAvx2TilePanels == 1 || kAvx2TilePanels == 2, "w8a8_panels_avx2 runs a short run of panels one by one");
+
+// Int16 pair sums of a group that can be added before one could pass 32767 (|q| <= 127), for
+// codes up to max_code; 0: too large for one vpmaddubsw (split into nibbles).
+inline int pair_sum_depth(int max_code) {
+  if (max_code <= 16) return 8;
+  if (max_code <= 32) return 4;
+  if (max_code <= 64) return 2;
+  return max_code <= 129 ? 1 : 0;
+}
+
+// The int32 sums of group g, rows x[r] by the 8 columns of vector v (NV vectors: panel v / 2,
+// its half v % 2), `depth` quads' int16 pair sums at a time, into acc (kAdd: added to it); part:
+// the whole codes or one of their nibbles.
+enum class CodePart { kWhole, kLow, kHigh };
+
+template <int MR, int NV, CodePart part, int depth, bool kAdd>
+__attribute__((always_inline)) inline void group_sums(const uint8_t* const (&w)[NV], const int8_t* const (&x)[MR],
+                                                      int64_t g, __m256i (&acc)[MR][NV]) {
+  const __m256i ones = _mm256_set1_epi16(1), low_nibble = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 8
+  for (int c = 0; c < kQuadsPerGroup; c += depth) {
+    __m256i pairs[MR][NV];
+#pragma GCC unroll 8
+    for (int i = c; i < c + depth; ++i) {
+      const int64_t kq = g * kQuadsPerGroup + i;
+      __m256i b[NV];
+      for (int v = 0; v < NV; ++v) {
+        b[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[v] + kq * 4 * kPanel));
+        if constexpr (part == CodePart::kLow) b[v] = _mm256_and_si256(b[v], low_nibble);
+        if constexpr (part == CodePart::kHigh) b[v] = _mm256_and_si256(_mm256_srli_epi16(b[v], 4), low_nibble);
+      }
+      for (int r = 0; r < MR; ++r) {
+        int32_t word;
+        std::memcpy(&word, x[r] + 4 * kq, sizeof(word));
+        const __m256i a = _mm256_set1_epi32(word);
+        for (int v = 0; v < NV; ++v) {
+          if (i == c) {
+            pairs[r][v] = _mm256_maddubs_epi16(b[v], a);
+            continue;
+          }
+          // pairs += vpmaddubsw(b, a) as one statement: GCC, free to reassociate integer adds,
+          // otherwise ran a group's products first and spilled them (the GEMMs at ~0.6x).
+          __m256i product;
+          __asm__("vpmaddubsw %[a], %[b], %[product]\n\tvpaddw %[product], %[pairs], %[pairs]"
+                  : [pairs] "+x"(pairs[r][v]), [product] "=&x"(product)
+                  : [a] "x"(a), [b] "x"(b[v]));
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) {
+        const __m256i sums = _mm256_madd_epi16(pairs[r][v], ones);
+        acc[r][v] = kAdd || c > 0 ? _mm256_add_epi32(acc[r][v], sums) : sums;
+      }
+  }
+}
+
+// MR activation rows x NP panels: the same steps per row, column and group as the portable loop
+// (and the VNNI tile), each group's codes read `depth` quads at a time (0: as two nibbles), the
+// most that the panels' largest code allows (w8a8_max_codes). At depth 8 the fp32 sums stay in
+// registers (6 of 16 at 3 x 1); otherwise the int32 sums and the next int16 ones take those and
+// the fp32 sums pass each group in memory (kept in registers, GCC spilled the int16 sums inside
+// the products' loop: Gemma 3's Q5_0 layers ran at 0.86x their bf16 copies).
+template <int MR, int NP, int depth>
+void w8a8_tile_avx2(const Call& c, int64_t m0, int64_t p0) {
+  constexpr int NV = 2 * NP;
+  constexpr bool kTotalsInRegisters = depth == 8;
+  __m256 total[MR][NV];
+  alignas(32) float total_in_memory[MR][NV][8];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) {
+      total[r][v] = _mm256_setzero_ps();
+      if constexpr (!kTotalsInRegisters) _mm256_store_ps(total_in_memory[r][v], total[r][v]);
+    }
+  const uint8_t* w[NV];
+  const float* affine[NV];  // per group: a[16], b[16] of the vector's panel, from its half
+  for (int v = 0; v < NV; ++v) {
+    w[v] = c.w + (p0 + v / 2) * c.Kp * kPanel + (v % 2) * 32;
+    affine[v] = c.affine + (p0 + v / 2) * c.G * 2 * kPanel + (v % 2) * 8;
+  }
+  const int8_t* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = c.x.q + (m0 + r) * c.Kp;
+  for (int64_t g = 0; g < c.G; ++g) {
+    __m256i acc[MR][NV];
+    if constexpr (depth > 0) {
+      group_sums<MR, NV, CodePart::kWhole, depth, false>(w, x, g, acc);
+    } else {
+      group_sums<MR, NV, CodePart::kHigh, 8, false>(w, x, g, acc);
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_slli_epi32(acc[r][v], 4);
+      group_sums<MR, NV, CodePart::kLow, 8, true>(w, x, g, acc);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 sx = _mm256_set1_ps(c.x.scale[(m0 + r) * c.G + g]);
+      const __m256 sq = _mm256_set1_ps(c.x.scaled_sum[(m0 + r) * c.G + g]);
+      for (int v = 0; v < NV; ++v) {
+        const float* ab = affine[v] + g * 2 * kPanel;
+        const __m256 both = _mm256_mul_ps(sx, _mm256_loadu_ps(ab));
+        __m256 t = kTotalsInRegisters ? total[r][v] : _mm256_load_ps(total_in_memory[r][v]);
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][v]), both, t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(ab + kPanel), sq, t);
+        if constexpr (kTotalsInRegisters) total[r][v] = t;
+        else _mm256_store_ps(total_in_memory[r][v], t);
+      }
+    }
+  }
+  if constexpr (!kTotalsInRegisters)
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) total[r][v] = _mm256_load_ps(total_in_memory[r][v]);
+  const __m256i byte = _mm256_set1_epi32(0xFF);
+  for (int r = 0; r < MR; ++r) {
+    const int32_t* index = c.x.outlier_index + (m0 + r) * c.x.R;
+    const float* value = c.x.outlier_value + (m0 + r) * c.x.R;
+    for (int64_t i = 0; i < c.x.R; ++i) {
+      const int64_t k = index[i];
+      const __m256 xk = _mm256_set1_ps(value[i]);
+      for (int v = 0; v < NV; ++v) {
+        const __m256i quad = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[v] + (k / 4) * 4 * kPanel));
+        const __m256i uk = _mm256_and_si256(_mm256_srli_epi32(quad, static_cast<int>(8 * (k % 4))), byte);
+        const float* ab = affine[v] + (k / kGroup) * 2 * kPanel;
+        const __m256 wk = _mm256_fmadd_ps(_mm256_cvtepi32_ps(uk), _mm256_loadu_ps(ab), _mm256_loadu_ps(ab + kPanel));
+        total[r][v] = _mm256_fmadd_ps(wk, xk, total[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = (p0 + v / 2) * kPanel + (v % 2) * 8;
+    if (col >= c.N) continue;
+    const int64_t n = std::min<int64_t>(8, c.N - col);
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 bias = c.bias ? _mm256_maskload_ps(c.bias + col, keep) : _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r)
+      _mm256_maskstore_ps(c.out + (m0 + r) * c.out_stride + col, keep, _mm256_add_ps(total[r][v], bias));
+  }
+}
+
+// The largest code of each panel p in [pb, pe) (max_code[p - pb]), over all its groups.
+void w8a8_max_codes(const Call& c, int64_t pb, int64_t pe, uint8_t* max_code) {
+  for (int64_t p = pb; p < pe; ++p) {
+    const uint8_t* codes = c.w + p * c.Kp * kPanel;
+    __m256i m = _mm256_setzero_si256();
+    for (int64_t i = 0; i < c.Kp * kPanel / 32; ++i)
+      m = _mm256_max_epu8(m, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * i)));
+    alignas(32) uint8_t bytes[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), m);
+    max_code[p - pb] = *std::max_element(bytes, bytes + 32);
+  }
+}
+
+template <int MR, int NP>
+void w8a8_tile_avx2_depth(const Call& c, int largest_code, int64_t m0, int64_t p0) {
+  switch (pair_sum_depth(largest_code)) {
+    case 8: return w8a8_tile_avx2<MR, NP, 8>(c, m0, p0);
+    case 4: return w8a8_tile_avx2<MR, NP, 4>(c, m0, p0);
+    case 2: return w8a8_tile_avx2<MR, NP, 2>(c, m0, p0);
+    case 1: return w8a8_tile_avx2<MR, NP, 1>(c, m0, p0);
+    default: return w8a8_tile_avx2<MR, NP, 0>(c, m0, p0);
+  }
+}
+
+void w8a8_panels_avx2(const Call& c, int64_t M, int64_t pb, int64_t pe) {
+  thread_local std::vector<uint8_t> max_code;
+  const uint8_t* mc = c.largest_codes ? c.largest_codes + pb : nullptr;  // mc[p - pb]: panel p's
+  if (!mc) {
+    if (static_cast<int64_t>(max_code.size()) < pe - pb) max_code.resize(pe - pb);
+    w8a8_max_codes(c, pb, pe, max_code.data());
+    mc = max_code.data();
+  }
+  for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+    const int64_t me = std::min(M, mb + kRowBlock);
+    for (int64_t p = pb; p < pe; p += kAvx2TilePanels) {
+      const int64_t np = std::min<int64_t>(kAvx2TilePanels, pe - p);
+      const int largest = *std::max_element(mc + (p - pb), mc + (p - pb + np));
+      for (int64_t m = mb; m < me; m += kAvx2TileRows)
+        dispatch_rows<kAvx2TileRows>(std::min<int64_t>(kAvx2TileRows, me - m), [&](auto mr) {
+          constexpr int MR = decltype(mr)::value;
+          if (np == kAvx2TilePanels) return w8a8_tile_avx2_depth<MR, kAvx2TilePanels>(c, largest, m, p);
+          w8a8_tile_avx2_depth<MR, 1>(c, largest, m, p);  // (kAvx2TilePanels is 1 or 2)
+        });
+    }
+  }
+}
+#endif
+
 // The same integers and fp32 operations, one row and panel at a time (columns innermost, so
 // that nothing reorders a sum across groups).
 void w8a8_panels_portable(const Call& c, int64_t M, int64_t pb, int64_t pe) {
@@ -373,6 +632,9 @@ std::string w8a8_kernel_route() {
 #ifdef KVSERVE_W8A8_VNNI
   if (!g_portable) return "avx512vnni";
 #endif
+#ifdef KVSERVE_W8A8_AVX2
+  if (!g_portable) return "avx2";
+#endif
   return "portable";
 }
 
@@ -390,7 +652,7 @@ std::vector<torch::Tensor> w8a8_activations(torch::Tensor x, int64_t padded_k) {
 }
 
 void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch::Tensor affine,
-                     c10::optional<torch::Tensor> bias) {
+                     c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> largest_codes) {
   RECORD_FUNCTION("kvserve::w8a8_linear", std::vector<c10::IValue>());  // kvserve profile's label
   const int64_t N = out.size(1);
   check_linear_rows(x, out, N);
@@ -404,9 +666,13 @@ void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch
               "affine must be a contiguous float32 [Np / 16, Kp / 32, 2, 16]");
   TORCH_CHECK(N <= P * kPanel && N > (P - 1) * kPanel, "out has ", N, " columns, not the weights' output columns");
   const float* b = optional_bias(bias, N);
+  if (largest_codes)
+    TORCH_CHECK(largest_codes->scalar_type() == torch::kUInt8 && largest_codes->is_contiguous() && largest_codes->numel() == P,
+                "largest_codes must be a contiguous uint8 [Np / 16] (kvserve.quant.W8A8Linear.largest_codes)");
   if (M == 0) return;
   const Call call{quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, Kp), wp.data_ptr<uint8_t>(),
-                  affine.data_ptr<float>(), b, Kp, Kp / kGroup, N, out.data_ptr<float>(), out.stride(0)};
+                  affine.data_ptr<float>(), b, Kp, Kp / kGroup, N, out.data_ptr<float>(), out.stride(0),
+                  largest_codes ? largest_codes->data_ptr<uint8_t>() : nullptr};
   const int64_t threads = std::min(P, M * N * K < kSmallWork ? int64_t{1} : static_cast<int64_t>(at::get_num_threads()));
   kvserve::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -418,14 +684,20 @@ void w8a8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, torch
         continue;
       }
 #endif
+#ifdef KVSERVE_W8A8_AVX2
+      if (!g_portable) {
+        w8a8_panels_avx2(call, M, pb, pe);
+        continue;
+      }
+#endif
       w8a8_panels_portable(call, M, pb, pe);
     }
   });
 }
 
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor affine, int64_t n,
-                          c10::optional<torch::Tensor> bias) {
+                          c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> largest_codes) {
   auto out = torch::empty({x.size(0), n}, x.options());
-  w8a8_linear_out(out, x, wp, affine, bias);
+  w8a8_linear_out(out, x, wp, affine, bias, largest_codes);
   return out;
 }

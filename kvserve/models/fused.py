@@ -36,7 +36,7 @@ def _linear_spec(layer: nn.Module) -> Optional[tuple]:
     """(kind, weight, scales, bias[, out_features[, prefill[, extra[, segments]]]]) as
     decoder.cpp's ``Linear`` takes them, or None (out_features where the weight's shape does not
     say it; prefill: a block-quantized layer's copy for the prompt rows, itself such a
-    spec; extra: Q5_0's fifth bits; segments: a SegmentedLinear's parts' specs)."""
+    spec; extra: Q5_0's fifth bits, a W8A8Linear's panels' largest codes; segments: a SegmentedLinear's parts' specs)."""
     if isinstance(layer, DecodeFormatLinear):
         blocks = _block_spec(layer)
         if blocks is None or layer.prefill is None:
@@ -46,7 +46,7 @@ def _linear_spec(layer: nn.Module) -> Optional[tuple]:
     if isinstance(layer, Int8Linear):
         return "int8", layer.weight, layer.scales, layer.bias
     if isinstance(layer, W8A8Linear):
-        return "w8a8", layer.weight, layer.affine, layer.bias, layer.out_features
+        return "w8a8", layer.weight, layer.affine, layer.bias, layer.out_features, None, layer.largest_codes
     if isinstance(layer, Bf16Linear):
         if layer.packed:
             return "bf16", layer.weight, None, layer.bias, layer.out_features
