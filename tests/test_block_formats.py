@@ -141,8 +141,9 @@ def test_mixed_type_projection_runs_each_part_in_its_own_format():
     assert layer.add_prefill_copy() == 96 * k * 2 + 96 * 4  # bf16 weights, fp32 bias
     assert layer.prefill.out_features == 96
     # The int8 copy: a byte code a weight (96 columns, 640 inputs: no padding), an fp32 scale and
-    # offset per column and 32 inputs, the fp32 bias; the formats' values exactly.
-    assert layer.add_prefill_copy("int8") == 96 * k + 96 * (k // 32) * 2 * 4 + 96 * 4
+    # offset per column and 32 inputs, the fp32 bias, a byte per panel of 16 columns (its largest
+    # code); the formats' values exactly.
+    assert layer.add_prefill_copy("int8") == 96 * k + 96 * (k // 32) * 2 * 4 + 96 * 4 + 96 // 16
     assert layer.prefill.out_features == 96 and torch.equal(layer.prefill.weight_values(), w)
     assert ((layer(x) - ref).norm() / ref.norm()) < 5e-3  # no roles: the blocks
 
