@@ -462,7 +462,7 @@ __attribute__((always_inline)) inline void group_sums(const uint8_t* const (&w)[
 // most that the panels' largest code allows (w8a8_max_codes). At depth 8 the fp32 sums stay in
 // registers (6 of 16 at 3 x 1); otherwise the int32 sums and the next int16 ones take those and
 // the fp32 sums pass each group in memory (kept in registers, GCC spilled the int16 sums inside
-// the products' loop: Gemma 3's Q5_0 layers ran at 0.86x their bf16 copies).
+// the products' loop: codes to 31 ran 1.13x as fast as bf16 copies, not 1.33x, at 960 x 576).
 template <int MR, int NP, int depth>
 void w8a8_tile_avx2(const Call& c, int64_t m0, int64_t p0) {
   constexpr int NV = 2 * NP;
