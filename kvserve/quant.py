@@ -228,7 +228,7 @@ class W8A8Linear(nn.Module):
     pairs per instruction that vdpbf16ps does. With AVX2 (no VNNI), vpmaddubsw multiplies 32
     byte pairs per instruction, four times an fp32 FMA's 8, its int16 sums added as deep as each
     panel's largest code allows (``largest_codes``): on a 2-core Zen 3 the decoder GEMMs at 256
-    rows ran 1.55-1.68x (SmolLM2) and 1.25-1.64x (Gemma 3, by layer kind) faster than through
+    rows ran 1.54-1.70x (SmolLM2) and 1.26-1.75x (Gemma 3, by layer kind) faster than through
     the bf16 copies (benchmarks/results/zen3-avx2-w8a8). Without either, the same bits come from
     a scalar loop: slower than the bf16 copies.
 
