@@ -23,6 +23,7 @@
 // the AVX2 route). Without either, a portable loop computes each output in its own fixed
 // order (not the same bits as the vector kernels, equally batch invariant).
 #include "dense_linear.h"
+#include "avx2_reduce.h"
 #include "step_team.h"
 #include "amx_linear.h"
 #include "bf16.h"
@@ -622,9 +623,7 @@ inline void dot_tile(const float* const* x, const float* const* w, int64_t K, fl
   }
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < NR; ++j) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r][j]), _mm256_extractf128_ps(acc[r][j], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      res[r][j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      res[r][j] = horizontal_sum(acc[r][j]);
     }
   }
 }

@@ -25,6 +25,7 @@
 // chain per lane); a portable loop computes the nibble formats on bf16 activations elsewhere
 // (each path in its own fixed order).
 #include "quant_linear.h"
+#include "avx2_reduce.h"
 #include "step_team.h"
 #include "linear_args.h"
 #include "nibble_tiles.h"
@@ -103,15 +104,6 @@ inline float bf16_to_float(uint16_t b) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
-
-#ifdef KVSERVE_QUANT_AVX2
-// The 8 lanes' sum in one fixed order (pairs of halves, then pairs, then the last two).
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
 
 // Per-group scales as a format stores them: fp16 bits (GGUF's own) or fp32 (scales that are
 // products of two stored numbers, exact only in fp32).
@@ -424,9 +416,7 @@ struct Int16Activations {
           v[i] = _mm256_loadu_ps(group + 8 * i);
           amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float a = horizontal_max(amax);
         // A group of zeros (or past K) is all q = 0; a non-finite input keeps its scale, so that
         // the row's outputs are not finite either, as a float product would leave them.
         const __m256 inv = _mm256_set1_ps(a > 0.f && std::isfinite(a) ? kActivationLevels / a : 0.f);
@@ -439,12 +429,9 @@ struct Int16Activations {
         for (int h = 0; h < 2; ++h)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + k0 + 16 * h),
                               _mm256_permute4x64_epi64(_mm256_packs_epi32(lanes[2 * h], lanes[2 * h + 1]), 0xD8));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
         const float s = a / kActivationLevels;
         sr[(g / 2) * 4 + g % 2] = s;
-        sr[(g / 2) * 4 + 2 + g % 2] = s * static_cast<float>(_mm_cvtsi128_si32(s4));
+        sr[(g / 2) * 4 + 2 + g % 2] = s * static_cast<float>(horizontal_sum(sum));
       }
     }
   }

@@ -34,6 +34,7 @@
 // portable loop gives the same bits as the vector kernels (AVX512-VNNI; AVX2, below, also where
 // AVX512 comes without VNNI).
 #include "w8a8_linear.h"
+#include "avx2_reduce.h"
 #include "step_team.h"
 #include "linear_args.h"
 #include "row_dispatch.h"
@@ -224,9 +225,7 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
             v[j] = _mm256_and_ps(x8, _mm256_and_ps(kept, finite));
             amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[j]));
           }
-          __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-          m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-          const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+          const float amax = horizontal_max(amax8);
           const __m256 inv = _mm256_set1_ps(amax > kSmallestGroup ? 127.f / amax : 0.f);
           __m256i q[4];
           for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
@@ -234,12 +233,9 @@ Activations quantize_rows(const float* x, int64_t stride, int64_t M, int64_t K, 
           const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(qd + m * Kp + k0),
                               _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-          const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-          __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+          const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
           sd[m * G + g] = amax / 127.f;
-          ss[m * G + g] = sd[m * G + g] * static_cast<float>(_mm_cvtsi128_si32(s4));
+          ss[m * G + g] = sd[m * G + g] * static_cast<float>(horizontal_sum(sum));
           continue;
         }
 #endif
@@ -391,14 +387,10 @@ void w8a8_panels_vnni(const Call& c, int64_t M, int64_t pb, int64_t pe) {
 // past 129 (Q8_0's q + 128) run as their two nibbles, 16 * high + low. The integer sums are
 // exact either way, so the bits are the portable loop's.
 constexpr int kQuadsPerGroup = kGroup / 4;
-#ifndef KVSERVE_AVX2_MR
-#define KVSERVE_AVX2_MR 3
-#endif
-#ifndef KVSERVE_AVX2_NP
-#define KVSERVE_AVX2_NP 1
-#endif
-constexpr int kAvx2TileRows = KVSERVE_AVX2_MR;
-constexpr int64_t kAvx2TilePanels = KVSERVE_AVX2_NP;
+// 3 rows x 1 panel of 16 columns (measured on Zen 3 at 256 rows, SmolLM2's decoder GEMMs:
+// 2 x 2 panels and 4 x 1 were 1.03x as long; row blocks of 24 or 48 rows made no difference).
+constexpr int kAvx2TileRows = 3;
+constexpr int64_t kAvx2TilePanels = 1;
 static_assert(kAvx2TilePanels == 1 || kAvx2TilePanels == 2, "w8a8_panels_avx2 runs a short run of panels one by one");
 
 // Int16 pair sums of a group that can be added before one could pass 32767 (|q| <= 127), for
@@ -459,7 +451,7 @@ __attribute__((always_inline)) inline void group_sums(const uint8_t* const (&w)[
 
 // MR activation rows x NP panels: the same steps per row, column and group as the portable loop
 // (and the VNNI tile), each group's codes read `depth` quads at a time (0: as two nibbles), the
-// most that the panels' largest code allows (w8a8_max_codes). At depth 8 the fp32 sums stay in
+// most that the panels' largest code allows (Call::largest_codes). At depth 8 the fp32 sums stay in
 // registers (6 of 16 at 3 x 1); otherwise the int32 sums and the next int16 ones take those and
 // the fp32 sums pass each group in memory (kept in registers, GCC spilled the int16 sums inside
 // the products' loop: codes to 31 ran 1.13x as fast as bf16 copies, not 1.33x, at 960 x 576).
