@@ -451,21 +451,18 @@ __attribute__((always_inline)) inline void group_sums(const uint8_t* const (&w)[
 
 // MR activation rows x NP panels: the same steps per row, column and group as the portable loop
 // (and the VNNI tile), each group's codes read `depth` quads at a time (0: as two nibbles), the
-// most that the panels' largest code allows (Call::largest_codes). At depth 8 the fp32 sums stay in
-// registers (6 of 16 at 3 x 1); otherwise the int32 sums and the next int16 ones take those and
-// the fp32 sums pass each group in memory (kept in registers, GCC spilled the int16 sums inside
-// the products' loop: codes to 31 ran 1.13x as fast as bf16 copies, not 1.33x, at 960 x 576).
+// most that the panels' largest code allows (Call::largest_codes). The fp32 sums pass each group
+// in memory, so that the products' loop has the registers: kept in registers at depth 8 (6 of 16
+// at 3 x 1), GCC reloaded each weight vector once per row (6 loads and 3 broadcasts a quad, not
+// 2 and 3: SmolLM2's decoder GEMMs 1.04x as long); at the other depths it spilled the int16 sums
+// inside the products' loop (codes to 31 ran 1.13x as fast as bf16 copies, not 1.33x, at
+// 960 x 576). At depth 8 two asm statements keep GCC from holding them in registers anyway.
+// (At every depth, Gemma 3's qkv, Q5_0 and Q8_0 codes, measured 1.05x as long in one A/B and the
+// same in another: elsewhere GCC's own placement is kept.)
 template <int MR, int NP, int depth>
 void w8a8_tile_avx2(const Call& c, int64_t m0, int64_t p0) {
   constexpr int NV = 2 * NP;
-  constexpr bool kTotalsInRegisters = depth == 8;
-  __m256 total[MR][NV];
-  alignas(32) float total_in_memory[MR][NV][8];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) {
-      total[r][v] = _mm256_setzero_ps();
-      if constexpr (!kTotalsInRegisters) _mm256_store_ps(total_in_memory[r][v], total[r][v]);
-    }
+  alignas(32) float total_in_memory[MR][NV][8] = {};
   const uint8_t* w[NV];
   const float* affine[NV];  // per group: a[16], b[16] of the vector's panel, from its half
   for (int v = 0; v < NV; ++v) {
@@ -484,23 +481,24 @@ void w8a8_tile_avx2(const Call& c, int64_t m0, int64_t p0) {
         for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_slli_epi32(acc[r][v], 4);
       group_sums<MR, NV, CodePart::kLow, 8, true>(w, x, g, acc);
     }
+    if constexpr (depth == 8) asm("" : "+m"(total_in_memory));  // (else loaded above the products, held in registers)
     for (int r = 0; r < MR; ++r) {
       const __m256 sx = _mm256_set1_ps(c.x.scale[(m0 + r) * c.G + g]);
       const __m256 sq = _mm256_set1_ps(c.x.scaled_sum[(m0 + r) * c.G + g]);
       for (int v = 0; v < NV; ++v) {
         const float* ab = affine[v] + g * 2 * kPanel;
         const __m256 both = _mm256_mul_ps(sx, _mm256_loadu_ps(ab));
-        __m256 t = kTotalsInRegisters ? total[r][v] : _mm256_load_ps(total_in_memory[r][v]);
+        __m256 t = _mm256_load_ps(total_in_memory[r][v]);
         t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][v]), both, t);
         t = _mm256_fmadd_ps(_mm256_loadu_ps(ab + kPanel), sq, t);
-        if constexpr (kTotalsInRegisters) total[r][v] = t;
-        else _mm256_store_ps(total_in_memory[r][v], t);
+        _mm256_store_ps(total_in_memory[r][v], t);
       }
     }
+    if constexpr (depth == 8) asm("" : "+m"(total_in_memory));  // (else held through the next group's products)
   }
-  if constexpr (!kTotalsInRegisters)
-    for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < NV; ++v) total[r][v] = _mm256_load_ps(total_in_memory[r][v]);
+  __m256 total[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) total[r][v] = _mm256_load_ps(total_in_memory[r][v]);
   const __m256i byte = _mm256_set1_epi32(0xFF);
   for (int r = 0; r < MR; ++r) {
     const int32_t* index = c.x.outlier_index + (m0 + r) * c.x.R;
