@@ -1,8 +1,9 @@
 """The installed extension's w8a8_linear_out against builds of other w8a8_linear.cpp sources
 (each SRC a folder with w8a8_linear.cpp and .h, step_team.cpp and .h, linear_args.h,
-row_dispatch.h and bind.cpp binding w8a8_linear_out), built under their own module names and
-alternated call by call (each first in turn), on the real activations of capture_activations.py;
-per layer kind the sum over layers of each way's minimum of REPS calls.
+row_dispatch.h, avx2_reduce.h and bind.cpp binding w8a8_linear_out), built under their own module
+names and alternated call by call (each first in turn), on the real activations of
+capture_activations.py, each layer's largest_codes passed as the engine passes them; per layer
+kind the sum over layers of each way's minimum of REPS calls.
 
     REPS=11 python w8a8_ab.py smollm2-135m-instruct|gemma-3-270m SRC [SRC ...]
 """
@@ -18,6 +19,7 @@ for src in srcs:
            build_directory=bd, extra_cflags=["-O3", "-march=" + os.environ.get("KVSERVE_CPU_MARCH", "native"), "-fopenmp", "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
            extra_ldflags=["-fopenmp"], verbose=False)
 layers = [L for L in torch.load(f"/tmp/w8dev/{name}.pt") if L["x"] is not None]
+for L in layers: L["lc"] = L["weight"].reshape(L["weight"].shape[0], -1).amax(1).contiguous()
 names = list(mods)
 tot = {m: 0.0 for m in names}
 kinds = {}
@@ -30,7 +32,7 @@ for k, Ls in kinds.items():
         for i in range(reps):
             order = names[i % len(names):] + names[:i % len(names)]
             for m in order:
-                s = time.perf_counter(); mods[m].w8a8_linear_out(out, x, L["weight"], L["affine"], L["bias"]); best[m] = min(best[m], time.perf_counter() - s)
+                s = time.perf_counter(); mods[m].w8a8_linear_out(out, x, L["weight"], L["affine"], L["bias"], L["lc"]); best[m] = min(best[m], time.perf_counter() - s)
         for m in names: t[m] += best[m] * 1e3
     for m in names: tot[m] += t[m]
     print(f"{k:14s}", "  ".join(f"{m} {t[m]:.1f}" for m in names))
