@@ -452,13 +452,14 @@ __attribute__((always_inline)) inline void group_sums(const uint8_t* const (&w)[
 // MR activation rows x NP panels: the same steps per row, column and group as the portable loop
 // (and the VNNI tile), each group's codes read `depth` quads at a time (0: as two nibbles), the
 // most that the panels' largest code allows (Call::largest_codes). The fp32 sums pass each group
-// in memory, so that the products' loop has the registers: kept in registers at depth 8 (6 of 16
-// at 3 x 1), GCC reloaded each weight vector once per row (6 loads and 3 broadcasts a quad, not
-// 2 and 3: SmolLM2's decoder GEMMs 1.04x as long); at the other depths it spilled the int16 sums
-// inside the products' loop (codes to 31 ran 1.13x as fast as bf16 copies, not 1.33x, at
-// 960 x 576). At depth 8 two asm statements keep GCC from holding them in registers anyway.
-// (At every depth, Gemma 3's qkv, Q5_0 and Q8_0 codes, measured 1.05x as long in one A/B and the
-// same in another: elsewhere GCC's own placement is kept.)
+// in memory, so that the products' loop has the registers. Held in registers at depth 8 (6 of 16
+// at 3 x 1) they left one for the weights, and GCC reloaded each weight vector once per row (6
+// loads and 3 broadcasts a quad, not 2 and 3: SmolLM2's decoder GEMMs 1.04x as long); at the
+// other depths GCC spilled the int16 sums inside the products' loop (codes to 31 ran 1.13x as
+// fast as bf16 copies, not 1.33x, at 960 x 576). GCC may still promote the array to registers:
+// at depth 8 two asm statements stop it. (With them at every depth, Gemma 3's qkv, Q5_0 and Q8_0
+// codes, measured 1.05x as long in one A/B and the same in another: the other depths are left to
+// GCC.)
 template <int MR, int NP, int depth>
 void w8a8_tile_avx2(const Call& c, int64_t m0, int64_t p0) {
   constexpr int NV = 2 * NP;
