@@ -585,6 +585,15 @@ inline void for_each_key_chunk(const int32_t* table, int64_t BS, int64_t D, int6
   }
 }
 
+// The lanes of a chunk of keys [j0, j0 + n_keys) that a row seeing the keys [lo, hi] sees: one
+// run of the chunk, t in [first, last] (empty where first > last).
+struct VisibleRun {
+  int64_t first, last;
+};
+inline VisibleRun visible_run(int64_t j0, int64_t n_keys, int64_t lo, int64_t hi) {
+  return {std::max<int64_t>(lo - j0, 0), std::min<int64_t>(hi - j0, n_keys - 1)};
+}
+
 #if defined(__AVX512F__)
 // exp_nonpositive on 16 lanes, in the order GCC gives the scalar form when it vectorises it
 // (-fassociative-math: r = (x + n c2) - n c1, the polynomial's tail as r (p r + 1) + 1), so
@@ -607,10 +616,9 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// The lanes of a chunk of keys [j0, j0 + n_keys) that a row seeing the keys [lo, hi] sees: one
-// run of the chunk, t in [t_lo, t_hi].
+// visible_run as a lane mask.
 inline __mmask16 visible_lanes(int64_t j0, int64_t n_keys, int64_t lo, int64_t hi) {
-  const int64_t t_lo = std::max<int64_t>(lo - j0, 0), t_hi = std::min<int64_t>(hi - j0, n_keys - 1);
+  const auto [t_lo, t_hi] = visible_run(j0, n_keys, lo, hi);
   return t_lo > t_hi ? static_cast<__mmask16>(0)
                      : static_cast<__mmask16>(((1u << (t_hi + 1)) - 1) & ~((1u << t_lo) - 1));
 }
@@ -634,11 +642,12 @@ inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-// visible_lanes as two 8-lane masks (all ones where visible).
+// visible_run as two 8-lane masks (all ones where visible).
 inline void visible_lanes8(int64_t j0, int64_t n_keys, int64_t lo, int64_t hi, __m256 (&visible)[2]) {
-  // (clamped into int32: a chunk wholly outside the run has t_lo > 15 or t_hi < 0)
-  const int t_lo = static_cast<int>(std::clamp<int64_t>(lo - j0, 0, kKeyChunk));
-  const int t_hi = static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(hi - j0, n_keys - 1), -1, kKeyChunk));
+  const VisibleRun run = visible_run(j0, n_keys, lo, hi);
+  // (clamped into int32: a chunk wholly outside the run has first > 15 or last < 0)
+  const int t_lo = static_cast<int>(std::min<int64_t>(run.first, kKeyChunk));
+  const int t_hi = static_cast<int>(std::max<int64_t>(run.last, -1));
   for (int h = 0; h < 2; ++h) {
     const __m256i lane = _mm256_setr_epi32(8 * h, 8 * h + 1, 8 * h + 2, 8 * h + 3, 8 * h + 4, 8 * h + 5, 8 * h + 6, 8 * h + 7);
     const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(t_lo), lane),
@@ -687,9 +696,10 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
   const __m256 xv[2] = {_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)};
   __m256 visible[2];
   visible_lanes8(j0, n_keys, lo, hi, visible);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   int any_score = 0, above_max = 0;
   for (int h = 0; h < 2; ++h) {
-    any_score |= _mm256_movemask_ps(_mm256_and_ps(visible[h], _mm256_cmp_ps(xv[h], _mm256_set1_ps(kNegInf), _CMP_NEQ_UQ)));
+    any_score |= _mm256_movemask_ps(_mm256_and_ps(visible[h], _mm256_cmp_ps(xv[h], neg_inf, _CMP_NEQ_UQ)));
     above_max |= _mm256_movemask_ps(_mm256_and_ps(visible[h], _mm256_cmp_ps(xv[h], _mm256_set1_ps(row_max), _CMP_GT_OQ)));
   }
   if (!any_score) {  // nothing visible to this row
@@ -698,11 +708,9 @@ inline float softmax_chunk(float* x, int64_t j0, int64_t n_keys, int64_t lo, int
     return 1.f;
   }
   float new_max = row_max;
-  if (row_max == kNegInf || above_max) {
-    const __m256 hidden = _mm256_set1_ps(kNegInf);
-    new_max = std::max(row_max, horizontal_max(_mm256_max_ps(_mm256_blendv_ps(hidden, xv[0], visible[0]),
-                                                             _mm256_blendv_ps(hidden, xv[1], visible[1]))));
-  }
+  if (row_max == kNegInf || above_max)  // (hidden lanes read as -inf)
+    new_max = std::max(row_max, horizontal_max(_mm256_max_ps(_mm256_blendv_ps(neg_inf, xv[0], visible[0]),
+                                                             _mm256_blendv_ps(neg_inf, xv[1], visible[1]))));
   const float correction = row_max == new_max ? 1.f : exp_nonpositive(row_max - new_max);
   __m256 weights[2];
   for (int h = 0; h < 2; ++h) {
