@@ -146,14 +146,6 @@ def q5_values(blocks: Q5Blocks, k: int) -> np.ndarray:
     return w.reshape(n, -1)[:, :k]
 
 
-def q5_as_bytes(blocks: Q5Blocks, k: int) -> ByteBlocks:
-    """Q5_0 as Q8_0 blocks (``q - 16`` in a byte, the same fp16 ``d``): the same weights in 34
-    bytes per 32 instead of 22. ``k`` a multiple of 32."""
-    n = blocks.qs.shape[0]
-    q = q5_codes(blocks).astype(np.int8).reshape(n, -1)[:, :k]
-    return ByteBlocks(np.ascontiguousarray(q), np.ascontiguousarray(blocks.d[:, :k // GROUP]))
-
-
 def _plane_positions() -> tuple[np.ndarray, np.ndarray]:
     """For mask p, bit i of a 128-weight block (kvserve/csrc/quant_linear.cpp's planes): the
     group within the block and the weight within the group whose fifth bit it holds."""
@@ -163,8 +155,8 @@ def _plane_positions() -> tuple[np.ndarray, np.ndarray]:
 
 def q5_plane_masks(qh: np.ndarray) -> np.ndarray:
     """Q5_0's fifth bits, ``qh`` [N, groups] (bit j of a group's word: weight j), regrouped as
-    the AVX2 kernel and the portable loop read them (csrc/quant_linear.cpp Q5Format; the
-    AVX512 kernel reads quant.tile_nibbles): [N, ceil(groups / 4) * 4] int32, four masks per 128-weight
+    the portable loop reads them (csrc/quant_linear.cpp Q5Format; the AVX512 and AVX2 kernels
+    read quant.tile_nibbles): [N, ceil(groups / 4) * 4] int32, four masks per 128-weight
     block. Same bits, other order (``q5_fifth_bits`` is the inverse)."""
     n, groups = qh.shape
     padded = np.zeros((n, -(-groups // 4) * 4), np.uint32)

@@ -442,13 +442,14 @@ def widened_bf16_kernel() -> bool:
 
 def tiled_nibble_kernels() -> bool:
     """Whether this machine's nibble kernel (Q4_1, Q4_K, Q5_0) reads the tiled layout
-    (``tile_nibbles``): the AVX512 route does; the AVX2 kernel and the portable loop read rows."""
-    return ops.nibble_kernel_isa() == "avx512"
+    (``tile_nibbles``): the AVX512 and AVX2 kernels do (the same integers and the same fp32
+    operations, so the same outputs); the portable loop reads rows."""
+    return ops.nibble_kernel_isa() in ("avx512", "avx2")
 
 
 def tile_nibbles(values: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor],
                  fp32_scales: bool = False) -> torch.Tensor:
-    """Nibble-format weights in the AVX512 kernel's tiled layout (csrc/quant_linear.cpp): uint8
+    """Nibble-format weights in the AVX512 and AVX2 kernels' tiled layout (csrc/quant_linear.cpp): uint8
     ``[ceil(N / 16), groups, 320 | 384 | 352]``. Per tile of 16 output rows and group of 32
     inputs: 256 bytes of nibbles (byte ``64 i + 4 r + c``: row r's value ``4 i + c`` in its low
     nibble, ``16 + 4 i + c`` in its high one), then for Q4 (``m`` given) the rows' ``d`` and ``m``
@@ -530,12 +531,13 @@ class Int4Linear(DecodeFormatLinear):
     ``y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g)``: the kernel streams the blocks once for all
     rows of the call, with the activations rounded to 16-bit integers per group of 32
     (``ops.nibble_kernel_activations``: finer than bf16) and multiplied as integers, exact per
-    group (AVX512: vpdpbusd on the weights' bytes and each activation's two bytes; AVX2:
-    vpmaddwd), which needs no conversion of the weights to float (2x faster than bf16 products
+    group (the weights' bytes times each activation's two bytes: vpdpbusd on AVX512, vpmaddubsw
+    on AVX2), which needs no conversion of the weights to float (2x faster than bf16 products
     on both). The portable loops round the activations to bf16 instead: ``bf16(x) @ w.T``.
 
-    Buffers, where the AVX512 kernel runs: ``packed`` (``tile_nibbles``: tiles of 16 output rows,
-    one per 32-bit lane of a vector, so that no row needs a horizontal sum). Elsewhere the row layout: ``qs``
+    Buffers, where the AVX512 or AVX2 kernel runs: ``packed`` (``tile_nibbles``: tiles of 16
+    output rows, one per 32-bit lane of a vector, so that no row needs a horizontal sum; AVX2
+    reads each as two 8-lane halves). Elsewhere the row layout: ``qs``
     uint8 ``[N, Kp / 2]`` (``Kp`` = K rounded up to 64 with zero groups; per group 16 bytes:
     weight j in the low nibble of byte j, j + 16 in its high nibble); ``dm`` ``[N, Kp / 64, 4]``
     = (d, d', m, m') of a chunk's two groups, as fp16 bits (int16) or fp32.
@@ -546,7 +548,7 @@ class Int4Linear(DecodeFormatLinear):
         self.out_features, self.in_features = qs.shape[0], in_features
         self.fp32_scales = dm.dtype == torch.float32
         self.register_buffer("bias", _fp32_bias(bias))
-        tiled = tiled_nibble_kernels()  # the same weights, in the AVX512 kernel's layout only
+        tiled = tiled_nibble_kernels()  # the same weights, in the AVX512/AVX2 kernels' layout only
         self.register_buffer("packed", tile_nibbles(self._row_values(qs).view(qs.shape[0], -1),
                                                     *self._row_scales(qs, dm), self.fp32_scales) if tiled else None)
         self.register_buffer("qs", None if tiled else qs.contiguous())
@@ -626,7 +628,7 @@ class Int4Linear(DecodeFormatLinear):
 class Q5Linear(DecodeFormatLinear):
     """GGUF Q5_0 weights as stored (22 bytes per 32): ``w = d * (q - 16)``, ``q`` in 0..31, ``d``
     fp16. The kernel is the 4-bit one's with the fifth bit added to each value. Where the AVX512
-    kernel runs, ``packed`` (``tile_nibbles``, the fifth bits as one mask per 64 bytes of
+    or AVX2 kernel runs, ``packed`` (``tile_nibbles``, the fifth bits as one mask per 64 bytes of
     nibbles); elsewhere the low 4 bits in Q4_1's nibble layout and the fifth bits (a 32-bit word
     per group in the file) regrouped per 128 weights (``block_formats.q5_plane_masks``)."""
 
@@ -634,7 +636,7 @@ class Q5Linear(DecodeFormatLinear):
         super().__init__()
         self.out_features, self.in_features = blocks.qs.shape[0], in_features
         self.register_buffer("bias", _fp32_bias(bias))
-        if tiled_nibble_kernels():  # the AVX512 kernel's layout only: v = q + 16 in 0..31
+        if tiled_nibble_kernels():  # the AVX512/AVX2 kernels' layout only: v = q + 16 in 0..31
             values = torch.from_numpy(block_formats.q5_codes(blocks) + 16).view(self.out_features, -1)
             d = torch.from_numpy(blocks.d.view(np.float16).astype(np.float32))
             self.register_buffer("packed", tile_nibbles(values, d, None))
@@ -643,7 +645,7 @@ class Q5Linear(DecodeFormatLinear):
             return
         self.register_buffer("packed", None)
         self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(blocks.qs)))
-        # The fifth bits regrouped per 128 weights, as the AVX2 kernel and the portable loop read them.
+        # The fifth bits regrouped per 128 weights, as the portable loop reads them.
         self.register_buffer("qh", torch.from_numpy(np.ascontiguousarray(block_formats.q5_plane_masks(blocks.qh))))
         self.register_buffer("d", torch.from_numpy(np.ascontiguousarray(blocks.d)))
 
@@ -712,18 +714,12 @@ class Q8Linear(DecodeFormatLinear):
         return torch.from_numpy(block_formats.byte_values(block_formats.ByteBlocks(self.qs.numpy(), self.d.numpy())))
 
     def affine_codes(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Q8_0: codes ``q + 128``, a = d, b = -128 d; where every q is in -16..15 (Q5_0 blocks
-        held as bytes, as Gemma 3's q/k/v and gate/up are) codes ``q + 16`` in 0..31 and b = -16 d,
-        as Q5Linear's: the same weights exactly, in codes that AVX2's vpmaddubsw multiplies 4
-        quads deep (csrc/w8a8_linear.cpp), and less to cancel in the offset. Q6_K (groups of 16):
-        None."""
+        """Q8_0: codes ``q + 128``, a = d, b = -128 d. Q6_K (groups of 16): None."""
         blocks = block_formats.ByteBlocks(self.qs.numpy(), self.d.numpy())
         if blocks.group != INT4_GROUP_SIZE:
             return None
         d = torch.from_numpy(blocks.scales)
-        q = self.qs.to(torch.int32)
-        offset = 16 if q.numel() and -16 <= q.min() and q.max() <= 15 else 128
-        return q + offset, d, -float(offset) * d
+        return self.qs.to(torch.int32) + 128, d, -128.0 * d
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q8_linear(rows, self.qs, self.d, self.bias))
@@ -969,12 +965,6 @@ def _gguf_block_linear(quant_type: str, data: np.ndarray, shape: tuple[int, ...]
     if isinstance(blocks, block_formats.NibbleBlocks):
         return Int4Linear.from_nibble_blocks(blocks, bias)
     if isinstance(blocks, block_formats.Q5Blocks):
-        if ops.nibble_kernel_isa() == "avx2" and shape[-1] % INT4_GROUP_SIZE == 0:
-            # Without AVX512 the fifth bits cost the 5-bit kernel more than the bytes they
-            # save: as Q8_0 (the same values, 34 bytes per 32 instead of 22) Gemma 3's Q5_0
-            # gate_up reads faster on a 2-core Zen 3 (0.19 against 0.23 ms with the int16
-            # kernel and its vpshufb fifth bits, 0.38 before them).
-            return Q8Linear.from_byte_blocks(block_formats.q5_as_bytes(blocks, shape[-1]), bias)
         return Q5Linear(blocks, shape[-1], bias)
     if isinstance(blocks, block_formats.ByteBlocks):
         return Q8Linear.from_byte_blocks(blocks, bias)

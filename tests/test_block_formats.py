@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from kvserve import block_formats, ops
+from kvserve import block_formats, ops, quant
 from kvserve.loader.gguf import QuantizedTensor
 from kvserve.quant import (DecodeFormatLinear, Int4Linear, Q5Linear, Q8Linear, SegmentedLinear, gguf_linear,
                            tile_nibbles, untile_nibbles)
@@ -93,11 +93,55 @@ def test_kernel_matches_plain_torch(quant_type, k, portable):
         assert (layer(x) - layer.forward_reference(x)).abs().max() <= 1e-5 * ref.abs().max()
 
 
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fp32 a * b + c rounded once: the float64 product is exact, and its sum with c rounds to
+    fp32 as one rounding would but for a tie at 2^-29 of the float64 result (none in these
+    seeded inputs)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+@pytest.mark.skipif(not quant.tiled_nibble_kernels(), reason="the tiled nibble kernels (AVX512, AVX2) only")
+@pytest.mark.parametrize("quant_type,k", [(T.Q4_1, 576), (T.Q4_K, 512), (T.Q5_0, 640)])
+def test_tiled_kernels_are_their_integer_dot_products_and_fp32_steps(quant_type, k):
+    """The AVX512 and the AVX2 nibble kernels, emulated: per row and group of 32 inputs the exact
+    integer dot product of the values and the activations' 16-bit integers, then
+    acc = fma(m, s sum(q), acc) and acc = fma(dot, d s, acc) in fp32, in group order, plus the
+    bias. Both ISAs compute exactly this, so a machine of either kind gives the other's bits."""
+    n = 40
+    data = random_blocks(quant_type, n, k, seed=k)
+    layer = gguf_linear([QuantizedTensor(quant_type, data, (n, k))], torch.randn(n, generator=torch.Generator().manual_seed(1)))
+    assert layer.packed is not None
+    values, d, m = untile_nibbles(layer.packed, n)
+    groups = d.shape[1]
+    if m is None:  # Q5_0: v = q + 16, w = d v - 16 d
+        m = -16.0 * d
+    torch.manual_seed(k)
+    x = torch.randn(5, k) * torch.logspace(-2, 1, 5)[:, None]
+    x[1, :40] = 0.0  # an all-zero group: q = 0, s = 0
+    padded = torch.nn.functional.pad(x, (0, groups * 32 - k)).view(5, groups, 32)
+    largest = padded.abs().amax(-1, keepdim=True)
+    # (a tensor divided by a tensor: torch computes a number over a tensor as a reciprocal's product)
+    inverse = torch.where(largest > 0, torch.full_like(largest, ops.ACTIVATION_LEVELS) / largest.clamp(min=1e-30), 0.0)
+    q = torch.round(padded * inverse).to(torch.int64)  # fp32 product, ties to even (vcvtps2dq)
+    s = (largest[..., 0] / ops.ACTIVATION_LEVELS).numpy()  # [rows, groups]
+    s_sum = (largest[..., 0] / ops.ACTIVATION_LEVELS * q.sum(-1).float()).numpy()
+    dots = torch.einsum("ngj,rgj->rng", values.view(n, groups, 32).to(torch.int64), q).numpy()  # exact
+    d32, m32 = d.numpy().astype(np.float32), m.numpy().astype(np.float32)
+    expected = np.zeros((5, n), np.float32)
+    for g in range(groups):
+        expected = _fma32(m32[None, :, g], s_sum[:, None, g], expected)
+        scale = (d32[None, :, g] * s[:, None, g]).astype(np.float32)
+        expected = _fma32(dots[:, :, g].astype(np.float32), scale, expected)
+    expected = expected + layer.bias.numpy()[None, :]
+    for rows in (1, 2, 3, 4, 5):
+        assert np.array_equal(layer(x[:rows]).numpy(), expected[:rows]), rows
+
+
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("k", [96, 640])
 def test_q5_kernel_matches_plain_torch_on_every_machine(k, portable):
-    """The 5-bit kernel itself, built directly (gguf_linear reads Q5_0 as Q8_0 where the AVX2
-    kernels run): every row-count blocking, bias, against the plain-torch reference."""
+    """The 5-bit kernel itself, built directly: every row-count blocking, bias, against the
+    plain-torch reference."""
     torch.manual_seed(k)
     n = 40
     data = random_blocks(T.Q5_0, n, k, seed=k)
@@ -130,9 +174,7 @@ def test_mixed_type_projection_runs_each_part_in_its_own_format():
              QuantizedTensor(T.Q8_0, random_blocks(T.Q8_0, 16, k, 3), (16, k))]
     layer = gguf_linear(parts, torch.randn(96))
     assert isinstance(layer, SegmentedLinear)
-    # (With the AVX2 kernels Q5_0 is read as Q8_0: the same values, see _gguf_block_linear.)
-    q5_kind = Q8Linear if ops.nibble_kernel_isa() == "avx2" else Q5Linear
-    assert [type(s) for s in layer.segments] == [q5_kind, Q8Linear]
+    assert [type(s) for s in layer.segments] == [Q5Linear, Q8Linear]
     w = torch.cat([reference_weights(p.quant_type, p.data, p.shape[0], k) for p in parts])
     assert torch.equal(layer.dequantized(), w)
     x = torch.randn(3, k)

@@ -205,8 +205,7 @@ def test_fused_layers_match_the_python_model_with_gemma_files_own_blocks():
 
     model, cfg = load_model(resolve_model("gemma-3-270m"), quantization="int4")
     kinds = {type(m) for m in model.model.layers.modules()}
-    # (With the AVX2 kernels Q5_0 is read as Q8_0: the same values, see _gguf_block_linear.)
-    block_kinds = {Int4Linear, Q8Linear, SegmentedLinear} | ({Q5Linear} if ops.nibble_kernel_isa() != "avx2" else set())
+    block_kinds = {Int4Linear, Q5Linear, Q8Linear, SegmentedLinear}
     assert block_kinds <= kinds
     fused = model.model.fused_layers
     assert fused is not None

@@ -204,11 +204,9 @@ def test_the_routes_agree_at_each_codes_largest_int16_sums():
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 37])
 def test_the_routes_agree_on_each_block_formats_copy(rows):
-    # Each format's own codes (Q4_1 to 15, Q5_0 to 31, also held as bytes, Q8_0 past 129) with
-    # ragged N, through the copies the engine makes.
-    q5_blocks = block_formats.unpack("Q5_0", random_blocks(T.Q5_0, 40, 96, 6), (40, 96))
-    layers = [_layer(T.Q4_1, 40, 96, 0), _layer(T.Q5_0, 40, 96, 1), _layer(T.Q8_0, 40, 96, 2),
-              Q8Linear.from_byte_blocks(block_formats.q5_as_bytes(q5_blocks, 96), None)]
+    # Each format's own codes (Q4_1 to 15, Q5_0 to 31, Q8_0 past 129) with ragged N, through the
+    # copies the engine makes.
+    layers = [_layer(T.Q4_1, 40, 96, 0), _layer(T.Q5_0, 40, 96, 1), _layer(T.Q8_0, 40, 96, 2)]
     torch.manual_seed(rows)
     x = torch.randn(rows, 96)
     for layer in layers:
@@ -261,11 +259,7 @@ def test_int8_copies_hold_the_block_formats_weights_exactly():
     layers = {t.name: _layer(t, 40, 96, seed) for seed, t in enumerate((T.Q4_1, T.Q5_0, T.Q8_0))}
     layers["Q4_K"] = _layer(T.Q4_K, 40, 256, 3)
     layers["Q5_0 + Q8_0"] = SegmentedLinear([layers["Q5_0"], _layer(T.Q8_0, 8, 96, 4)])
-    # Q5_0 held as bytes (as the loader keeps Gemma 3's q/k/v and gate/up): codes q + 16 in 0..31,
-    # as Q5Linear's, not q + 128 (which AVX2's kernel would multiply as two nibbles).
-    q5_blocks = block_formats.unpack("Q5_0", random_blocks(T.Q5_0, 40, 96, 6), (40, 96))
-    layers["Q5_0 as bytes"] = Q8Linear.from_byte_blocks(block_formats.q5_as_bytes(q5_blocks, 96), None)
-    largest_code = {"Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q5_0 as bytes": 31, "Q8_0": 255, "Q5_0 + Q8_0": 255}
+    largest_code = {"Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q8_0": 255, "Q5_0 + Q8_0": 255}
     for name, layer in layers.items():
         copy = layer.make_prefill_copy("int8")
         assert isinstance(copy, W8A8Linear), name

@@ -7,8 +7,8 @@
 //   Q4_1 (kvserve int4): groups of 32 weights w = d * q + m, q in 0..15, d and m fp16.
 //     y = sum_g d_g * (q_g . x_g) + m_g * sum(x_g), with x rounded once per group of 32 to
 //     16-bit integers times a scale (2^-16 of the group's largest |x|: finer than bf16), so that
-//     q_g . x_g is an exact integer dot product (AVX512: vpdpbusd on the weights' bytes and
-//     each activation's two bytes; AVX2: vpmaddwd on 16-bit words), scaled once per group.
+//     q_g . x_g is an exact integer dot product (the weights' bytes times each activation's two
+//     bytes: vpdpbusd on AVX512, vpmaddubsw and vpmaddwd on AVX2), scaled once per group.
 //   Q4_K (Gemma 3's file): super-blocks of 256 with 6-bit sub-scales, w = d * sc * q - dmin * mn
 //     per group of 32. Loaded into the Q4_1 layout with the group's d * sc and -dmin * mn as
 //     fp32 (both exact in fp32, not in fp16): the same kernel with fp32 scales.
@@ -52,8 +52,8 @@
 #include <immintrin.h>
 #define KVSERVE_Q4_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Zen 2/3 and other CPUs without AVX512-BF16: the nibble kernels on int16 activations and
-// vpmaddwd, the Q8 kernels in 8-lane fp32.
+// Zen 2/3 and other CPUs without AVX512-BF16: the nibble kernels on the AVX512 kernel's tiles in
+// 8-lane halves (vpmaddubsw), the Q8 kernels in 8-lane fp32.
 #include <immintrin.h>
 #define KVSERVE_QUANT_AVX2 1
 #endif
@@ -73,7 +73,7 @@ constexpr int64_t kInputRowBlock = 4;  // input rows sharing one decode of the w
 constexpr int64_t kPrefetchBytes = 2048;
 // The nibble formats' activations as integers, per group of 32 inputs: q = round(x * L / a),
 // a the group's largest |x|, on AVX2 and AVX512 alike. L = 127 * 256 + 127 rather than 32767,
-// so that on AVX512 q splits into two signed bytes (see SplitInt16Activations).
+// so that q splits into two signed bytes (see SplitInt16Activations).
 constexpr float kActivationLevels = 32639.f;
 
 bool g_portable = false;
@@ -158,16 +158,10 @@ struct Q4Format {
     const uint8_t byte = qs[(n * chunks + c) * 32 + half * 16 + j];
     return {byte & 15, byte >> 4};
   }
-#ifdef KVSERVE_QUANT_AVX2
-  void avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4], __m128& scales) const;
-#endif
 };
 
 struct Q5Format {
   static constexpr bool kOffset = false;
-#ifdef KVSERVE_QUANT_AVX2
-  void avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4], __m128& scales) const;
-#endif
   const uint8_t* qs;   // as Q4_1's
   const uint32_t* qh;  // per 128-weight block, 4 masks: bit i of mask p = fifth bit of plane p's word i
   const uint16_t* d;   // per group, fp16
@@ -221,15 +215,22 @@ struct Q4Tiles {
     const uint8_t byte = tile_byte(group(n / kTileRows, 2 * c + half), n % kTileRows, j);
     return {byte & 15, byte >> 4};
   }
+  static constexpr int kMaxValue = 15;  // the largest v
 #ifdef KVSERVE_Q4_AVX512
   // A tile-group's values (w = d v + m) and its rows' d and m.
   static void values(const uint8_t*, __m512i (&)[4], __m512i (&)[4]) {}
   static void scales(const uint8_t* p, __m512& d, __m512& m);
 #endif
+#ifdef KVSERVE_QUANT_AVX2
+  // The same for rows 8 h .. 8 h + 7.
+  static void values(const uint8_t*, int, __m256i (&)[4], __m256i (&)[4]) {}
+  static void scales(const uint8_t* p, int h, __m256& d, __m256& m);
+#endif
 };
 
 struct Q5Tiles {
   static constexpr bool kOffset = false;
+  static constexpr int kMaxValue = 31;
   static constexpr int64_t kGroupBytes = kTileNibbleBytes + 64 + kTileRows * 2;
   const uint8_t* packed;
   int64_t groups, chunks;
@@ -265,6 +266,30 @@ struct Q5Tiles {
     m = _mm512_mul_ps(_mm512_set1_ps(-16.f), d);
   }
 #endif
+#ifdef KVSERVE_QUANT_AVX2
+  // Rows 8 h .. 8 h + 7: the 32 mask bits of their bytes (bits 32 h ..) spread one per byte
+  // (vpshufb puts mask byte j / 8 in byte j, a compare with the byte's own bit keeps it).
+  static void values(const uint8_t* p, int h, __m256i (&low)[4], __m256i (&high)[4]) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    const auto fifth_bits = [&](int mask) {
+      int32_t word;
+      std::memcpy(&word, p + kTileNibbleBytes + 8 * mask + 4 * h, sizeof(word));
+      const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(word), spread), bit);
+      return _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit), sixteen);
+    };
+    for (int i = 0; i < 4; ++i) {
+      low[i] = _mm256_or_si256(low[i], fifth_bits(i));
+      high[i] = _mm256_or_si256(high[i], fifth_bits(4 + i));
+    }
+  }
+  static void scales(const uint8_t* p, int h, __m256& d, __m256& m) {
+    d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 64 + 16 * h)));
+    m = _mm256_mul_ps(_mm256_set1_ps(-16.f), d);
+  }
+#endif
 };
 
 #ifdef KVSERVE_Q4_AVX512
@@ -278,13 +303,35 @@ inline void Q4Tiles<float>::scales(const uint8_t* p, __m512& d, __m512& m) {
   d = _mm512_loadu_ps(p + kTileNibbleBytes);
   m = _mm512_loadu_ps(p + kTileNibbleBytes + 64);
 }
+#endif
+#ifdef KVSERVE_QUANT_AVX2
+template <>
+inline void Q4Tiles<uint16_t>::scales(const uint8_t* p, int h, __m256& d, __m256& m) {
+  d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 16 * h)));
+  m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 32 + 16 * h)));
+}
+template <>
+inline void Q4Tiles<float>::scales(const uint8_t* p, int h, __m256& d, __m256& m) {
+  d = _mm256_loadu_ps(reinterpret_cast<const float*>(p + kTileNibbleBytes) + 8 * h);
+  m = _mm256_loadu_ps(reinterpret_cast<const float*>(p + kTileNibbleBytes + 64) + 8 * h);
+}
 
-// The activations of a nibble-format call for the AVX512 kernel: per group of 32 inputs the same
-// 16-bit integers as on AVX2 (Int16Activations: q = round(x * L / a), scale s = a / L), each
-// split into two signed bytes q = 256 h + l (h = floor((q + 128) / 256) in -127..127, l in
-// -128..127: L = 32639 keeps h a byte), so that vpdpbusd multiplies the weights' unsigned bytes
-// by each half; 256 dot(v, h) + dot(v, l) is the exact integer dot product. Per row and group:
-// 64 bytes, h of the 32 inputs in order then l, and two floats, s and s * sum(q).
+// 32 int32 lanes in -128..127 as 32 bytes in their order (the packs interleave 128-bit halves:
+// dword i of the result holds lanes 4 i .. 4 i + 3 of the inputs' order 0, 4, 1, 5, ...).
+inline __m256i packed_bytes(const __m256i (&v)[4]) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
+#if defined(KVSERVE_Q4_AVX512) || defined(KVSERVE_QUANT_AVX2)
+// The activations of a nibble-format call: per group of 32 inputs q = round(x * L / a), a the
+// group's largest |x| and s = a / L, each q split into two signed bytes q = 256 h + l
+// (h = floor((q + 128) / 256) in -127..127, l in -128..127: L = 32639 keeps h a byte), so that
+// the weights' unsigned bytes multiply each half (vpdpbusd; vpmaddubsw on AVX2) and
+// 256 dot(v, h) + dot(v, l) is the exact integer dot product. Per row and group: 64 bytes, h of
+// the 32 inputs in order then l, and two floats, s and s * sum(q). AVX512 and AVX2 compute the
+// same bytes and floats (the same fp32 operations; the maximum and the sum are exact).
 struct SplitInt16Activations {
   int64_t groups;
   int8_t* bytes;   // [M][groups][64]
@@ -298,37 +345,68 @@ struct SplitInt16Activations {
     thread_local std::vector<float> scales_scratch;
     bytes = grown(bytes_scratch, M * groups * 64);
     scales = grown(scales_scratch, M * groups * 2);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t g = 0; g < groups; ++g) split_group(x + r * x_stride, g, K, bytes + (r * groups + g) * 64,
+                                                       scales + (r * groups + g) * 2);
+  }
+
+ private:
+  // Group g of row x (zeros past K) into its 64 bytes and two scales.
+  static void split_group(const float* x, int64_t g, int64_t K, int8_t* dst, float* scale) {
+    const int64_t k0 = g * kGroup, n = std::max<int64_t>(0, std::min(kGroup, K - k0));
+#ifdef KVSERVE_Q4_AVX512
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = x + r * x_stride;
-      for (int64_t g = 0; g < groups; ++g) {  // groups past K are zeros
-        const int64_t k0 = g * kGroup, n = std::max<int64_t>(0, std::min(kGroup, K - k0));
-        const __m512 v0 = _mm512_maskz_loadu_ps(_cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1), xr + k0);
-        const __m512 v1 = _mm512_maskz_loadu_ps(_cvtu32_mask16(n <= 16 ? 0u : n >= 32 ? 0xFFFFu : (1u << (n - 16)) - 1),
-                                                xr + k0 + 16);
-        float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
-        // A non-finite input keeps a non-finite scale, so that the row's outputs are not finite
-        // either, as a float product would leave them (vmaxps alone may drop a NaN).
-        if (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q))
-          a = std::numeric_limits<float>::quiet_NaN();
-        const __m512 inv = _mm512_set1_ps(a > 0.f && std::isfinite(a) ? kActivationLevels / a : 0.f);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-        const __m512i bias = _mm512_set1_epi32(128);
-        const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, bias), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, bias), 8);
-        const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8)), l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8));
-        int8_t* dst = bytes + (r * groups + g) * 64;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(h0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(h1));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm512_cvtepi32_epi8(l0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtepi32_epi8(l1));
-        const float s = a / kActivationLevels;
-        scales[(r * groups + g) * 2] = s;
-        scales[(r * groups + g) * 2 + 1] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-      }
+    const __m512 v0 = _mm512_maskz_loadu_ps(_cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1), x + k0);
+    const __m512 v1 = _mm512_maskz_loadu_ps(_cvtu32_mask16(n <= 16 ? 0u : n >= 32 ? 0xFFFFu : (1u << (n - 16)) - 1),
+                                            x + k0 + 16);
+    float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
+    // A non-finite input keeps a non-finite scale, so that the row's outputs are not finite
+    // either, as a float product would leave them (vmaxps alone may drop a NaN).
+    if (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q))
+      a = std::numeric_limits<float>::quiet_NaN();
+    const __m512 inv = _mm512_set1_ps(a > 0.f && std::isfinite(a) ? kActivationLevels / a : 0.f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    const __m512i bias = _mm512_set1_epi32(128);
+    const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, bias), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, bias), 8);
+    const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8)), l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(h0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(h1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm512_cvtepi32_epi8(l0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtepi32_epi8(l1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+    float group[kGroup] = {};
+    std::memcpy(group, x + k0, n * sizeof(float));
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 v[4], largest = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(group + 8 * i);
+      largest = _mm256_max_ps(largest, _mm256_and_ps(v[i], abs_mask));
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
     }
+    float a = horizontal_max(largest);
+    if (_mm256_movemask_ps(unordered)) a = std::numeric_limits<float>::quiet_NaN();  // as on AVX512
+    const __m256 inv = _mm256_set1_ps(a > 0.f && std::isfinite(a) ? kActivationLevels / a : 0.f);
+    const __m256i bias = _mm256_set1_epi32(128);
+    __m256i high[4], low[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest, ties to even
+      high[i] = _mm256_srai_epi32(_mm256_add_epi32(q, bias), 8);
+      low[i] = _mm256_sub_epi32(q, _mm256_slli_epi32(high[i], 8));
+      total = _mm256_add_epi32(total, q);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed_bytes(high));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), packed_bytes(low));
+    const int32_t sum = horizontal_sum(total);
+#endif
+    const float s = a / kActivationLevels;
+    scale[0] = s;
+    scale[1] = s * static_cast<float>(sum);
   }
 };
+#endif
 
+#ifdef KVSERVE_Q4_AVX512
 // Word i (inputs 4 i .. 4 i + 3) of 32 activation bytes, in every lane.
 inline __m512i broadcast_word(const int8_t* bytes, int i) {
   int32_t word;
@@ -384,161 +462,82 @@ void nibble_tiles_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N, cons
 #endif
 
 #ifdef KVSERVE_QUANT_AVX2
-// The activations of a nibble-format call for the AVX2 kernel, in 16-bit integers: per row and
-// group of 32 inputs, q = round(x * L / a) with a the group's largest |x| and the scale
-// s = a / L (L = kActivationLevels), so that x = s * q within s / 2 (2^-16 of the group's largest input, where a
-// bf16 rounding is 2^-9 of each input). Integer products then need no conversion of the
-// weights to float: vpmaddwd sums pairs of 16-bit products into 32-bit lanes, exactly (a
-// group's sum stays below 2^25). Per 64-input chunk the kernel multiplies the weights'
-// (d, d', m, m') by (s, s', s * sum(q), s' * sum(q')) in one vector.
-struct Int16Activations {
-  int64_t chunks;
-  int16_t* q;      // [M][Kp], zero past K
-  float* scales;   // [M][chunks][4]
-
-  // In the calling thread's scratch memory, as SplitInt16Activations.
-  Int16Activations(const float* src, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : chunks(Kp / kChunk) {
-    thread_local std::vector<int16_t> q_scratch;
-    thread_local std::vector<float> scales_scratch;
-    q = grown(q_scratch, M * Kp);
-    scales = grown(scales_scratch, M * chunks * 4);
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = src + r * x_stride;
-      int16_t* qr = q + r * Kp;
-      float* sr = scales + r * chunks * 4;
-      for (int64_t g = 0; g < 2 * chunks; ++g) {
-        const int64_t k0 = g * kGroup, n = std::max<int64_t>(0, std::min(kGroup, K - k0));
-        float group[kGroup] = {};
-        std::memcpy(group, xr + k0, n * sizeof(float));
-        __m256 v[4], amax = _mm256_setzero_ps();
-        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        for (int i = 0; i < 4; ++i) {
-          v[i] = _mm256_loadu_ps(group + 8 * i);
-          amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
-        }
-        const float a = horizontal_max(amax);
-        // A group of zeros (or past K) is all q = 0; a non-finite input keeps its scale, so that
-        // the row's outputs are not finite either, as a float product would leave them.
-        const __m256 inv = _mm256_set1_ps(a > 0.f && std::isfinite(a) ? kActivationLevels / a : 0.f);
-        __m256i lanes[4], sum = _mm256_setzero_si256();
-        for (int i = 0; i < 4; ++i) {
-          lanes[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest, ties to even
-          sum = _mm256_add_epi32(sum, lanes[i]);
-        }
-        // packs interleaves 128-bit halves (0-3 8-11 4-7 12-15): permute back to input order
-        for (int h = 0; h < 2; ++h)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + k0 + 16 * h),
-                              _mm256_permute4x64_epi64(_mm256_packs_epi32(lanes[2 * h], lanes[2 * h + 1]), 0xD8));
-        const float s = a / kActivationLevels;
-        sr[(g / 2) * 4 + g % 2] = s;
-        sr[(g / 2) * 4 + 2 + g % 2] = s * static_cast<float>(horizontal_sum(sum));
-      }
-    }
+// Per 8-lane row block, sum over a group's 32 inputs of v times the activation bytes x (its h or
+// its l: 32 bytes), each row's sum times `factor` in 32 bits. vpmaddubsw adds pairs of the
+// weights' unsigned bytes times the activations' signed bytes into 16 bits; sums of those stay
+// in 16 bits while they cannot overflow (Q4's v <= 15: eight vectors, at most 8 * 2 * 15 * 128 =
+// 30,720; Q5's v <= 31: four), and vpmaddwd widens them: the integers of vpdpbusd.
+template <int kMaxValue>
+inline __m256i dot_bytes(const __m256i (&low)[4], const __m256i (&high)[4], const int8_t* x, __m256i factor) {
+  const auto word = [x](int i) {
+    int32_t w;
+    std::memcpy(&w, x + 4 * i, sizeof(w));
+    return _mm256_set1_epi32(w);
+  };
+  __m256i low_sum = _mm256_maddubs_epi16(low[0], word(0)), high_sum = _mm256_maddubs_epi16(high[0], word(4));
+  for (int i = 1; i < 4; ++i) {
+    low_sum = _mm256_add_epi16(low_sum, _mm256_maddubs_epi16(low[i], word(i)));
+    high_sum = _mm256_add_epi16(high_sum, _mm256_maddubs_epi16(high[i], word(4 + i)));
   }
-};
+  if constexpr (8 * 2 * kMaxValue * 128 <= 32767) {
+    return _mm256_madd_epi16(_mm256_add_epi16(low_sum, high_sum), factor);
+  } else {
+    return _mm256_add_epi32(_mm256_madd_epi16(low_sum, factor), _mm256_madd_epi16(high_sum, factor));
+  }
+}
 
-// A nibble format (Q4_1 with fp16 or fp32 scales, Q5_0) for MR activation rows, one output row
-// at a time: per 64-weight chunk the weights as 16-bit integers (Format::avx2_chunk: group 2c's
-// weights 0-15 from the low nibbles of its 16 bytes, 16-31 from the high, then group 2c + 1),
-// each group's integer dot product (vpmaddwd, 8 lanes of 4 products) converted to fp32 and
-// times d * s into the row's accumulator for that group's half of the chunk, and m * s * sum(q)
-// into an offset lane. Every output sums its groups in the same order whatever MR.
-template <typename Format, int MR>
-void nibble_rows_avx2(const Format& f, int64_t n_begin, int64_t n_end, const Int16Activations& act, int64_t r0,
-                      float* out, int64_t out_stride, const float* bias) {
-  const int64_t chunks = act.chunks, Kp = chunks * kChunk;
-  for (int64_t n = n_begin; n < n_end; ++n) {
+// The AVX512 kernel's tiles in two 8-lane halves (rows 0-7, 8-15), as the LM head's screen reads
+// them on AVX2 (screen_linear.cpp): each group's exact integer dot product per row
+// (256 dot(v, h) + dot(v, l), dot_bytes), then acc += m * s sum(q) and acc += dot * (d s), the
+// same fp32 operations in the same order as nibble_tiles_avx512, so the same outputs bit for
+// bit. For one activation row GCC's code takes ~90 instructions per 256 weights (~50 of them
+// vector arithmetic), the row layout's kernel (16-bit weights against 16-bit activations,
+// vpmaddwd) took ~125: on a 2-core Zen 3 both threads of a decode step stream at the memory's
+// rate either way, and the cores have more time for the rest.
+template <typename Tiles, int MR>
+void nibble_tiles_avx2(const Tiles& w, int64_t t0, int64_t t1, int64_t N, const SplitInt16Activations& act,
+                       int64_t r0, float* out, int64_t out_stride, const float* bias) {
+  const int64_t groups = act.groups;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1), times_256 = _mm256_set1_epi16(256);
+  for (int64_t t = t0; t < t1; ++t) {
     __m256 acc[MR][2];
-    __m128 offset[MR];
-    for (int r = 0; r < MR; ++r) {
-      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      offset[r] = _mm_setzero_ps();
-    }
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m256i w[4];
-      __m128 weight_scales;  // d, d', m, m'
-      f.avx2_chunk(n, c, w, weight_scales);
-      for (int r = 0; r < MR; ++r) {
-        const int16_t* xr = act.q + (r0 + r) * Kp + c * kChunk;
-        // (d s, d' s', m s sum(q), m' s' sum(q'))
-        const __m128 sc = _mm_mul_ps(weight_scales, _mm_loadu_ps(act.scales + ((r0 + r) * chunks + c) * 4));
-        offset[r] = _mm_add_ps(offset[r], sc);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i dot = _mm256_add_epi32(
-              _mm256_madd_epi16(w[2 * h], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * h))),
-              _mm256_madd_epi16(w[2 * h + 1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * h + 16))));
-          const __m256 ds = _mm256_broadcastss_ps(h ? _mm_movehdup_ps(sc) : sc);
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[r][h]);
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = w.group(t, g);
+      for (int64_t line = 0; line < Tiles::kGroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kTilePrefetchBytes + line, _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {  // rows 8 h .. 8 h + 7
+        __m256i low[4], high[4];
+        for (int i = 0; i < 4; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32 * h));
+          low[i] = _mm256_and_si256(v, low_nibbles);
+          high[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        }
+        Tiles::values(p, h, low, high);
+        __m256 d, m;
+        Tiles::scales(p, h, d, m);
+        for (int r = 0; r < MR; ++r) {
+          const int64_t ag = (r0 + r) * groups + g;
+          const int8_t* x = act.bytes + ag * 64;
+          const __m256i dot = _mm256_add_epi32(dot_bytes<Tiles::kMaxValue>(low, high, x, times_256),
+                                               dot_bytes<Tiles::kMaxValue>(low, high, x + 32, ones));
+          const float* s = act.scales + ag * 2;
+          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(s[1]), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s[0])), acc[r][h]);
         }
       }
     }
+    const int64_t n0 = t * kTileRows, valid = std::min(kTileRows, N - n0);
+    alignas(32) float b[kTileRows] = {};
+    if (bias) std::memcpy(b, bias + n0, valid * sizeof(float));
     for (int r = 0; r < MR; ++r) {
-      const __m128 o = offset[r];
-      const float offsets = _mm_cvtss_f32(_mm_add_ss(_mm_movehl_ps(o, o), _mm_shuffle_ps(o, o, 3)));  // lanes 2 + 3
-      out[(r0 + r) * out_stride + n] =
-          horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1])) + offsets + (bias ? bias[n] : 0.f);
+      alignas(32) float lanes[kTileRows];
+      float* o = valid == kTileRows ? out + (r0 + r) * out_stride + n0 : lanes;
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(o + 8 * h, _mm256_add_ps(acc[r][h], _mm256_load_ps(b + 8 * h)));
+      if (o == lanes) std::memcpy(out + (r0 + r) * out_stride + n0, lanes, valid * sizeof(float));
     }
   }
-}
-
-// Chunk c's 32 bytes of nibbles as four vectors of 16-bit lanes: group 2c's weights 0-15 (low
-// nibbles of bytes 0-15) and 16-31 (their high nibbles), then group 2c + 1's.
-__attribute__((always_inline)) inline void nibble_words(const uint8_t* p, __m256i (&w)[4]) {
-  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-  const __m256i low4 = _mm256_set1_epi16(0xF);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
-    w[2 * h] = _mm256_and_si256(bytes, low4);
-    w[2 * h + 1] = _mm256_srli_epi16(bytes, 4);
-  }
-}
-
-// A chunk's four scales (d, d', m, m') as stored: fp16 bits or fp32.
-inline __m128 scale_vector(const uint16_t* p) { return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-inline __m128 scale_vector(const float* p) { return _mm_loadu_ps(p); }
-
-template <typename Scale>
-__attribute__((always_inline)) inline void Q4Format<Scale>::avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4],
-                                                                       __m128& scales) const {
-  nibble_words(qs + (n * chunks + c) * 32, w);
-  scales = scale_vector(dm + (n * chunks + c) * 4);
-}
-
-// Q5_0: v = q + 16 in 0..31, its fifth bit from the block's four plane masks (fifth_bit: weight
-// j of group g is bit (g % 4) * 8 + (j % 16) / 2 of mask (j >= 16) + 2 (j % 2)). The block's 16
-// bytes of masks sit in both halves of a vector; per 16 lanes one vpshufb puts in lane j's low
-// byte the byte of its mask for the group (kFifthBitBytes), and a compare with the lane's bit
-// (j / 2) gives 16 or 0 to OR into the nibble. w = d * (v - 16) is d * v with the offset
-// -16 d * sum(x).
-// Per side (weights 0-15: masks 0 and 2; 16-31: masks 1 and 3) the shuffle control for byte 0 of
-// the masks; byte b of each is b more. High bytes 0x80: zero.
-alignas(32) constexpr int8_t kFifthBitBytes[2][32] = {
-    {0, -128, 8, -128, 0, -128, 8, -128, 0, -128, 8, -128, 0, -128, 8, -128,
-     0, -128, 8, -128, 0, -128, 8, -128, 0, -128, 8, -128, 0, -128, 8, -128},
-    {4, -128, 12, -128, 4, -128, 12, -128, 4, -128, 12, -128, 4, -128, 12, -128,
-     4, -128, 12, -128, 4, -128, 12, -128, 4, -128, 12, -128, 4, -128, 12, -128}};
-
-__attribute__((always_inline)) inline void Q5Format::avx2_chunk(int64_t n, int64_t c, __m256i (&w)[4],
-                                                                 __m128& scales) const {
-  nibble_words(qs + (n * chunks + c) * 32, w);
-  const __m256i masks = _mm256_broadcastsi128_si256(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + (n * ((chunks + 1) / 2) + c / 2) * 4)));
-  // lane j's bit: j / 2 of its byte (lanes 8-15 in the upper half: bits 4-7)
-  const __m256i select = _mm256_setr_epi16(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, 128, 128);
-  const __m256i sixteen = _mm256_set1_epi16(16);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i byte = _mm256_set1_epi16(static_cast<int16_t>((2 * c + h) % 4));  // the group's byte of each mask
-    for (int side = 0; side < 2; ++side) {
-      const __m256i control =
-          _mm256_add_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kFifthBitBytes[side])), byte);
-      const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(masks, control), select);
-      w[2 * h + side] = _mm256_or_si256(w[2 * h + side], _mm256_and_si256(_mm256_cmpeq_epi16(bits, select), sixteen));
-    }
-  }
-  int32_t two_scales;
-  std::memcpy(&two_scales, d + (n * chunks + c) * 2, sizeof(two_scales));
-  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(two_scales));
-  scales = _mm_movelh_ps(dd, _mm_mul_ps(dd, _mm_set1_ps(-16.f)));
 }
 #endif
 
@@ -581,9 +580,9 @@ void over_row_blocks(int64_t N, int64_t M, int64_t work, const Block& block) {
   });
 }
 
-// y = x @ W^T + bias for a nibble format in the row layout (the AVX2 kernel and the portable
-// loop; the AVX512 kernel reads the tiled layout): the activations laid out once, then every
-// block of output rows with every block of input rows.
+// y = x @ W^T + bias for a nibble format in the row layout (the portable loop; the AVX512 and
+// AVX2 kernels read the tiled layout): the activations laid out once, then every block of
+// output rows with every block of input rows.
 template <typename Format>
 void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor& x, int64_t N,
                        const c10::optional<torch::Tensor>& bias) {
@@ -591,17 +590,8 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
   float* o = out.data_ptr<float>();
   const int64_t o_stride = out.stride(0);
   const float* b = optional_bias(bias, N);
-#ifdef KVSERVE_Q4_AVX512
+#if defined(KVSERVE_Q4_AVX512) || defined(KVSERVE_QUANT_AVX2)
   TORCH_CHECK(g_portable, "this CPU's nibble kernel reads the tiled layout (kvserve.quant.tile_nibbles)");
-#endif
-#ifdef KVSERVE_QUANT_AVX2
-  if (!g_portable) {
-    const Int16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
-    over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
-      dispatch_rows<4>(rows, [&](auto mr) { nibble_rows_avx2<Format, decltype(mr)::value>(f, n0, n1, act, r0, o, o_stride, b); });
-    });
-    return;
-  }
 #endif
   const Q4Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
   over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
@@ -609,7 +599,7 @@ void nibble_linear_out(const Format& f, torch::Tensor& out, const torch::Tensor&
   });
 }
 
-// The same for the tiled layout: the AVX512 kernel, tiles spread over the threads and, per
+// The same for the tiled layout: the AVX512 or AVX2 kernel, tiles spread over the threads and, per
 // tile, every block of input rows while the tile is in cache; or the portable loop.
 template <typename Tiles>
 void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x, int64_t N,
@@ -619,23 +609,24 @@ void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x
   float* o = out.data_ptr<float>();
   const int64_t o_stride = out.stride(0);
   const float* b = optional_bias(bias, N);
-#ifdef KVSERVE_Q4_AVX512
+#if defined(KVSERVE_Q4_AVX512) || defined(KVSERVE_QUANT_AVX2)
   if (!g_portable) {
     const SplitInt16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
     const int64_t tiles = (N + kTileRows - 1) / kTileRows;
     const int64_t grain = M * N * Kp < (1 << 18) ? tiles : 1;
+    const auto kernel = [&](int64_t t0, int64_t t1, int64_t r0, int64_t rows) {
+      dispatch_rows<kInputRowBlock>(rows, [&](auto mr) {
+#ifdef KVSERVE_Q4_AVX512
+        nibble_tiles_avx512<Tiles, decltype(mr)::value>(w, t0, t1, N, act, r0, o, o_stride, b);
+#else
+        nibble_tiles_avx2<Tiles, decltype(mr)::value>(w, t0, t1, N, act, r0, o, o_stride, b);
+#endif
+      });
+    };
     kvserve::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      if (M <= kInputRowBlock) {
-        dispatch_rows<kInputRowBlock>(M, [&](auto mr) {
-          nibble_tiles_avx512<Tiles, decltype(mr)::value>(w, t0, t1, N, act, 0, o, o_stride, b);
-        });
-        return;
-      }
+      if (M <= kInputRowBlock) return kernel(t0, t1, 0, M);
       for (int64_t t = t0; t < t1; ++t)
-        for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock)
-          dispatch_rows<kInputRowBlock>(std::min(kInputRowBlock, M - r0), [&](auto mr) {
-            nibble_tiles_avx512<Tiles, decltype(mr)::value>(w, t, t + 1, N, act, r0, o, o_stride, b);
-          });
+        for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) kernel(t, t + 1, r0, std::min(kInputRowBlock, M - r0));
     });
     return;
   }
