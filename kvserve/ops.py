@@ -126,8 +126,10 @@ def nibble_kernel_activations(x: torch.Tensor) -> torch.Tensor:
     groups = torch.nn.functional.pad(x, (0, -k % 32)).view(rows, -1, 32)
     largest = groups.abs().amax(-1, keepdim=True)
     finite = (largest > 0) & torch.isfinite(largest)
-    # (tensor / tensor: a number over a tensor is computed as its reciprocal's product, 1 ulp off)
-    inverse = torch.where(finite, torch.full_like(largest, ACTIVATION_LEVELS) / torch.where(finite, largest, 1.0), 0.0)
+    # (tensor / tensor: a number over a tensor is computed as its reciprocal's product, 1 ulp off;
+    # 0 where L / a overflows, as the kernels')
+    inverse = torch.full_like(largest, ACTIVATION_LEVELS) / torch.where(finite, largest, 1.0)
+    inverse = torch.where(finite & torch.isfinite(inverse), inverse, 0.0)
     q = torch.round(groups * inverse)  # ties to even, as vcvtps2dq
     return (q * (largest / ACTIVATION_LEVELS)).view(rows, -1)[:, :k]
 

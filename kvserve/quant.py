@@ -381,7 +381,8 @@ class DecodeFormatLinear(nn.Module):
     def prefill_copy_pays(self) -> bool:
         """Whether prompt rows run faster through a bf16 copy than through this layer's blocks
         here (``int4_prefill="auto"``). Yes but where a subclass measured otherwise: on the AVX2
-        route the bf16 kernel beat every block kernel at 256 rows (1.4-1.7x), and the Q8 kernel
+        route the bf16 kernel beats the nibble tiles at 256 rows (1.08x on SmolLM2's Q4_1 layers,
+        1.3x on Gemma 3's Q4_K and Q5_0; benchmarks/results/zen3-avx2-nibble-tiles), and the Q8 kernel
         (Q8_0, Q6_K: int8 widened to fp32 FMAs) runs at half the bf16 kernel's rate everywhere."""
         return True
 

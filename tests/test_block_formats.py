@@ -1,5 +1,5 @@
 """GGUF's block formats (Q4_1, Q4_K, Q5_0, Q8_0, Q6_K) as kvserve's kernels read them: the
-unpacked values equal gguf's own dequantization bit for bit, each kernel (AVX512 and portable)
+unpacked values equal gguf's own dequantization bit for bit, each kernel (AVX512, AVX2, portable)
 matches plain torch for every row blocking, and a fused projection mixing types computes each
 part with its own kernel."""
 import numpy as np
@@ -101,13 +101,14 @@ def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.skipif(not quant.tiled_nibble_kernels(), reason="the tiled nibble kernels (AVX512, AVX2) only")
-@pytest.mark.parametrize("quant_type,k", [(T.Q4_1, 576), (T.Q4_K, 512), (T.Q5_0, 640)])
+@pytest.mark.parametrize("quant_type,k", [(T.Q4_1, 576), (T.Q4_1, 96), (T.Q4_K, 512), (T.Q5_0, 640)])
 def test_tiled_kernels_are_their_integer_dot_products_and_fp32_steps(quant_type, k):
     """The AVX512 and the AVX2 nibble kernels, emulated: per row and group of 32 inputs the exact
     integer dot product of the values and the activations' 16-bit integers, then
     acc = fma(m, s sum(q), acc) and acc = fma(dot, d s, acc) in fp32, in group order, plus the
-    bias. Both ISAs compute exactly this, so a machine of either kind gives the other's bits."""
-    n = 40
+    bias. Both ISAs compute exactly this, so a machine of either kind gives the other's bits.
+    N = 45: the last tile's upper 8-row half partly filled; K = 96: a zero group past K."""
+    n = 45
     data = random_blocks(quant_type, n, k, seed=k)
     layer = gguf_linear([QuantizedTensor(quant_type, data, (n, k))], torch.randn(n, generator=torch.Generator().manual_seed(1)))
     assert layer.packed is not None
@@ -118,10 +119,12 @@ def test_tiled_kernels_are_their_integer_dot_products_and_fp32_steps(quant_type,
     torch.manual_seed(k)
     x = torch.randn(5, k) * torch.logspace(-2, 1, 5)[:, None]
     x[1, :40] = 0.0  # an all-zero group: q = 0, s = 0
+    x[2, 32:64] = 1e-36  # largest |x| so small that L / a overflows: q = 0, as for zeros
     padded = torch.nn.functional.pad(x, (0, groups * 32 - k)).view(5, groups, 32)
     largest = padded.abs().amax(-1, keepdim=True)
     # (a tensor divided by a tensor: torch computes a number over a tensor as a reciprocal's product)
-    inverse = torch.where(largest > 0, torch.full_like(largest, ops.ACTIVATION_LEVELS) / largest.clamp(min=1e-30), 0.0)
+    inverse = torch.full_like(largest, ops.ACTIVATION_LEVELS) / torch.where(largest > 0, largest, 1.0)
+    inverse = torch.where((largest > 0) & torch.isfinite(inverse), inverse, 0.0)
     q = torch.round(padded * inverse).to(torch.int64)  # fp32 product, ties to even (vcvtps2dq)
     s = (largest[..., 0] / ops.ACTIVATION_LEVELS).numpy()  # [rows, groups]
     s_sum = (largest[..., 0] / ops.ACTIVATION_LEVELS * q.sum(-1).float()).numpy()
@@ -199,8 +202,8 @@ def test_same_type_parts_merge_into_one_layer():
 
 
 @pytest.mark.parametrize("quant_type,k", [(T.Q4_1, 576), (T.Q4_K, 512), (T.Q5_0, 640)])
-def test_tiled_layout_puts_each_weight_where_the_avx512_kernel_reads_it(quant_type, k):
-    """tile_nibbles (the AVX512 kernel's layout): row r's value 4 i + c of group g in the low
+def test_tiled_layout_puts_each_weight_where_the_vector_kernels_read_it(quant_type, k):
+    """tile_nibbles (the AVX512 and AVX2 kernels' layout): row r's value 4 i + c of group g in the low
     nibble of byte 64 i + 4 r % 16 + c of tile r // 16's group g, value 16 + 4 i + c in its
     high nibble; Q5_0's fifth bits at bit 4 (r % 16) + c of mask i (low) or 4 + i (high); then
     the rows' scales. untile_nibbles gives back the same values and scales."""

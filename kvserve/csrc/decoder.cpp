@@ -51,7 +51,7 @@ std::pair<int64_t, int64_t> row_run(const torch::Tensor& rows) {
 struct Linear {
   enum class Kind { kQ4, kQ5, kTiles, kQ8, kBf16, kW8A8, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
   Kind kind = Kind::kDense;
-  // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); tiles (Q4 / Q5 on AVX512): packed, out_features
+  // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); tiles (Q4 / Q5 on AVX512 and AVX2): packed, out_features
   // given; Q8: qs, d; int8: weight, scales; bf16: packed; w8a8: packed codes, affine constants;
   // fp32 / oneDNN / dense: weight
   torch::Tensor weight, scales, extra;
@@ -97,7 +97,7 @@ struct Linear {
     switch (kind) {
       case Kind::kQ4: q4_linear_out(out, x, weight, scales, bias); return;
       case Kind::kQ5: q5_linear_out(out, x, weight, extra, scales, bias); return;
-      case Kind::kTiles: tiled_nibble_linear_out(out, x, weight, bias); return;  // Int4Linear / Q5Linear on AVX512
+      case Kind::kTiles: tiled_nibble_linear_out(out, x, weight, bias); return;  // Int4Linear / Q5Linear on AVX512 and AVX2
       case Kind::kQ8: q8_linear_out(out, x, weight, scales, bias); return;
       case Kind::kBf16: bf16_linear_out(out, x, weight, bias); return;  // kvserve.quant.Bf16Linear, packed for kvserve's kernel
       case Kind::kW8A8:  // kvserve.quant.W8A8Linear (extra: its panels' largest codes)

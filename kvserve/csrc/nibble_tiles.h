@@ -1,4 +1,4 @@
-// The tiled nibble layout read by the AVX512 4/5-bit kernel (quant_linear.cpp) and the LM-head
+// The tiled nibble layout read by the AVX512 and AVX2 4/5-bit kernels (quant_linear.cpp) and the LM-head
 // screen (screen_linear.cpp), written by kvserve.quant.tile_nibbles: per tile of 16 output rows
 // and group of 32 inputs, 256 bytes of nibbles, byte 64 i + 4 r + c holding row r's weight
 // 4 i + c in its low nibble and 16 + 4 i + c in its high nibble, then each format's scales (the

@@ -184,7 +184,7 @@ struct Q5Format {
   }
 };
 
-// The tiled nibble layout (nibble_tiles.h), which the AVX512 kernel reads, as llama.cpp's
+// The tiled nibble layout (nibble_tiles.h), which the AVX512 and AVX2 kernels read, as llama.cpp's
 // repacked layouts do: the rows' scales are a plain vector load, and no row needs a horizontal
 // sum, nor a row's last half-filled block of a wider unit (K = 576 is 18 groups). After the
 // nibbles, per format:
@@ -332,6 +332,14 @@ inline __m256i packed_bytes(const __m256i (&v)[4]) {
 // 256 dot(v, h) + dot(v, l) is the exact integer dot product. Per row and group: 64 bytes, h of
 // the 32 inputs in order then l, and two floats, s and s * sum(q). AVX512 and AVX2 compute the
 // same bytes and floats (the same fp32 operations; the maximum and the sum are exact).
+// L / a, the factor that takes a group's inputs to integers; 0 where that is not a finite number
+// (a group of zeros, past K, non-finite, or so small that L / a overflows: below ~1e-34, all its
+// q = 0), so that no finite input becomes a vcvtps2dq overflow.
+inline float activation_inverse(float a) {
+  const float inverse = kActivationLevels / a;
+  return a > 0.f && std::isfinite(a) && std::isfinite(inverse) ? inverse : 0.f;
+}
+
 struct SplitInt16Activations {
   int64_t groups;
   int8_t* bytes;   // [M][groups][64]
@@ -364,15 +372,16 @@ struct SplitInt16Activations {
     // either, as a float product would leave them (vmaxps alone may drop a NaN).
     if (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q))
       a = std::numeric_limits<float>::quiet_NaN();
-    const __m512 inv = _mm512_set1_ps(a > 0.f && std::isfinite(a) ? kActivationLevels / a : 0.f);
+    const __m512 inv = _mm512_set1_ps(activation_inverse(a));
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
     const __m512i bias = _mm512_set1_epi32(128);
     const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, bias), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, bias), 8);
     const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8)), l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(h0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(h1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm512_cvtepi32_epi8(l0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtepi32_epi8(l1));
+    // (saturating, as AVX2's packs: a NaN lane's integer, INT_MIN, gives h = -128 on both)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(h0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(h1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm512_cvtsepi32_epi8(l0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtsepi32_epi8(l1));
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #else
     float group[kGroup] = {};
@@ -386,7 +395,7 @@ struct SplitInt16Activations {
     }
     float a = horizontal_max(largest);
     if (_mm256_movemask_ps(unordered)) a = std::numeric_limits<float>::quiet_NaN();  // as on AVX512
-    const __m256 inv = _mm256_set1_ps(a > 0.f && std::isfinite(a) ? kActivationLevels / a : 0.f);
+    const __m256 inv = _mm256_set1_ps(activation_inverse(a));
     const __m256i bias = _mm256_set1_epi32(128);
     __m256i high[4], low[4], total = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {

@@ -14,7 +14,7 @@ void q4_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, c10::optional<torch::Tensor> bias);
 
 // y = x @ W^T + bias for Q5_0 weights: qs as Q4_1's, qh int32 [N, ceil(Kp / 128) * 4] (the fifth
-// bits as the AVX512 kernel's plane masks: kvserve.block_formats.q5_plane_masks), d int16
+// bits as the portable loop's plane masks: kvserve.block_formats.q5_plane_masks), d int16
 // [N, Kp / 32] holding fp16 scales; w = d * (q - 16).
 void q5_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor qh, torch::Tensor d,
                    c10::optional<torch::Tensor> bias);
@@ -22,7 +22,7 @@ torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, tor
                         c10::optional<torch::Tensor> bias);
 
 // y = x @ W^T + bias for nibble-format weights (Q4_1, Q4_K with fp32 scales, Q5_0) in the tiled
-// layout that the AVX512 kernel reads (see quant_linear.cpp, kvserve.quant.tile_nibbles):
+// layout that the AVX512 and AVX2 kernels read (see quant_linear.cpp, kvserve.quant.tile_nibbles):
 // packed uint8 [ceil(N / 16), Kp / 32, 320 (Q4, fp16 scales) | 384 (fp32) | 352 (Q5_0)].
 void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                              c10::optional<torch::Tensor> bias);
