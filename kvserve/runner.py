@@ -159,6 +159,7 @@ class ModelRunner:
         # A row is a prompt token when its position is within the request's prompt; the rest
         # (generated tokens, also when recomputed after preemption, and drafts) are not.
         is_prompt = np.zeros(n_tokens, dtype=bool) if self.wants_token_roles else None
+        num_prompt_rows = 0
 
         offset = 0
         for row, chunk in enumerate(step.chunks):
@@ -168,13 +169,21 @@ class ModelRunner:
             input_ids[offset:offset + n] = chunk.token_ids
             if is_prompt is not None:
                 num_prompt = self.requests[chunk.request_id].num_prompt_tokens
-                is_prompt[offset:offset + max(0, min(end, num_prompt) - start)] = True
-            pos = np.arange(start, end, dtype=np.int64)
-            positions[offset:offset + n] = pos
-            for g, group_table in enumerate(chunk.block_tables):
-                table = np.asarray(group_table, dtype=np.int64)
-                block_tables[g, row, :len(table)] = table
-                slot_mapping[g, offset:offset + n] = table[pos // block_size] * block_size + pos % block_size
+                prompt_here = max(0, min(end, num_prompt) - start)
+                is_prompt[offset:offset + prompt_here] = True
+                num_prompt_rows += prompt_here
+            if n == 1:  # a decode: plain ints (numpy's per-call cost is most of a one-token chunk's)
+                positions[offset] = start
+                for g, group_table in enumerate(chunk.block_tables):
+                    block_tables[g, row, :len(group_table)] = group_table
+                    slot_mapping[g, offset] = group_table[start // block_size] * block_size + start % block_size
+            else:
+                pos = np.arange(start, end, dtype=np.int64)
+                positions[offset:offset + n] = pos
+                for g, group_table in enumerate(chunk.block_tables):
+                    table = np.asarray(group_table, dtype=np.int64)
+                    block_tables[g, row, :len(table)] = table
+                    slot_mapping[g, offset:offset + n] = table[pos // block_size] * block_size + pos % block_size
             if chunk.num_prompt_logprobs_done is not None:
                 req = self.requests[chunk.request_id]
                 # Position p's logits predict prompt token p + 1; those already computed (a
@@ -217,8 +226,9 @@ class ModelRunner:
         wide_t, narrow_t = torch.from_numpy(wide), torch.from_numpy(narrow)
         if self.device.type != "cpu":
             wide_t, narrow_t = wide_t.to(self.device), narrow_t.to(self.device)
-        ids_t, positions_t, slots_t, logits_t = wide_t.split([n_tokens, n_tokens, num_groups * n_tokens, num_rows])
-        seq_lens_t, qsl_t, tables_t = narrow_t.split([num_seqs, num_seqs + 1, block_tables.size])
+        # (split_with_sizes: Tensor.split's Python wrapper costs as much as the split)
+        ids_t, positions_t, slots_t, logits_t = wide_t.split_with_sizes([n_tokens, n_tokens, num_groups * n_tokens, num_rows])
+        seq_lens_t, qsl_t, tables_t = narrow_t.split_with_sizes([num_seqs, num_seqs + 1, block_tables.size])
         slot_mappings = slots_t.view(num_groups, n_tokens)
         tables = tables_t.view(block_tables.shape)
         attn = AttentionMetadata(
@@ -242,7 +252,7 @@ class ModelRunner:
             drafts=drafts,
             num_prefill_tokens=n_prefill,
             num_decode_tokens=n_decode,
-            token_roles=None if is_prompt is None else TokenRoles.from_mask(is_prompt, self.device),
+            token_roles=None if is_prompt is None else TokenRoles.from_mask(is_prompt, self.device, num_prompt_rows),
             prompt_targets=prompt_targets,
             prompt_owners=prompt_owners,
             draft_probs=draft_probs,

@@ -41,9 +41,12 @@ class TokenRoles:
         self.generated_run = _run(generated_rows)
 
     @classmethod
-    def from_mask(cls, is_prompt: np.ndarray, device: torch.device | str = "cpu") -> "TokenRoles":
-        """From a boolean mask over the step's rows (True: a prompt position)."""
-        num_prompt = int(is_prompt.sum())
+    def from_mask(cls, is_prompt: np.ndarray, device: torch.device | str = "cpu",
+                  num_prompt: Optional[int] = None) -> "TokenRoles":
+        """From a boolean mask over the step's rows (True: a prompt position); ``num_prompt``, its
+        count of True where the caller has it."""
+        if num_prompt is None:
+            num_prompt = int(is_prompt.sum())
         if num_prompt == 0:
             return cls(ALL_GENERATED)
         if num_prompt == len(is_prompt):
