@@ -325,13 +325,6 @@ inline __m256i packed_bytes(const __m256i (&v)[4]) {
 #endif
 
 #if defined(KVSERVE_Q4_AVX512) || defined(KVSERVE_QUANT_AVX2)
-// The activations of a nibble-format call: per group of 32 inputs q = round(x * L / a), a the
-// group's largest |x| and s = a / L, each q split into two signed bytes q = 256 h + l
-// (h = floor((q + 128) / 256) in -127..127, l in -128..127: L = 32639 keeps h a byte), so that
-// the weights' unsigned bytes multiply each half (vpdpbusd; vpmaddubsw on AVX2) and
-// 256 dot(v, h) + dot(v, l) is the exact integer dot product. Per row and group: 64 bytes, h of
-// the 32 inputs in order then l, and two floats, s and s * sum(q). AVX512 and AVX2 compute the
-// same bytes and floats (the same fp32 operations; the maximum and the sum are exact).
 // L / a, the factor that takes a group's inputs to integers; 0 where that is not a finite number
 // (a group of zeros, past K, non-finite, or so small that L / a overflows: below ~1e-34, all its
 // q = 0), so that no finite input becomes a vcvtps2dq overflow.
@@ -340,6 +333,13 @@ inline float activation_inverse(float a) {
   return a > 0.f && std::isfinite(a) && std::isfinite(inverse) ? inverse : 0.f;
 }
 
+// The activations of a nibble-format call: per group of 32 inputs q = round(x * L / a), a the
+// group's largest |x| and s = a / L, each q split into two signed bytes q = 256 h + l
+// (h = floor((q + 128) / 256) in -127..127, l in -128..127: L = 32639 keeps h a byte), so that
+// the weights' unsigned bytes multiply each half (vpdpbusd; vpmaddubsw on AVX2) and
+// 256 dot(v, h) + dot(v, l) is the exact integer dot product. Per row and group: 64 bytes, h of
+// the 32 inputs in order then l, and two floats, s and s * sum(q). AVX512 and AVX2 compute the
+// same bytes and floats (the same fp32 operations; the maximum and the sum are exact).
 struct SplitInt16Activations {
   int64_t groups;
   int8_t* bytes;   // [M][groups][64]
@@ -471,33 +471,9 @@ void nibble_tiles_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N, cons
 #endif
 
 #ifdef KVSERVE_QUANT_AVX2
-// Per 8-lane row block, sum over a group's 32 inputs of v times the activation bytes x (its h or
-// its l: 32 bytes), each row's sum times `factor` in 32 bits. vpmaddubsw adds pairs of the
-// weights' unsigned bytes times the activations' signed bytes into 16 bits; sums of those stay
-// in 16 bits while they cannot overflow (Q4's v <= 15: eight vectors, at most 8 * 2 * 15 * 128 =
-// 30,720; Q5's v <= 31: four), and vpmaddwd widens them: the integers of vpdpbusd.
-template <int kMaxValue>
-inline __m256i dot_bytes(const __m256i (&low)[4], const __m256i (&high)[4], const int8_t* x, __m256i factor) {
-  const auto word = [x](int i) {
-    int32_t w;
-    std::memcpy(&w, x + 4 * i, sizeof(w));
-    return _mm256_set1_epi32(w);
-  };
-  __m256i low_sum = _mm256_maddubs_epi16(low[0], word(0)), high_sum = _mm256_maddubs_epi16(high[0], word(4));
-  for (int i = 1; i < 4; ++i) {
-    low_sum = _mm256_add_epi16(low_sum, _mm256_maddubs_epi16(low[i], word(i)));
-    high_sum = _mm256_add_epi16(high_sum, _mm256_maddubs_epi16(high[i], word(4 + i)));
-  }
-  if constexpr (8 * 2 * kMaxValue * 128 <= 32767) {
-    return _mm256_madd_epi16(_mm256_add_epi16(low_sum, high_sum), factor);
-  } else {
-    return _mm256_add_epi32(_mm256_madd_epi16(low_sum, factor), _mm256_madd_epi16(high_sum, factor));
-  }
-}
-
 // The AVX512 kernel's tiles in two 8-lane halves (rows 0-7, 8-15), as the LM head's screen reads
 // them on AVX2 (screen_linear.cpp): each group's exact integer dot product per row
-// (256 dot(v, h) + dot(v, l), dot_bytes), then acc += m * s sum(q) and acc += dot * (d s), the
+// (256 dot(v, h) + dot(v, l), nibble_tiles.h's dot_bytes), then acc += m * s sum(q) and acc += dot * (d s), the
 // same fp32 operations in the same order as nibble_tiles_avx512, so the same outputs bit for
 // bit. For one activation row GCC's code takes ~90 instructions per 256 weights (~50 of them
 // vector arithmetic), the row layout's kernel (16-bit weights against 16-bit activations,
@@ -507,7 +483,6 @@ template <typename Tiles, int MR>
 void nibble_tiles_avx2(const Tiles& w, int64_t t0, int64_t t1, int64_t N, const SplitInt16Activations& act,
                        int64_t r0, float* out, int64_t out_stride, const float* bias) {
   const int64_t groups = act.groups;
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1), times_256 = _mm256_set1_epi16(256);
   for (int64_t t = t0; t < t1; ++t) {
     __m256 acc[MR][2];
@@ -518,11 +493,7 @@ void nibble_tiles_avx2(const Tiles& w, int64_t t0, int64_t t1, int64_t N, const 
         _mm_prefetch(reinterpret_cast<const char*>(p) + kTilePrefetchBytes + line, _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {  // rows 8 h .. 8 h + 7
         __m256i low[4], high[4];
-        for (int i = 0; i < 4; ++i) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32 * h));
-          low[i] = _mm256_and_si256(v, low_nibbles);
-          high[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-        }
+        load_tile_half_nibbles(p, h, low, high);
         Tiles::values(p, h, low, high);
         __m256 d, m;
         Tiles::scales(p, h, d, m);

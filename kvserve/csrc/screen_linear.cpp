@@ -165,15 +165,13 @@ void screen_tiles_vnni(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N,
 #endif
 
 #ifdef KVSERVE_SCREEN_AVX2
-// The same tiles in two 8-lane halves (rows 0-7, 8-15): vpmaddubsw adds pairs of u8 x s8
-// products into 16 bits, each 32-input block's eight such vectors are added in 16 bits (at
-// most 8 * 2 * 15 * 127 = 30,480: no saturation), vpmaddwd against ones widens them to 32 bits
-// and the group's two blocks are added there: the same integer as vpdpbusd's.
+// The same tiles in two 8-lane halves (rows 0-7, 8-15), as the nibble kernels read them on AVX2:
+// each 32-input block's integer sums per row (nibble_tiles.h's dot_bytes, vpmaddubsw summed in 16
+// bits and widened), the group's two blocks added in 32 bits: the same integer as vpdpbusd's.
 template <int MR>
 void screen_tiles_avx2(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N, const Int8Activations& act,
                        int64_t r0, float* out, int64_t out_stride) {
   const int64_t groups = act.groups;
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t t = t0; t < t1; ++t) {
     __m256 acc[MR][2];
@@ -188,20 +186,10 @@ void screen_tiles_avx2(const uint8_t* packed, int64_t t0, int64_t t1, int64_t N,
         for (int r = 0; r < MR; ++r) s32[r] = _mm256_setzero_si256();
         for (int b = 0; b < kGroup / kBlock; ++b) {  // each block's sums widened to 32 bits (64 inputs would overflow 16)
           __m256i lo[4], hi[4];
-          for (int i = 0; i < 4; ++i) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * kTileNibbleBytes + 64 * i + 32 * h));
-            lo[i] = _mm256_and_si256(v, low_nibbles);
-            hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-          }
-          for (int r = 0; r < MR; ++r) {
-            int32_t words[8];
-            std::memcpy(words, act.q + ((r0 + r) * groups + g) * kGroup + b * kBlock, sizeof(words));
-            __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(words[0]));
-            for (int i = 1; i < 4; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[i], _mm256_set1_epi32(words[i])));
-            for (int i = 0; i < 4; ++i)
-              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[i], _mm256_set1_epi32(words[4 + i])));
-            s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s16, ones));
-          }
+          load_tile_half_nibbles(p + b * kTileNibbleBytes, h, lo, hi);
+          for (int r = 0; r < MR; ++r)
+            s32[r] = _mm256_add_epi32(
+                s32[r], dot_bytes<15>(lo, hi, act.q + ((r0 + r) * groups + g) * kGroup + b * kBlock, ones));
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kScaleOffset + 16 * h)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kScaleOffset + 32 + 16 * h)));
