@@ -3,7 +3,9 @@ input preparation, sampler, output processing) and the model's (embedding, decod
 final norm, LM head), timed with perf_counter wrappers (no profiler: its per-op cost would
 swamp a ~10 ms step), over the decode steps of one greedy request. The decoder layers are
 split further, in a second run under the profiler, into the native loop's kernel ranges (the
-linear layers' kernels, attention) and the rest.
+linear layers' kernels, attention) and the rest. The parts are those of the step through the
+model in Python; by default a greedy argmax-only decode step is one native call (model, final
+norm, the head's argmax), timed after them.
 
     python benchmarks/decode_step_breakdown.py [--model gemma-3-270m] [--quantization int4]
 """
@@ -162,6 +164,11 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(model=ns.model, quantization=ns.quantization or None,
                                   kv_cache_memory=128 << 20))
     prompt = engine.tokenizer.encode(load_text(ns.text))[:256]
+    # A greedy argmax-only decode step runs as one native call by default (the model, the final
+    # norm and the head's argmax: PagedCausalLM.decode_round), whose parts Python cannot time:
+    # the parts below are those of the same step through the model in Python.
+    runner = engine.executor.runner
+    runner.native_rounds = False
     decode_steps(engine, prompt, 16)  # warm-up
     parts, steps, mean = decode_steps(engine, prompt, ns.output_len)
     print(f"{ns.model} ({ns.quantization or 'default'} weights), {torch.get_num_threads()} threads, "
@@ -178,6 +185,9 @@ def main() -> None:
                 print(f"      {'of which the rest (norms, rope, the loop)':<50} {1e3 * rest:7.2f} ms")
     rest = mean - sum(parts.values())
     print(f"    {'rest of the step (outputs, bookkeeping)':<52} {1e3 * rest:7.2f} ms  {100 * rest / mean:5.1f} %")
+    runner.native_rounds = True
+    native = decode_steps(engine, prompt, ns.output_len)[2]
+    print(f"  the same steps as one native call each (the default): {1e3 * native:.2f} ms per step")
     print_step_teams(engine, prompt, ns.output_len)
 
 

@@ -174,27 +174,33 @@ def test_num_scheduler_steps_is_checked():
 @pytest.mark.parametrize("quantization", ["bf16", "int4"])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3", "tiny-gemma3-swa"])
 def test_native_rounds_match_rounds_in_python_and_single_steps(model, quantization):
-    """Greedy argmax-only rounds on the fused layers and the LM head's screen run in one native
-    call (PagedCausalLM.decode_round): the same tokens as the round stepped in Python and as one
-    step at a time, and the same KV cache, bit for bit."""
+    """Greedy argmax-only decode steps on the fused layers and the LM head's screen run in one
+    native call (PagedCausalLM.decode_round), a step of its own as well as a whole round: the
+    same tokens as the steps and rounds stepped through the model in Python, and the same KV
+    cache, bit for bit."""
     kwargs = dict(model=model, dtype="float32", quantization=quantization, kv_cache_memory=16 << 20)
-    single, native, python = LLM(**kwargs), LLM(**kwargs, num_scheduler_steps=STEPS), LLM(**kwargs, num_scheduler_steps=STEPS)
-    python.engine.executor.runner.native_rounds = False
-    model_obj = native.engine.executor.runner.model
-    rounds = []
-    decode_round = model_obj.decode_round
+    single, native = LLM(**kwargs), LLM(**kwargs, num_scheduler_steps=STEPS)
+    single_python, python = LLM(**kwargs), LLM(**kwargs, num_scheduler_steps=STEPS)
+    for llm in (single_python, python):
+        llm.engine.executor.runner.native_rounds = False
+    calls = {}
+    for name, llm in (("single", single), ("native", native)):
+        model_obj = llm.engine.executor.runner.model
 
-    def counting(*args, **kw):
-        tokens = decode_round(*args, **kw)
-        rounds.append(tokens is not None)
-        return tokens
+        def counting(num_steps, *args, __run=model_obj.decode_round, __calls=calls.setdefault(name, []), **kw):
+            tokens = __run(num_steps, *args, **kw)
+            __calls.append((num_steps, tokens is not None))
+            return tokens
 
-    model_obj.decode_round = counting
+        model_obj.decode_round = counting
     prompts = _prompts(5, seed=7)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 12, 19, 33, 40)]
-    expected = _results(single.generate(prompts, params))
+    expected = _results(single_python.generate(prompts, params))
+    assert _results(single.generate(prompts, params)) == expected
     assert _results(native.generate(prompts, params)) == expected
     assert _results(python.generate(prompts, params)) == expected
-    assert rounds and all(rounds)
-    for a, b in zip(native.engine.executor.runner.kv_cache.layers, python.engine.executor.runner.kv_cache.layers):
-        assert torch.equal(a.data, b.data)
+    assert calls["single"] and all(ran and n == 1 for n, ran in calls["single"])
+    assert calls["native"] and all(ran for _, ran in calls["native"]) and any(n == STEPS for n, _ in calls["native"])
+    for pair in ((single, single_python), (native, python)):  # (each pair schedules alike)
+        for a, b in zip(*(llm.engine.executor.runner.kv_cache.layers for llm in pair)):
+            assert torch.equal(a.data, b.data)

@@ -97,14 +97,16 @@ class PagedCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def decode_round(self, num_steps: int, last_tokens: torch.Tensor, input_ids: torch.Tensor,
+    def decode_round(self, num_steps: int, last_tokens: Optional[torch.Tensor], input_ids: torch.Tensor,
                      positions: torch.Tensor, attn_metadata: AttentionMetadata, kv_caches: KVCache,
                      block_size: int) -> Optional[torch.Tensor]:
-        """The later steps of a multi-step round of greedy, argmax-only decodes in one native
-        call (FusedDecoderLayers.decode_round: the calls forward makes per step, in its order):
-        the tokens ``[num_steps, rows]``, with ``input_ids``, ``positions`` and the metadata's
-        slot mappings and ``seq_lens_tensor`` advanced in place; None where forward would not
-        run on the fused layers and the head's one-call screen (the caller steps in Python)."""
+        """``num_steps`` greedy, argmax-only decode steps in one native call
+        (FusedDecoderLayers.decode_round: the calls forward makes per step, in its order): the
+        tokens ``[num_steps, rows]``. Each step feeds back the tokens before it (the first step
+        ``last_tokens``; None: the first step runs on ``input_ids`` as they are), advancing
+        ``input_ids``, ``positions`` and the metadata's slot mappings and ``seq_lens_tensor`` in
+        place. None where forward would not run on the fused layers and the head's one-call
+        screen (the caller steps in Python)."""
         fused = getattr(self.model, "fused_layers", None)
         head, norm = self.lm_head, self.model.norm
         if (fused is None or self.tp is not None or self.pp is not None or self.config.final_logit_softcapping
