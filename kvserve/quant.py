@@ -1109,7 +1109,7 @@ def has_prefill_copies(model: nn.Module) -> bool:
 # The buffers each format streams per token, in the order a step reads them. (oneDNN's
 # pre-packed bf16 weights are opaque tensors that cannot be placed.)
 # (None where the layer holds the other layout.) The LM head's screen is read at every greedy
-# step: on 4 KB pages Gemma 3's 94 MB screen took 1.045x the time (median of 300 calls
+# argmax-only step: on 4 KB pages Gemma 3's 94 MB screen took 1.045x the time (median of 300 calls
 # alternated with a huge-page copy, each after a 96 MB flood, Zen 3; SmolLM2's 16 MB: the same).
 _STREAMED_BUFFERS = {Int4Linear: ("packed", "qs", "dm"), Q5Linear: ("packed", "qs", "qh", "d"), Q8Linear: ("qs", "d"),
                      Q4Screen: ("packed",)}

@@ -117,9 +117,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # Int4 layers with prefill copies (bf16 or int8): the model is told each row's role.
         self.wants_token_roles = has_prefill_copies(model)
-        # Multi-step rounds of greedy decodes in one native call where the model allows
-        # (PagedCausalLM.decode_round); off, the round steps through the model in Python (tests
-        # compare the two).
+        # Greedy argmax-only decode steps, alone or as a multi-step round, in one native call
+        # where the model allows (PagedCausalLM.decode_round); off, they step through the model
+        # in Python (tests and benchmarks compare the two).
         self.native_rounds = True
 
     def update_states(self, step: StepInput) -> None:
@@ -269,7 +269,7 @@ class ModelRunner:
         argmax_only = self._argmax_only(inputs)
         if argmax_only and self._native_steps_apply(step, inputs):
             with label(phase):
-                tokens = self.model.decode_round(step.num_steps, None, inputs.input_ids, inputs.positions,
+                tokens = self.model.decode_round(step.num_steps, inputs.input_ids, inputs.positions,
                                                  inputs.attn_metadata, self.kv_cache, self.block_size)
             if tokens is not None:
                 out = StepOutput(num_prefill_tokens=0, num_decode_tokens=inputs.num_decode_tokens)
@@ -331,16 +331,7 @@ class ModelRunner:
         md = inputs.attn_metadata
         positions, input_ids = inputs.positions, inputs.input_ids
         sampled = [[t] for t in token_ids]
-        if self.native_rounds and argmax_only and sampling.all_greedy:
-            # Greedy rows reading only the argmax: the whole round in one native call, where the
-            # model runs on its fused layers and one-call screen.
-            with label("model.forward.decode"):
-                tokens = self.model.decode_round(num_steps - 1, torch.tensor(token_ids, dtype=input_ids.dtype),
-                                                 input_ids, positions, md, self.kv_cache, block_size)
-            if tokens is not None:
-                for row, column in zip(sampled, tokens.t().tolist()):
-                    row.extend(column)
-                return self._round_output(inputs, sampled, num_steps, out)
+        # (Greedy argmax-only rounds the model runs natively never get here: see execute.)
         rows = torch.arange(positions.shape[0], device=positions.device)
         groups = list(zip(md.all_slot_mappings(), md.all_block_tables()))
         forward = self.model.forward  # (the module's __call__ adds nothing here but its cost)

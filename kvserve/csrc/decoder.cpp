@@ -364,18 +364,15 @@ class FusedDecoderLayers {
   }
 
   // `num_steps` greedy decode steps for rows that are one decode each and read only the argmax
-  // (kvserve.runner's argmax-only decode steps and multi-step rounds). Per step, every row's
-  // last token is fed back one position on (input_ids, positions, each group's slot from its
-  // block table, seq_lens: the caller's tensors, advanced in place), then forward_tokens, the
-  // final norm and the LM head's argmax screen with its argmax (screened_argmax_out, `logits` its
-  // scratch): the native calls the Python path makes per step, in its order, so the same tokens
-  // and the same KV, without a return to Python between steps (~0.4 ms a step of a single int4
-  // SmolLM2 stream, mostly dispatch slowed by caches the weights evicted). Without
-  // `last_tokens` the first step runs on the inputs as the caller prepared them (a step of its
-  // own, or a round's first), and the later steps feed back the tokens before them. Returns
-  // the tokens [steps, S].
-  torch::Tensor decode_round(int64_t num_steps, const c10::optional<torch::Tensor>& last_tokens,
-                             const torch::Tensor& input_ids,
+  // (kvserve.runner's argmax-only decode steps, alone or as a multi-step round): the first on the
+  // inputs as the caller prepared them; before each later one every row's last token is fed back
+  // one position on (input_ids, positions, each group's slot from its block table, seq_lens: the
+  // caller's tensors, advanced in place). Each step is forward_tokens, the final norm and the LM
+  // head's argmax screen with its argmax (screened_argmax_out, `logits` its scratch): the native
+  // calls the Python path makes per step, in its order, so the same tokens and the same KV,
+  // without a return to Python between or around them (~0.4 ms a step of a single int4 SmolLM2
+  // stream, mostly dispatch slowed by caches the weights evicted). Returns the tokens [steps, S].
+  torch::Tensor decode_round(int64_t num_steps, const torch::Tensor& input_ids,
                              const torch::Tensor& positions, int64_t block_size, const torch::Tensor& embed_weight,
                              double embed_scale, const torch::Tensor& cos_table, const torch::Tensor& sin_table,
                              const torch::Tensor& local_cos_table, const torch::Tensor& local_sin_table,
@@ -387,13 +384,11 @@ class FusedDecoderLayers {
                              int64_t top_k, const torch::Tensor& logits) const {
     const int64_t S = input_ids.numel();
     TORCH_CHECK(num_steps >= 0 && block_size > 0, "num_steps >= 0, block_size > 0");
-    TORCH_CHECK((!last_tokens || (last_tokens->scalar_type() == torch::kInt64 && last_tokens->is_contiguous() &&
-                                  last_tokens->numel() == S)) &&
-                    input_ids.scalar_type() == torch::kInt64 && input_ids.is_contiguous() &&
+    TORCH_CHECK(input_ids.scalar_type() == torch::kInt64 && input_ids.is_contiguous() &&
                     positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == S &&
                     query_start_loc.numel() == S + 1 && seq_lens.numel() == S &&
                     seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
-                "a round's rows are one decode each: last_tokens, input_ids, positions (int64), seq_lens (int32) [S], "
+                "a round's rows are one decode each: input_ids, positions (int64), seq_lens (int32) [S], "
                 "query_start_loc [S + 1]");
     const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
     for (int64_t s = 0; s <= S; ++s) TORCH_CHECK(qsl[s] == s, "a round's rows are one decode each");
@@ -406,7 +401,6 @@ class FusedDecoderLayers {
     int64_t* ids = input_ids.data_ptr<int64_t>();
     int64_t* pos = positions.data_ptr<int64_t>();
     int32_t* lens = seq_lens.data_ptr<int32_t>();
-    const int64_t* last = last_tokens ? last_tokens->data_ptr<int64_t>() : nullptr;
     int64_t* sampled = tokens.data_ptr<int64_t>();
     // The round's steps in one parallel region (the head's screen and the argmax included),
     // where its layers would run in one each; without the GIL, which forward would otherwise
@@ -414,7 +408,7 @@ class FusedDecoderLayers {
     pybind11::gil_scoped_release no_gil;
     const auto run_round = [&] {
       for (int64_t step = 0; step < num_steps; ++step) {
-        const int64_t* previous = step == 0 ? last : sampled + (step - 1) * S;
+        const int64_t* previous = step == 0 ? nullptr : sampled + (step - 1) * S;  // (the first: as prepared)
         for (int64_t s = 0; previous != nullptr && s < S; ++s) {
           ids[s] = previous[s];
           pos[s] += 1;

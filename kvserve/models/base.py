@@ -97,16 +97,14 @@ class PagedCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def decode_round(self, num_steps: int, last_tokens: Optional[torch.Tensor], input_ids: torch.Tensor,
-                     positions: torch.Tensor, attn_metadata: AttentionMetadata, kv_caches: KVCache,
-                     block_size: int) -> Optional[torch.Tensor]:
+    def decode_round(self, num_steps: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                     attn_metadata: AttentionMetadata, kv_caches: KVCache, block_size: int) -> Optional[torch.Tensor]:
         """``num_steps`` greedy, argmax-only decode steps in one native call
         (FusedDecoderLayers.decode_round: the calls forward makes per step, in its order): the
-        tokens ``[num_steps, rows]``. Each step feeds back the tokens before it (the first step
-        ``last_tokens``; None: the first step runs on ``input_ids`` as they are), advancing
-        ``input_ids``, ``positions`` and the metadata's slot mappings and ``seq_lens_tensor`` in
-        place. None where forward would not run on the fused layers and the head's one-call
-        screen (the caller steps in Python)."""
+        tokens ``[num_steps, rows]``. The first step runs on the inputs as given; each later one
+        feeds back the tokens before it, advancing ``input_ids``, ``positions`` and the
+        metadata's slot mappings and ``seq_lens_tensor`` in place. None where forward would not
+        run on the fused layers and the head's one-call screen (the caller steps in Python)."""
         fused = getattr(self.model, "fused_layers", None)
         head, norm = self.lm_head, self.model.norm
         if (fused is None or self.tp is not None or self.pp is not None or self.config.final_logit_softcapping
@@ -117,7 +115,7 @@ class PagedCausalLM(nn.Module):
         if screen_call is None:
             return None
         fused_inputs = self.model.fused_inputs(attn_metadata.max_seq_len + num_steps, input_ids.device)
-        return fused.decode_round(num_steps, last_tokens, input_ids, positions, block_size, fused_inputs,
+        return fused.decode_round(num_steps, input_ids, positions, block_size, fused_inputs,
                                   attn_metadata, kv_caches, norm, screen_call)
 
     def tie_weights(self) -> None:

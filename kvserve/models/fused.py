@@ -129,20 +129,20 @@ class FusedDecoderLayers:
                                           kind, None if roles is None else roles.prompt_rows,
                                           None if roles is None else roles.generated_rows, output_rows)
 
-    def decode_round(self, num_steps: int, last_tokens: Optional[torch.Tensor], input_ids: torch.Tensor,
-                     positions: torch.Tensor, block_size: int, fused_inputs: tuple, attn_metadata: AttentionMetadata,
-                     kv_caches: KVCache, norm: Any, screen_call: tuple) -> torch.Tensor:
-        """``num_steps`` greedy decode steps, natively (decoder.cpp's decode_round: each feeds
-        back the argmax before it, one position on, advancing ``input_ids``, ``positions`` and
-        the metadata's slots and lengths in place; the first feeds back ``last_tokens``, or
-        without them runs on the inputs as they are): the tokens ``[num_steps, rows]``.
-        ``fused_inputs``: the model's ``fused_inputs`` covering the round's last position;
-        ``norm``: the final norm; ``screen_call``: RescoredLMHead.native_screen's."""
+    def decode_round(self, num_steps: int, input_ids: torch.Tensor, positions: torch.Tensor, block_size: int,
+                     fused_inputs: tuple, attn_metadata: AttentionMetadata, kv_caches: KVCache, norm: Any,
+                     screen_call: tuple) -> torch.Tensor:
+        """``num_steps`` greedy decode steps, natively (decoder.cpp's decode_round: the first on
+        the inputs as they are, each later one fed back the argmax before it, one position on,
+        advancing ``input_ids``, ``positions`` and the metadata's slots and lengths in place):
+        the tokens ``[num_steps, rows]``. ``fused_inputs``: the model's ``fused_inputs`` covering
+        the round's last position; ``norm``: the final norm; ``screen_call``:
+        RescoredLMHead.native_screen's."""
         md = attn_metadata
         data, scales, groups = kv_caches.native_views
         embed_weight, embed_scale, tables, local_tables = fused_inputs
         logits, screen, exact, top_k = screen_call
-        return self.native.decode_round(num_steps, last_tokens, input_ids, positions, block_size, embed_weight,
+        return self.native.decode_round(num_steps, input_ids, positions, block_size, embed_weight,
                                         embed_scale, *tables, *local_tables, data, scales, groups,
                                         md.all_slot_mappings(), md.all_block_tables(), md.seq_lens_tensor,
                                         md.query_start_loc_tensor, norm.weight, norm.eps, norm.offset, screen, exact,
