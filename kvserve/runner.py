@@ -265,6 +265,8 @@ class ModelRunner:
             return StepOutput()
         with label("runner.prepare_inputs"):
             inputs = self.prepare_inputs(step)
+        if step.num_steps > 1:
+            self._check_round(step)  # (before any step of the round writes its KV)
         phase = "model.forward.decode" if inputs.num_prefill_tokens == 0 else "model.forward.prefill"
         argmax_only = self._argmax_only(inputs)
         if argmax_only and self._native_steps_apply(step, inputs):
@@ -326,8 +328,7 @@ class ModelRunner:
         hold, through the same model call and sampler as a step of its own (the same kernels on
         the same rows: the same tokens). What it saves is the engine's work between steps:
         scheduling, building and preparing the step, applying its outputs."""
-        num_steps, block_size = step.num_steps, self.block_size
-        self._check_round(step)
+        num_steps, block_size = step.num_steps, self.block_size  # (a round execute checked)
         md = inputs.attn_metadata
         positions, input_ids = inputs.positions, inputs.input_ids
         sampled = [[t] for t in token_ids]
@@ -373,14 +374,10 @@ class ModelRunner:
         same order as the model's forward, the final norm and the head's argmax: the same tokens
         (tested), without the ~0.15 ms of Python a step of a single int4 SmolLM2 stream spent
         between them."""
-        if not (self.native_rounds and self.samples and inputs.num_prefill_tokens == 0
+        return (self.native_rounds and self.samples and inputs.num_prefill_tokens == 0
                 and len(inputs.sampled_requests) == inputs.input_ids.shape[0] == len(step.chunks)
                 and not any(inputs.drafts) and hasattr(self.model, "decode_round")
-                and (inputs.token_roles is None or inputs.token_roles.kind == ALL_GENERATED)):
-            return False
-        if step.num_steps > 1:
-            self._check_round(step)
-        return True
+                and (inputs.token_roles is None or inputs.token_roles.kind == ALL_GENERATED))
 
     @staticmethod
     def _round_output(inputs: ModelInputs, sampled: list[list[int]], num_steps: int, out: StepOutput) -> StepOutput:

@@ -408,9 +408,8 @@ class FusedDecoderLayers {
     pybind11::gil_scoped_release no_gil;
     const auto run_round = [&] {
       for (int64_t step = 0; step < num_steps; ++step) {
-        const int64_t* previous = step == 0 ? nullptr : sampled + (step - 1) * S;  // (the first: as prepared)
-        for (int64_t s = 0; previous != nullptr && s < S; ++s) {
-          ids[s] = previous[s];
+        for (int64_t s = 0; step > 0 && s < S; ++s) {  // (the first step runs on the inputs as prepared)
+          ids[s] = sampled[(step - 1) * S + s];
           pos[s] += 1;
           lens[s] += 1;
           for (size_t g = 0; g < slot_mappings.size(); ++g) {
