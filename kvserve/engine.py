@@ -129,8 +129,11 @@ def _cyclic_gc_paused():
     """Loading makes a few hundred thousand container objects (Gemma 3's tokenizer most of
     them), and each automatic full collection on the way walks all of them again: six of them,
     0.1-0.25 s each, were ~2.7 s of Gemma 3's 9 s engine start. The cyclic collector waits until
-    the load is done, then makes one pass (so that the first requests do not pay for walking
-    the new objects instead)."""
+    the load is done, then makes one pass over the new objects (so that the first requests do
+    not pay for walking them instead). While it was paused they all stayed in the youngest
+    generation: collecting generations 0 and 1 walks them and nothing older. (A full
+    collection also walked everything the process held before: in a process that had built
+    many engines, the test suite's, ~0.3-1 s a start, most of a tiny model's.)"""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -138,7 +141,7 @@ def _cyclic_gc_paused():
     finally:
         if was_enabled:
             gc.enable()
-            gc.collect()
+            gc.collect(1)
 
 
 class LLMEngine:

@@ -21,6 +21,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from hf_reference import hf_model_from_gguf  # noqa: E402
 from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache  # noqa: E402
 from kvserve.loader import load_model, resolve_model  # noqa: E402
@@ -97,8 +98,6 @@ def hf_greedy(hf_model, prompt: list[int], steps: int) -> tuple[list[torch.Tenso
 
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma-3-270m"])
 def real_model_run(request):
-    from transformers import AutoModelForCausalLM
-
     name = request.param
     prompts = PROMPTS[name]
     source = resolve_model(name)
@@ -115,9 +114,7 @@ def real_model_run(request):
     for t in ours_tokens[1][:4]:
         alone_logits.append(alone.step([[t]])[0])
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(source.path), gguf_file=os.path.basename(source.path), dtype=torch.float32
-    ).eval()
+    hf = hf_model_from_gguf(source.path)  # transformers' own GGUF loader (tests/hf_reference.py)
     # HF's full 32-step loop on the longest prompt (Gemma: decoding past its 512 window), the
     # steps whose logits are compared on the others.
     hf_runs = [hf_greedy(hf, p, NUM_DECODE if s == 0 else NUM_DECODE_LOGITS_CHECKED) for s, p in enumerate(prompts)]

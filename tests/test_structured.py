@@ -334,10 +334,8 @@ def test_echo_logprobs_tiny_consistent_with_generation(tiny):
 
 def test_echo_logprobs_match_hf_fp32():
     """SmolLM2 in the parity mode: prompt logprobs within 1e-3 of HF transformers."""
-    import os
-
     import torch
-    from transformers import AutoModelForCausalLM
+    from hf_reference import hf_model_from_gguf
 
     from kvserve.loader.resolve import resolve_model
 
@@ -351,9 +349,7 @@ def test_echo_logprobs_match_hf_fp32():
     final = run(engine, ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     ours = [entry[t].logprob for entry, t in zip(final.prompt_logprobs[1:], ids[1:])]
     source = resolve_model("smollm2-135m-instruct")
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(source.path),
-                                              gguf_file=os.path.basename(source.path),
-                                              dtype=torch.float32).eval()
+    hf = hf_model_from_gguf(source.path)  # transformers' own GGUF loader (tests/hf_reference.py)
     with torch.no_grad():
         logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
     ref = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()

@@ -12,6 +12,7 @@ local rope base 10000, a sliding/global pattern of 6, attention scale ``head_dim
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -68,7 +69,30 @@ ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 def open_gguf(path: str) -> GGUFFile:
     """Open and validate a GGUF file: readable, complete, a supported architecture and
-    supported tensor types. Raises ``ConfigError`` naming the problem."""
+    supported tensor types. Raises ``ConfigError`` naming the problem.
+
+    An engine's start-up opens its file several times (resolving the model, its config, its
+    weights, a draft's): the header is parsed once per file version and process (Gemma 3's
+    262k-token vocabulary: ~0.35 s a parse). The GGUFFile is shared: read it, never change it."""
+    try:
+        stat = os.stat(path)
+    except OSError as e:
+        raise ConfigError(f"cannot open model file {path}: {e.strerror}") from None
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    gf = _OPENED.get(key)
+    if gf is None:
+        gf = _validated(path)
+        _OPENED[key] = gf
+        while len(_OPENED) > _MAX_OPENED:
+            _OPENED.pop(next(iter(_OPENED)))
+    return gf
+
+
+_OPENED: dict[tuple, GGUFFile] = {}  # by (real path, size, mtime, inode), oldest first
+_MAX_OPENED = 4
+
+
+def _validated(path: str) -> GGUFFile:
     gf = GGUFFile(path)
     arch = gf.architecture
     if arch not in GGUF_ARCHITECTURES:
