@@ -19,7 +19,7 @@ from kvserve.quant import (Bf16Linear, Fp32Linear, Int4Linear, Int8Linear, Q8Lin
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
-ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 13, 33, 97, 200)
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 10, 11, 13, 33, 97, 200)  # (10, 11: the AVX2 tiles of 6 + 4 and 6 + 3 + 2 rows)
 
 
 # The route this process took before any test changed it.
