@@ -129,11 +129,17 @@ def _cyclic_gc_paused():
     """Loading makes a few hundred thousand container objects (Gemma 3's tokenizer most of
     them), and each automatic full collection on the way walks all of them again: six of them,
     0.1-0.25 s each, were ~2.7 s of Gemma 3's 9 s engine start. The cyclic collector waits until
-    the load is done, then makes one pass over the new objects (so that the first requests do
-    not pay for walking them instead). While it was paused they all stayed in the youngest
-    generation: collecting generations 0 and 1 walks them and nothing older. (A full
-    collection also walked everything the process held before: in a process that had built
-    many engines, the test suite's, ~0.3-1 s a start, most of a tiny model's.)"""
+    the load is done, then makes one pass (so that the first requests do not pay for walking
+    the new objects instead).
+
+    The process's first engine start makes it a full collection, as CPython would have made
+    anyway soon after (a pass over the generations below would leave the load's objects counted
+    as pending, and the full collection that they trigger would fall in the first requests). A
+    later start collects generations 0 and 1 only: while the collector was paused, everything
+    the load made stayed in generation 0 (CPython 3.11-3.13), and a full collection also walks
+    all that the process held before, in a process that has built many engines (the test
+    suite's) 0.3-1 s a start, most of a tiny model's."""
+    global _started_before
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -141,7 +147,11 @@ def _cyclic_gc_paused():
     finally:
         if was_enabled:
             gc.enable()
-            gc.collect(1)
+            gc.collect(1 if _started_before else 2)
+        _started_before = True
+
+
+_started_before = False  # whether an engine of this process has loaded (see _cyclic_gc_paused)
 
 
 class LLMEngine:

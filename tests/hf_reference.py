@@ -27,6 +27,7 @@ import torch
 from gguf import GGUFValueType
 
 from kvserve.loader.gguf_reader import _Cursor
+from kvserve.loader.resolve import default_cache_dir
 
 # The tokenizer's arrays: all of the parsing time, no part of the model.
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
@@ -64,17 +65,24 @@ def model_only_gguf(source: Path, target: Path) -> None:
     # Tensor offsets count from the data section, which starts at the next multiple of alignment.
     head += b"\0" * (-len(head) % alignment)
     staging = target.with_name(f"{target.name}.{os.getpid()}.part")
-    with open(staging, "wb") as f:
-        f.write(head)
-        f.write(memoryview(data)[data_start:])
-    os.replace(staging, target)
+    try:
+        with open(staging, "wb") as f:
+            f.write(head)
+            f.write(memoryview(data)[data_start:])
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+# Part of the copies' key: a change to what model_only_gguf writes must bump it.
+COPY_FORMAT = 1
 
 
 def model_only_copy(source: Path) -> Path:
-    """The model-only copy of ``source``, made once per file version under ~/.cache/kvserve."""
+    """The model-only copy of ``source``, made once per file version in kvserve's cache."""
     stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = Path.home() / ".cache" / "kvserve" / "hf-reference" / f"{source.stem}-{key}.gguf"
+    key = hashlib.sha256(f"{COPY_FORMAT}|{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = default_cache_dir() / "hf-reference" / f"{source.stem}-{key}.gguf"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         model_only_gguf(source, target)

@@ -79,16 +79,16 @@ def open_gguf(path: str) -> GGUFFile:
     except OSError as e:
         raise ConfigError(f"cannot open model file {path}: {e.strerror}") from None
     key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    gf = _OPENED.get(key)
+    gf = _OPENED.pop(key, None)
     if gf is None:
         gf = _validated(path)
-        _OPENED[key] = gf
-        while len(_OPENED) > _MAX_OPENED:
-            _OPENED.pop(next(iter(_OPENED)))
+    _OPENED[key] = gf  # (the most recently used last)
+    while len(_OPENED) > _MAX_OPENED:
+        _OPENED.pop(next(iter(_OPENED)), None)
     return gf
 
 
-_OPENED: dict[tuple, GGUFFile] = {}  # by (real path, size, mtime, inode), oldest first
+_OPENED: dict[tuple, GGUFFile] = {}  # by (real path, size, mtime, inode), least recently used first
 _MAX_OPENED = 4
 
 
