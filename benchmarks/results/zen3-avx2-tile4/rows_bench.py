@@ -1,8 +1,13 @@
-import time, torch, statistics, sys
+"""SmolLM2's four decoder GEMM shapes through Bf16Linear at several row counts (the AVX2 tile
+split: M mod 6), the best of 3 rounds of each median."""
+import statistics
+import time
+
+import torch
+
 from kvserve.quant import Bf16Linear
 torch.manual_seed(0)
 layers = [Bf16Linear(torch.randn(n, k) * 0.02, None) for n, k in [(3072, 576), (576, 1536), (960, 576), (576, 576)]]
-xs = {}
 def t(M, reps=40):
     x = {576: torch.randn(M, 576), 1536: torch.randn(M, 1536)}
     ts = []
