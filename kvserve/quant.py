@@ -58,6 +58,14 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> the bf16 bits (int16) of ``[Np / 32, Kp / 2, 32, 2]``: panels of 32 output
     columns, then pairs of K (N rounded up to 32, K to 2, with zeros). One 512-bit load of
     a panel is 16 columns x 2 k, what one vdpbf16ps multiplies with a broadcast k pair."""
+    ext = ops.cpu_extension()
+    if ext is not None and weight.device.type == "cpu":
+        return ext.pack_bf16_weight(weight.detach().float().contiguous())  # the same values, one pass
+    return pack_bf16_weight_reference(weight)
+
+
+def pack_bf16_weight_reference(weight: torch.Tensor) -> torch.Tensor:
+    """pack_bf16_weight in plain torch."""
     n, k = weight.shape
     np_, kp = -(-n // BF16_PANEL) * BF16_PANEL, k + k % 2
     padded = torch.zeros(np_, kp, dtype=torch.bfloat16, device=weight.device)
@@ -700,11 +708,20 @@ class Q8Linear(DecodeFormatLinear):
         n, k = weight.shape
         if k % INT4_GROUP_SIZE:
             raise ConfigError(f"Q8_0 needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
+        ext = ops.cpu_extension()
+        if ext is not None and weight.device.type == "cpu":
+            return cls(*ext.q8_0_quantize(weight.detach().float().contiguous()))  # the same, one pass
+        return cls(*cls.quantize_reference(weight))
+
+    @staticmethod
+    def quantize_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qs, d) of from_float in plain torch (the extension's q8_0_quantize)."""
+        n, k = weight.shape
         w = weight.detach().float().view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
         d = (w.abs().amax(dim=-1) / 127.0).half()
         # Requantizing a dequantized Q8_0 tensor this way gives back its blocks exactly.
         q = torch.round(w / d.float().clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.view(n, k), d.view(torch.int16))
+        return q.view(n, k), d.view(torch.int16)
 
     @classmethod
     def from_byte_blocks(cls, blocks: block_formats.ByteBlocks, bias: Optional[torch.Tensor]) -> "Q8Linear":
@@ -827,12 +844,22 @@ class Q4Screen(nn.Module):
         n, k = weight.shape
         if k % SCREEN_GROUP:
             raise ConfigError(f"the 4-bit screen needs in_features divisible by {SCREEN_GROUP}, got {k}")
+        ext = ops.cpu_extension()
+        if ext is not None and weight.device.type == "cpu":
+            # The same bytes as below, in one pass (the torch ops take seconds for Gemma 3's head).
+            return cls(ext.q4_screen_pack(weight.detach().float().contiguous()), n)
+        return cls(cls.pack_reference(weight), n)
+
+    @staticmethod
+    def pack_reference(weight: torch.Tensor) -> torch.Tensor:
+        """``packed`` for ``weight`` [N, K] in plain torch (the extension's q4_screen_pack)."""
+        k = weight.shape[1]
         q, d, m = quantize_min_max(weight, 4, SCREEN_GROUP)
         # tile_nibbles' 32-input groups, each carrying its 64-group's d and m: keep both blocks'
         # nibbles and the first one's scales.
         halves = tile_nibbles(q, d.repeat_interleave(2, dim=1), m.repeat_interleave(2, dim=1))
         halves = halves.view(halves.shape[0], k // SCREEN_GROUP, 2, -1)
-        return cls(torch.cat([halves[:, :, 0, :256], halves[:, :, 1, :256], halves[:, :, 0, 256:]], dim=-1), n)
+        return torch.cat([halves[:, :, 0, :256], halves[:, :, 1, :256], halves[:, :, 0, 256:]], dim=-1)
 
     def _blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q ``[N, K]`` in 0..15, d, m ``[N, K / 64]``) from ``packed``."""

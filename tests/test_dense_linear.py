@@ -15,7 +15,7 @@ import torch
 from kvserve import ops
 from kvserve.bench.machine import cpu_info
 from kvserve.quant import (Bf16Linear, Fp32Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead,
-                           pack_bf16_weight, unpack_bf16_weight)
+                           pack_bf16_weight, pack_bf16_weight_reference, unpack_bf16_weight)
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
 
@@ -70,6 +70,19 @@ def test_bf16_packing_round_trips():
     packed = pack_bf16_weight(w)
     assert packed.shape == (3, 17, 32, 2) and packed.dtype == torch.int16
     assert torch.equal(unpack_bf16_weight(packed, 70, 33), w.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(ops.load_extension() is None, reason="needs the fused CPU kernels")
+def test_bf16_packing_kernel_writes_the_reference_bits():
+    """The extension's one-pass packer rounds as torch does (ties to even, infinities, -0,
+    values past bf16's range) and pads with zeros; a NaN stays a NaN (torch's own bits differ)."""
+    torch.manual_seed(5)
+    w = torch.randn(70, 33)
+    w[4] = 1.0 + 2.0 ** -8  # halfway between two bf16 values
+    w[1, 1], w[2, 2], w[3, 3], w[5, 5] = float("inf"), -0.0, 3.4e38, float("nan")
+    assert unpack_bf16_weight(pack_bf16_weight(w), 70, 33)[5, 5].isnan()
+    w[5, 5] = 0.0
+    assert torch.equal(pack_bf16_weight(w), pack_bf16_weight_reference(w))
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (70, 33), (40, 576)])

@@ -2797,15 +2797,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_nibble_linear", &tiled_nibble_linear);
   m.def("q8_linear", &q8_linear);
   m.def("q8_linear_out", &q8_linear_out);
+  m.def("q8_0_quantize", &q8_0_quantize);
   kvserve::register_step_team(m);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
   m.def("quant_kernel_isa", &quant_kernel_isa);
   m.def("nibble_activation_format", &nibble_activation_format);
   m.def("q4_screen_linear", &q4_screen_linear);
   m.def("q4_screen_linear_out", &q4_screen_linear_out);
+  m.def("q4_screen_pack", &q4_screen_pack);
   m.def("set_portable_screen_kernel", &set_portable_screen_kernel);
   m.def("bf16_linear", &bf16_linear);
   m.def("bf16_linear_out", &bf16_linear_out);
+  m.def("pack_bf16_weight", &pack_bf16_weight);
   m.def("fp32_linear", &fp32_linear);
   m.def("gathered_rows_dot", &gathered_rows_dot);
   m.def("set_portable_dense_kernels", &set_portable_dense_kernels);

@@ -10,6 +10,8 @@
 // whatever M, N-tiling or thread count (batch invariant).
 void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t n, c10::optional<torch::Tensor> bias);
+// kvserve.quant.pack_bf16_weight's bytes for fp32 W [N, K], in one pass.
+torch::Tensor pack_bf16_weight(torch::Tensor weight);
 
 // y = x @ W^T + bias for fp32 W [N, K] (row-major, as nn.Linear stores it): each output a
 // 16-lane dot product over K in a fixed order, then a fixed horizontal sum (batch invariant).

@@ -893,6 +893,35 @@ void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
   }
 }
 
+// kvserve.quant.Q8Linear.from_float's Q8_0 quantization in one pass: per group of 32,
+// d = fp16(amax / 127), q = rint(w / max(d, 1e-30)) in -127..127 (fp32, the same operations, so
+// the same codes and scales). The torch version took 1.2 s of an int4 engine start on Gemma 3's
+// head.
+std::vector<torch::Tensor> q8_0_quantize(torch::Tensor weight) {
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.device().is_cpu(),
+              "weight must be a contiguous float32 [N, K] CPU tensor");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % kGroup == 0, "Q8_0 needs in_features divisible by ", kGroup, ", got ", K);
+  auto qs = torch::empty({N, K}, weight.options().dtype(torch::kInt8));
+  auto d = torch::empty({N, K / kGroup}, weight.options().dtype(torch::kInt16));
+  const float* w = weight.data_ptr<float>();
+  int8_t* q = qs.data_ptr<int8_t>();
+  c10::Half* scales = reinterpret_cast<c10::Half*>(d.data_ptr<int16_t>());
+  at::parallel_for(0, N * K / kGroup, 1024, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* x = w + g * kGroup;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::abs(x[j]));
+      scales[g] = c10::Half(amax / 127.0f);
+      const float step = std::max(static_cast<float>(scales[g]), 1e-30f);
+      for (int64_t j = 0; j < kGroup; ++j)
+        q[g * kGroup + j] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[j] / step), -127.0f), 127.0f));
+    }
+  });
+  return {qs, d};
+}
+
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> bias) {
   auto out = torch::empty({x.size(0), qs.size(0)}, x.options());
   q8_linear_out(out, x, qs, d, bias);

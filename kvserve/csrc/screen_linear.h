@@ -9,5 +9,8 @@
 void q4_screen_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed);
 torch::Tensor q4_screen_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 
+// Q4Screen.from_float's packing of fp32 weights [N, K] (K a multiple of 64), the same bytes.
+torch::Tensor q4_screen_pack(torch::Tensor weight);
+
 // Tests: force the portable loop on a machine that has the AVX512-VNNI kernel.
 void set_portable_screen_kernel(bool portable);

@@ -17,6 +17,13 @@ from kvserve.config import ConfigError
 from kvserve.token_roles import roles_of_rows
 
 
+def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """An embedding table left uninitialised: every weight is assigned after construction, and
+    nn.Embedding's own normal_ init on the meta device (where the loader builds) imports
+    torch._dynamo, ~1 s of every process's first engine start."""
+    return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+
+
 class RMSNorm(nn.Module):
     """LLaMA RMSNorm: ``w * normalize(x)``, the product taken in the input dtype."""
 

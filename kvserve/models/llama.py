@@ -17,7 +17,7 @@ from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
-from kvserve.models.layers import RMSNorm, RopeFrequencies, output_projection
+from kvserve.models.layers import RMSNorm, RopeFrequencies, output_projection, token_embedding
 from kvserve.token_roles import roles_of_rows
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: str) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
         )
