@@ -78,11 +78,13 @@ def test_bf16_packing_kernel_writes_the_reference_bits():
     values past bf16's range) and pads with zeros; a NaN stays a NaN (torch's own bits differ)."""
     torch.manual_seed(5)
     w = torch.randn(70, 33)
-    w[4] = 1.0 + 2.0 ** -8  # halfway between two bf16 values
+    w[4] = 1.0 + 2.0 ** -8  # halfway between two bf16 values: down to the even one
+    w[6] = 1.0 + 3 * 2.0 ** -8  # halfway: up to the even one
     w[1, 1], w[2, 2], w[3, 3], w[5, 5] = float("inf"), -0.0, 3.4e38, float("nan")
-    assert unpack_bf16_weight(pack_bf16_weight(w), 70, 33)[5, 5].isnan()
+    pack = ops.load_extension().pack_bf16_weight
+    assert unpack_bf16_weight(pack(w), 70, 33)[5, 5].isnan()
     w[5, 5] = 0.0
-    assert torch.equal(pack_bf16_weight(w), pack_bf16_weight_reference(w))
+    assert torch.equal(pack(w), pack_bf16_weight_reference(w))
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (70, 33), (40, 576)])

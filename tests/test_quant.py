@@ -205,26 +205,30 @@ def test_q4_screen_holds_min_max_groups_of_64():
 @pytest.mark.skipif(ops.load_extension() is None, reason="needs the fused CPU kernels")
 def test_q4_screen_pack_kernel_writes_the_reference_bytes():
     """The extension's one-pass packer writes pack_reference's bytes: partial last tile, scales
-    from 1e-4 to 1e3, a constant group (d at its 1e-6 floor), ties at half a step, a huge outlier."""
+    from 1e-4 to 1e3, a constant group (d at its 1e-6 floor), ties at half a step, a large
+    outlier, and a minimum and a range past fp16's (m or d infinite)."""
     torch.manual_seed(3)
     w = torch.randn(53, 320) * torch.tensor([1e-4, 0.05, 1.0, 30.0, 1e3]).repeat_interleave(64)
     w[4, :64] = 0.25
     w[9, 64:128] = (torch.arange(64) % 31) * 0.5  # 0 to 15: d = 1 exactly, ties at every half
     w[11, 7] = 6e4
+    w[12, 3] = -7e4  # m = -inf
+    w[13, 70] = 2e6  # (hi - lo) / 15 past 65504: d = inf
     assert torch.equal(ops.load_extension().q4_screen_pack(w), Q4Screen.pack_reference(w))
 
 
 @pytest.mark.skipif(ops.load_extension() is None, reason="needs the fused CPU kernels")
 def test_q8_0_quantize_kernel_gives_the_reference_blocks():
     """Q8Linear.from_float's one-pass kernel: the reference's codes and scales, zero groups,
-    subnormal groups, a scale past fp16's range, ties at half a step."""
+    subnormal groups, a scale past fp16's range (d = inf), values near ties."""
     torch.manual_seed(4)
     w = torch.randn(37, 96) * torch.tensor([1e-3, 0.05, 20.0]).repeat_interleave(32)
     w[0, :32], w[1, :32], w[2, :32] = 0.0, 1e-40, 7e4
+    w[4, 64:96] = 1e7  # amax / 127 past 65504
     w[3, 32:64] = torch.arange(32) - 15.5  # amax 15.5: d = fp16(15.5 / 127), codes near ties
-    layer = Q8Linear.from_float(w)
-    qs, d = Q8Linear.quantize_reference(w)
-    assert torch.equal(layer.qs, qs) and torch.equal(layer.d, d)
+    qs, d = ops.load_extension().q8_0_quantize(w)
+    reference_qs, reference_d = Q8Linear.quantize_reference(w)
+    assert torch.equal(qs, reference_qs) and torch.equal(d, reference_d)
 
 
 def test_q4_screen_approximates_the_weights_it_was_built_from():

@@ -30,6 +30,7 @@
 #include "linear_args.h"
 #include "nibble_tiles.h"
 #include "row_dispatch.h"
+#include "fp16.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -895,7 +896,7 @@ void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
 
 // kvserve.quant.Q8Linear.from_float's Q8_0 quantization in one pass: per group of 32,
 // d = fp16(amax / 127), q = rint(w / max(d, 1e-30)) in -127..127 (fp32, the same operations, so
-// the same codes and scales). The torch version took 1.2 s of an int4 engine start on Gemma 3's
+// the same codes and scales for finite weights). The torch version took 1.2 s of an int4 engine start on Gemma 3's
 // head.
 std::vector<torch::Tensor> q8_0_quantize(torch::Tensor weight) {
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.is_contiguous() &&
@@ -913,7 +914,7 @@ std::vector<torch::Tensor> q8_0_quantize(torch::Tensor weight) {
       const float* x = w + g * kGroup;
       float amax = 0.0f;
       for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::abs(x[j]));
-      scales[g] = c10::Half(amax / 127.0f);
+      scales[g] = fp16_rne(amax / 127.0f);
       const float step = std::max(static_cast<float>(scales[g]), 1e-30f);
       for (int64_t j = 0; j < kGroup; ++j)
         q[g * kGroup + j] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[j] / step), -127.0f), 127.0f));
