@@ -400,6 +400,14 @@ BAD_REQUESTS = [
     ("top-logprobs-too-many", "/v1/chat/completions", {"messages": chat_messages("hi"), "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", "20"),
     ("non-text-content-part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content", "text"),
     ("not-json-content-type", "/v1/completions", ("text/plain", b'{"prompt": "hi"}'), 400, None, "JSON object"),
+    # A parameter the server does not implement is refused by name, never dropped.
+    ("unknown-parameter", "/v1/completions", {"prompt": "hi", "foo_bar": 1}, 400, "foo_bar", "Unrecognized request argument"),
+    ("max-completion-tokens-on-completions", "/v1/completions", {"prompt": "hi", "max_completion_tokens": 3}, 400, "max_completion_tokens", "Unrecognized"),
+    ("guided-json", "/v1/chat/completions", {"messages": chat_messages("hi"), "guided_json": {"type": "object"}}, 400, "guided_json", "use structured_outputs"),
+    ("chat-template-override", "/v1/chat/completions", {"messages": chat_messages("hi"), "chat_template": "{{ 1 }}"}, 400, "chat_template", "Unrecognized"),
+    ("unknown-stream-option", "/v1/chat/completions", {"messages": chat_messages("hi"), "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options.continuous_usage_stats", "Unrecognized"),
+    ("unknown-structured-output", "/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": ["a"], "backend": "x"}}, 400, "structured_outputs.backend", "Unrecognized"),
+    ("best-of-above-n", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "best_of may only equal n"),
 ]
 
 
@@ -427,6 +435,20 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_up(tiny, path, body
     # ... and the server still answers.
     ok = tiny.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_best_of_equal_to_n_and_unknown_message_keys_are_accepted(tiny):
+    """best_of as n (what LangChain's completions client sends) runs as n; the keys a client
+    copies back from a response message (refusal, annotations) are content, not parameters."""
+    resp = httpx.post(tiny.url + "/v1/completions",
+                      json={"prompt": "hi", "max_tokens": 2, "n": 2, "best_of": 2, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 2
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello", "refusal": None, "annotations": []},
+                {"role": "user", "content": "again"}]
+    resp = httpx.post(tiny.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
 
 
 def test_openai_client_raises_clean_errors(tiny):

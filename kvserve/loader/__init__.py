@@ -1,6 +1,7 @@
 """Model loading: ``resolve_model(spec)`` finds and validates a model, ``load_model`` builds it."""
 from __future__ import annotations
 
+import ctypes
 import re
 from typing import Iterable, Optional
 
@@ -112,7 +113,20 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
         # modules (with kvserve's linear kernels) one by one.
         from kvserve.models.fused import attach_fused_layers
         attach_fused_layers(model)
+    return_freed_heap()
     return model, config
+
+
+def return_freed_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim). Loading frees its
+    temporaries (fp32 copies of every weight, unpacked blocks) in pieces of a few MB, which
+    glibc serves from its heap once a freed large block has raised its mmap threshold, and
+    keeps: SmolLM2's engine held 1185 MiB resident against 836 after a trim, Gemma 3's int4
+    2990 against 2148. Elsewhere (other C libraries) nothing happens."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _load_float_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str,

@@ -56,6 +56,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest,
                             raw_request: Request) -> Response | CompletionResponse:
     ctx.check_model(body.model)
     ctx.check_stream_options(body)
+    ctx.check_best_of(body)
     params = ctx.sampling_params(body)
     if body.echo and body.logprobs is not None:
         # The prompt's own logprobs come back with the echoed prompt (lm-eval's loglikelihood).

@@ -59,6 +59,19 @@ def from_rejection(exc: RequestRejected) -> APIError:
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
+# What to use instead, for parameters other servers take under another name.
+_INSTEAD = {
+    **{f"guided_{kind}": "structured_outputs" for kind in ("json", "regex", "choice", "grammar", "json_object",
+                                                           "decoding_backend", "whitespace_pattern")},
+    "functions": "tools", "function_call": "tool_choice",
+}
+
+
+def _unknown_parameter(path: str) -> str:
+    instead = _INSTEAD.get(path.rsplit(".", 1)[-1])
+    return (f"Unrecognized request argument supplied: {path} (kvserve does not implement it, and "
+            f"refuses rather than ignores a parameter{'; use ' + instead if instead else ''})")
+
 
 def _describe_validation_error(err: dict) -> tuple[str, Optional[str]]:
     """One readable line and the offending parameter for one pydantic error."""
@@ -74,6 +87,8 @@ def _describe_validation_error(err: dict) -> tuple[str, Optional[str]]:
             break
         parts.append(str(p))
     path = ".".join(parts)
+    if err.get("type") == "extra_forbidden":
+        return _unknown_parameter(path), path
     message = err.get("msg", "invalid value")
     if err.get("type") in ("string_too_short", "too_short") and \
             (err.get("ctx") or {}).get("min_length") == 1 and path:

@@ -57,9 +57,13 @@ class ErrorResponse(BaseModel):
 
 class RequestModel(BaseModel):
     """A request body part: validated strictly, so the server accepts what the OpenAPI spec
-    says and nothing else (no ``true`` for an integer, no ``1`` for a string)."""
+    says and nothing else (no ``true`` for an integer, no ``1`` for a string), and no field it
+    does not know: a parameter the server does not implement (``best_of``, vLLM's older
+    ``guided_json``) is refused with its name, never dropped. Chat messages and their content
+    parts keep unknown keys (clients send back response messages whole: ``refusal``,
+    ``annotations``); those are content, not parameters."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(RequestModel):
@@ -188,6 +192,8 @@ class CompletionRequest(SamplingRequest):
     # OpenAI's insertion suffix is not supported: the spec allows it only empty (or null),
     # so clients generated from the spec do not send what the server would refuse.
     suffix: Optional[Annotated[str, Field(max_length=0)]] = None
+    # Every sample generated is returned: best_of only as n (LangChain sends best_of: 1).
+    best_of: Optional[Integer] = Field(None, ge=1, le=MAX_N)
 
     # OpenAI's default for the legacy completions endpoint.
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16

@@ -16,7 +16,7 @@ from kvserve.request import RequestOutput, RequestRejected, SamplingParams
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server import tools
-from kvserve.server.protocol import ChatMessage, SamplingRequest
+from kvserve.server.protocol import ChatMessage, CompletionRequest, SamplingRequest
 from kvserve.server.tools import ToolPlan
 from kvserve.structured import StructuredOutputsParams
 from kvserve.server.streams import AdmissionGate
@@ -69,6 +69,13 @@ class ServingContext:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`", param="model", code="model_not_found")
+
+    @staticmethod
+    def check_best_of(body: CompletionRequest) -> None:
+        n = 1 if body.n is None else body.n
+        if body.best_of is not None and body.best_of != n:
+            raise bad_request(f"best_of {body.best_of} with n {n} is not supported: kvserve returns every "
+                              f"sample it generates (best_of may only equal n)", param="best_of")
 
     @staticmethod
     def check_stream_options(body: SamplingRequest) -> None:
