@@ -143,7 +143,10 @@ class OutputProcessor:
             if chosen is not None:
                 seq.cumulative_logprob += chosen.logprob
         stopped = False
-        if seq.stop_matcher is not None and not seq.stopped_by_string and new_text_len:
+        # As vLLM: no stop string ends the output within its first min_tokens tokens (the
+        # sampler keeps EOS and stop tokens out of them the same way).
+        if (seq.stop_matcher is not None and not seq.stopped_by_string and new_text_len
+                and request.num_output_tokens > request.sampling_params.min_tokens):
             hit = seq.stop_matcher.check(seq.detokenizer.text, new_text_len)
             if hit is not None:
                 stop_str, truncated = hit

@@ -239,6 +239,11 @@ def test_stop_string_and_stream_deltas(llm_factory):
     assert cut.outputs[0].finish_reason == "stop"
     assert cut.outputs[0].stop_reason == stop
     assert cut.outputs[0].text == full[:full.index(stop)]
+    # As vLLM: no stop string ends an output within its first min_tokens tokens.
+    held = llm.generate(["The capital of France is"],
+                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=20))[0]
+    assert len(held.outputs[0].token_ids) > len(cut.outputs[0].token_ids) + 1
+    assert held.outputs[0].text.startswith(full[:full.index(stop) + len(stop)])
 
 
 @pytest.mark.parametrize("quantization,int4_prefill", [("int4", "bf16"), ("int4", "int8"), ("int4", "blocks"),

@@ -241,6 +241,17 @@ def test_tool_choice_required_always_gives_a_valid_call(tiny):
     for call in calls:
         _check_call(call)
     assert tools.forced_calls('[{"name": "add", "arguments": {"a": 1', plan) is None  # cut short
+    # Cut by max_tokens: the calls as far as they came (OpenAI's shape, finish_reason "length").
+    (call,) = tools.forced_calls('[{"name": "add", "arguments": {"a": 1', plan, truncated=True)
+    assert (call.function.name, call.function.arguments) == ("add", '{"a": 1')
+    calls = tools.forced_calls('[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", '
+                               '"arguments": {"ci', plan, truncated=True)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("add", '{"a": 1, "b": 2}'),
+                                                                         ("get_weather", '{"ci')]
+    (call,) = tools.forced_calls('[{"name": "add"', plan, truncated=True)
+    assert (call.function.name, call.function.arguments) == ("add", "")
+    assert tools.forced_calls('[{"name": "get_wea', plan, truncated=True) is None  # no name yet
+    assert tools.forced_calls('[{"name": "nope", "arguments": {}}, {"na', plan, truncated=True) is None
 
 
 def test_named_tool_choice_streams_call_deltas(tiny):
@@ -256,6 +267,24 @@ def test_named_tool_choice_streams_call_deltas(tiny):
     assert deltas and deltas[0].id and deltas[0].function.name == "add"
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)
+
+
+def test_a_forced_call_cut_by_max_tokens_comes_back_as_a_partial_call(tiny):
+    """As OpenAI: tool_calls with the arguments so far and finish_reason "length", streamed or
+    not, never the call's JSON as content."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Add 2 and 3"}], tools=[WEATHER, ADD],
+              tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=3, temperature=0)
+    resp = tiny.client.chat.completions.create(**kw)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add" and call.function.arguments.startswith("{")
+    chunks = list(tiny.client.chat.completions.create(stream=True, **kw))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["add"]
+    assert deltas[0].function.arguments == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)
 
 

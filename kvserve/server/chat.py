@@ -44,8 +44,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         await ctx.compile_grammar(structured[1], structured[0])
         params = dataclasses.replace(params, structured_outputs=structured[1])
     prompt_ids = await ctx.chat_prompt_ids(body.messages, bool(body.add_generation_prompt), plan)
-    explicit_max = body.max_completion_tokens is not None or body.max_tokens is not None
-    params = ctx.fit_to_context(params, len(prompt_ids), "messages", explicit_max)
+    max_tokens_param = ("max_completion_tokens" if body.max_completion_tokens is not None
+                        else "max_tokens" if body.max_tokens is not None else None)
+    params = ctx.fit_to_context(params, len(prompt_ids), "messages", max_tokens_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = EngineStreams(ctx.async_engine, [EngineJob(prompt_ids, params, request_id)],
                             raw_request, ctx.gate)
@@ -69,7 +70,7 @@ class _ChatWriter:
         calls: list[ToolCall] = []
         content: Optional[str] = text
         if self.plan.forced:
-            calls = tools.forced_calls(text, self.plan) or []
+            calls = tools.forced_calls(text, self.plan, truncated=finish_reason == "length") or []
             if calls:
                 content = None
         elif self.plan.mode == "auto":

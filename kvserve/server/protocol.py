@@ -63,7 +63,7 @@ class RequestModel(BaseModel):
     parts keep unknown keys (clients send back response messages whole: ``refusal``,
     ``annotations``); those are content, not parameters."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(RequestModel):

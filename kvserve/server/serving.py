@@ -138,9 +138,10 @@ class ServingContext:
             raise bad_request(str(exc), param=param, code="invalid_grammar") from None
 
     def fit_to_context(self, params: SamplingParams, num_prompt_tokens: int, param: str,
-                       max_tokens_given: bool) -> SamplingParams:
+                       max_tokens_param: Optional[str]) -> SamplingParams:
         """Refuse a prompt that leaves no room to generate, or an explicit max_tokens beyond
-        the context; a default max_tokens is shortened to fit instead."""
+        the context (``max_tokens_param``: the field the client set it with, None for the
+        default); a default max_tokens is shortened to fit instead."""
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise bad_request(f"the prompt has {num_prompt_tokens} tokens, but this model's "
@@ -149,10 +150,10 @@ class ServingContext:
         room = limit - num_prompt_tokens
         if params.max_tokens is None or params.max_tokens <= room:
             return params
-        if max_tokens_given:
-            raise bad_request(f"max_tokens is {params.max_tokens}, but the prompt has "
+        if max_tokens_param is not None:
+            raise bad_request(f"{max_tokens_param} is {params.max_tokens}, but the prompt has "
                               f"{num_prompt_tokens} tokens and this model's context is {limit} "
-                              f"tokens, leaving room for {room}", param="max_tokens",
+                              f"tokens, leaving room for {room}", param=max_tokens_param,
                               code="context_length_exceeded")
         return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 

@@ -169,12 +169,14 @@ def _loads_or_text(arguments: str) -> Any:
 
 
 # ---------------------------------------------------------------------- output
-def forced_calls(text: str, plan: ToolPlan) -> Optional[list[ToolCall]]:
-    """The calls in a constrained output (None if it is incomplete, e.g. cut by max_tokens)."""
+def forced_calls(text: str, plan: ToolPlan, truncated: bool = False) -> Optional[list[ToolCall]]:
+    """The calls in a constrained output; None if it is incomplete, unless ``truncated`` (cut
+    by max_tokens): then the calls as far as they came, the last one's arguments unfinished
+    JSON text, as OpenAI returns a forced call cut short (finish_reason "length")."""
     try:
         value = json.loads(text)
     except ValueError:
-        return None
+        return _calls_so_far(text, plan) if truncated else None
     if plan.mode == "named":
         if not isinstance(value, dict):
             return None
@@ -187,6 +189,37 @@ def forced_calls(text: str, plan: ToolPlan) -> Optional[list[ToolCall]]:
             return None
         calls.append(_call(item["name"], item.get("arguments", {})))
     return calls
+
+
+_PARTIAL_CALL = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*(?:,\s*"arguments"\s*:\s*(.*))?', re.S)
+_ITEM_GAP = re.compile(r"\s*,?\s*")
+
+
+def _calls_so_far(text: str, plan: ToolPlan) -> Optional[list[ToolCall]]:
+    """A forced output cut short: a named call's arguments so far; of a required array, its
+    whole calls and the last one once its name is complete. None before any name is."""
+    if plan.mode == "named":
+        return [_call(plan.named, text)]
+    stripped = text.lstrip()
+    if not stripped.startswith("["):
+        return None
+    calls: list[ToolCall] = []
+    decoder = json.JSONDecoder()
+    pos = 1
+    while True:
+        pos = _ITEM_GAP.match(stripped, pos).end()
+        try:
+            item, end = decoder.raw_decode(stripped, pos)
+        except ValueError:
+            break
+        if not isinstance(item, dict) or not plan.known(item.get("name")):
+            return None
+        calls.append(_call(item["name"], item.get("arguments", {})))
+        pos = end
+    last = _PARTIAL_CALL.match(stripped, pos)
+    if last is not None and plan.known(last.group(1)):
+        calls.append(_call(last.group(1), last.group(2) or ""))
+    return calls or None
 
 
 def parse_auto(text: str, plan: ToolPlan) -> tuple[Optional[str], list[ToolCall]]:
