@@ -276,7 +276,6 @@ class StopStringMatcher:
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         self.stop = [s for s in dict.fromkeys(stop) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.max_stop_len = max((len(s) for s in self.stop), default=0)
 
     def check(self, text: str, num_new_chars: int) -> Optional[tuple[str, str]]:
         """``(stop_string, truncated_text)`` for the earliest occurrence of any stop string
@@ -284,10 +283,11 @@ class StopStringMatcher:
         string (after it, when included)."""
         if not self.stop or num_new_chars <= 0:
             return None
-        start = max(0, len(text) - num_new_chars - self.max_stop_len + 1)
         best: Optional[tuple[int, str]] = None
         for s in self.stop:
-            idx = text.find(s, start)
+            # Only an occurrence that ends in the new text: one finished before it (while
+            # min_tokens held the check back) is not a stop, as in vLLM.
+            idx = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:

@@ -116,8 +116,8 @@ def test_schemathesis_finds_nothing(server, tmp_path):
     """schemathesis (every check but positive_data_acceptance) on a small budget. That check
     also flags the few refusals no schema can state: a prompt (or prompt plus max_tokens)
     longer than the context in tokens, a text that tokenizes to nothing, a grammar, regex or
-    JSON schema that does not compile, two tools of one name (the note reports a larger run
-    with it)."""
+    JSON schema that does not compile, two tools of one name, a best_of other than n (the note
+    reports a larger run with it)."""
     import shutil
     import subprocess
     import sys

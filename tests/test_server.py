@@ -403,6 +403,8 @@ BAD_REQUESTS = [
     ("not-json-content-type", "/v1/completions", ("text/plain", b'{"prompt": "hi"}'), 400, None, "JSON object"),
     # A parameter the server does not implement is refused by name, never dropped.
     ("unknown-parameter", "/v1/completions", {"prompt": "hi", "foo_bar": 1}, 400, "foo_bar", "Unrecognized request argument"),
+    ("unknown-parameter-odd-name", "/v1/completions", {"prompt": "hi", "max-tokens": 1}, 400, "max-tokens", "supplied: max-tokens"),
+    ("unknown-key-in-tool-choice", "/v1/chat/completions", {"messages": chat_messages("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}, "extra": 1}}, 400, "tool_choice.extra", "Unrecognized"),
     ("max-completion-tokens-on-completions", "/v1/completions", {"prompt": "hi", "max_completion_tokens": 3}, 400, "max_completion_tokens", "Unrecognized"),
     ("guided-json", "/v1/chat/completions", {"messages": chat_messages("hi"), "guided_json": {"type": "object"}}, 400, "guided_json", "use structured_outputs"),
     ("chat-template-override", "/v1/chat/completions", {"messages": chat_messages("hi"), "chat_template": "{{ 1 }}"}, 400, "chat_template", "Unrecognized"),
@@ -447,7 +449,12 @@ def test_best_of_equal_to_n_and_unknown_message_keys_are_accepted(tiny):
     assert len(resp.json()["choices"]) == 2
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "hello", "refusal": None, "annotations": []},
-                {"role": "user", "content": "again"}]
+                {"role": "user", "content": "again"},
+                # as openai-python's parse and stream helpers hand a tool call back
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "index": 0,
+                     "function": {"name": "f", "arguments": "{}", "parsed_arguments": None}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
     resp = httpx.post(tiny.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
     assert resp.status_code == 200, resp.text
 

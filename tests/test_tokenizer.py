@@ -268,6 +268,11 @@ def test_stop_string_first_occurrence_and_truncation():
     # Two stop strings at the same place: the first listed wins.
     assert StopStringMatcher(["abc", "ab"], True).check("xabc", 4) == ("abc", "xabc")
     assert StopStringMatcher(["ab", "abc"], True).check("xabc", 4) == ("ab", "xab")
+    # Each stop string is searched only where it would end in the new text, whatever the
+    # others' lengths: a "." finished before (while min_tokens held the check back) is not one.
+    mixed = StopStringMatcher([".", "The end"])
+    assert mixed.check("Paris is big. It", 3) is None
+    assert mixed.check("Paris is big. It.", 1) == (".", "Paris is big. It")
 
 
 def test_safe_emit_length_holds_back_possible_stop_prefixes():

@@ -86,9 +86,13 @@ def _describe_validation_error(err: dict) -> tuple[str, Optional[str]]:
         if isinstance(p, str) and (p in _TYPE_TAGS or not p.isidentifier() or p[:1].isupper()):
             break
         parts.append(str(p))
-    path = ".".join(parts)
-    if err.get("type") == "extra_forbidden":
+    if err.get("type") == "extra_forbidden" and loc:
+        # The unknown key itself, whatever it looks like ("max-tokens", "Temperature").
+        if len(parts) == len(loc):
+            parts = parts[:-1]
+        path = ".".join(parts + [str(loc[-1])])
         return _unknown_parameter(path), path
+    path = ".".join(parts)
     message = err.get("msg", "invalid value")
     if err.get("type") in ("string_too_short", "too_short") and \
             (err.get("ctx") or {}).get("min_length") == 1 and path:
@@ -135,7 +139,10 @@ def install_error_handlers(app: FastAPI, on_server_rejection: Optional[Callable[
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         count(request, 400)
         # OpenAI answers bad parameters with 400, not FastAPI's 422.
-        errors = _drop_other_union_branches(list(exc.errors()))
+        errors = list(exc.errors())
+        # An unknown key is the one to name: in a union (tool_choice) the other members'
+        # complaints about the same value say nothing useful.
+        errors = [e for e in errors if e.get("type") == "extra_forbidden"] or _drop_other_union_branches(errors)
         described = [_describe_validation_error(e) for e in errors] or [("invalid request", None)]
         message = "; ".join(dict.fromkeys(m for m, _ in described))
         return bad_request(message, param=described[0][1]).response()

@@ -192,7 +192,8 @@ class CompletionRequest(SamplingRequest):
     # OpenAI's insertion suffix is not supported: the spec allows it only empty (or null),
     # so clients generated from the spec do not send what the server would refuse.
     suffix: Optional[Annotated[str, Field(max_length=0)]] = None
-    # Every sample generated is returned: best_of only as n (LangChain sends best_of: 1).
+    # Every sample generated is returned: best_of only as n (a client sending best_of: 1 with
+    # the default n keeps working).
     best_of: Optional[Integer] = Field(None, ge=1, le=MAX_N)
 
     # OpenAI's default for the legacy completions endpoint.
@@ -224,12 +225,15 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
-class FunctionCall(RequestModel):
+# In an assistant message sent back: what else clients copy from a response is content, not
+# parameters (openai-python's parse helper adds function.parsed_arguments, its stream helper
+# each call's index).
+class FunctionCall(RequestModel, extra="allow"):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(RequestModel):
+class ToolCall(RequestModel, extra="allow"):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
