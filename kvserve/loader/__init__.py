@@ -121,8 +121,9 @@ def return_freed_heap() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim). Loading frees its
     temporaries (fp32 copies of every weight, unpacked blocks) in pieces of a few MB, which
     glibc serves from its heap once a freed large block has raised its mmap threshold, and
-    keeps: SmolLM2's engine held 1185 MiB resident against 836 after a trim, Gemma 3's int4
-    2990 against 2148. Elsewhere (other C libraries) nothing happens."""
+    keeps: SmolLM2's engine held 1185 MiB resident against 837 with the trim, Gemma 3's int4
+    2734 against 2037 (benchmarks/results/zen3-avx2-engine-start). Elsewhere (other C
+    libraries) nothing happens."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except Exception:  # no such C library function here (musl, macOS, Windows)
