@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -54,14 +54,22 @@ def batch_invariant_linears() -> bool:
 BF16_PANEL = 32  # output columns per packed panel of kvserve's bf16 kernel (csrc/dense_linear.cpp)
 
 
+def _packed_by_kernel(kernel: str, weight: torch.Tensor) -> Optional[Any]:
+    """The extension's load-time packer ``kernel`` (pack_bf16_weight, q8_0_quantize,
+    q4_screen_pack) applied to a CPU ``weight``: one pass, the values of its plain-torch
+    reference; None where the extension is off or the weight is elsewhere (the reference then)."""
+    ext = ops.cpu_extension()
+    if ext is None or weight.device.type != "cpu":
+        return None
+    return getattr(ext, kernel)(weight.detach().float().contiguous())
+
+
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> the bf16 bits (int16) of ``[Np / 32, Kp / 2, 32, 2]``: panels of 32 output
     columns, then pairs of K (N rounded up to 32, K to 2, with zeros). One 512-bit load of
     a panel is 16 columns x 2 k, what one vdpbf16ps multiplies with a broadcast k pair."""
-    ext = ops.cpu_extension()
-    if ext is not None and weight.device.type == "cpu":
-        return ext.pack_bf16_weight(weight.detach().float().contiguous())  # the same values, one pass
-    return pack_bf16_weight_reference(weight)
+    packed = _packed_by_kernel("pack_bf16_weight", weight)
+    return packed if packed is not None else pack_bf16_weight_reference(weight)
 
 
 def pack_bf16_weight_reference(weight: torch.Tensor) -> torch.Tensor:
@@ -708,10 +716,8 @@ class Q8Linear(DecodeFormatLinear):
         n, k = weight.shape
         if k % INT4_GROUP_SIZE:
             raise ConfigError(f"Q8_0 needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
-        ext = ops.cpu_extension()
-        if ext is not None and weight.device.type == "cpu":
-            return cls(*ext.q8_0_quantize(weight.detach().float().contiguous()))  # the same, one pass
-        return cls(*cls.quantize_reference(weight))
+        blocks = _packed_by_kernel("q8_0_quantize", weight)
+        return cls(*(blocks if blocks is not None else cls.quantize_reference(weight)))
 
     @staticmethod
     def quantize_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -844,11 +850,8 @@ class Q4Screen(nn.Module):
         n, k = weight.shape
         if k % SCREEN_GROUP:
             raise ConfigError(f"the 4-bit screen needs in_features divisible by {SCREEN_GROUP}, got {k}")
-        ext = ops.cpu_extension()
-        if ext is not None and weight.device.type == "cpu":
-            # The same bytes as below, in one pass (the torch ops take seconds for Gemma 3's head).
-            return cls(ext.q4_screen_pack(weight.detach().float().contiguous()), n)
-        return cls(cls.pack_reference(weight), n)
+        packed = _packed_by_kernel("q4_screen_pack", weight)  # (the torch ops take seconds for Gemma 3's head)
+        return cls(packed if packed is not None else cls.pack_reference(weight), n)
 
     @staticmethod
     def pack_reference(weight: torch.Tensor) -> torch.Tensor:

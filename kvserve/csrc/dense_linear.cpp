@@ -773,9 +773,7 @@ void bf16_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor wp, c10::
 // (c10::BFloat16: to nearest even, NaN kept a NaN) and written to its panel's place, zeros in
 // the padding. The torch version's four passes were ~0.5 s of every SmolLM2 engine start.
 torch::Tensor pack_bf16_weight(torch::Tensor weight) {
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.device().is_cpu(),
-              "weight must be a contiguous float32 [N, K] CPU tensor");
+  check_fp32_weight(weight);
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t P = (N + kPanel - 1) / kPanel, Kh = (K + 1) / 2;
   auto packed = torch::empty({P, Kh, kPanel, 2}, weight.options().dtype(torch::kInt16));

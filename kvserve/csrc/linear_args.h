@@ -1,5 +1,6 @@
 // The argument checks every linear kernel makes (dense_linear.cpp, quant_linear.cpp,
-// screen_linear.cpp, w8a8_linear.cpp): the same conditions, the same messages.
+// screen_linear.cpp, w8a8_linear.cpp), and their load-time packers: the same conditions, the
+// same messages.
 #pragma once
 
 #include <torch/extension.h>
@@ -24,4 +25,11 @@ inline const float* optional_bias(const c10::optional<torch::Tensor>& bias, int6
   TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
               "bias must be a contiguous float32 [N]");
   return bias->data_ptr<float>();
+}
+
+// A packer's input: the weights as fp32 [N, K], contiguous, on the CPU.
+inline void check_fp32_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.device().is_cpu(),
+              "weight must be a contiguous float32 [N, K] CPU tensor");
 }

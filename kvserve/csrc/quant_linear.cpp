@@ -896,12 +896,10 @@ void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
 
 // kvserve.quant.Q8Linear.from_float's Q8_0 quantization in one pass: per group of 32,
 // d = fp16(amax / 127), q = rint(w / max(d, 1e-30)) in -127..127 (fp32, the same operations, so
-// the same codes and scales for finite weights). The torch version took 1.2 s of an int4 engine start on Gemma 3's
-// head.
+// the same codes and scales for finite weights). The torch version took 1.2 s of an int4 engine
+// start on Gemma 3's head.
 std::vector<torch::Tensor> q8_0_quantize(torch::Tensor weight) {
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.device().is_cpu(),
-              "weight must be a contiguous float32 [N, K] CPU tensor");
+  check_fp32_weight(weight);
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(K % kGroup == 0, "Q8_0 needs in_features divisible by ", kGroup, ", got ", K);
   auto qs = torch::empty({N, K}, weight.options().dtype(torch::kInt8));

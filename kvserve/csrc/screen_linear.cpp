@@ -311,12 +311,10 @@ void q4_screen_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor pack
 // kvserve.quant.Q4Screen.from_float's arithmetic, in one pass over the weights: per row and
 // group of 64, d = fp16(max((hi - lo) / 15, 1e-6)), m = fp16(lo), q = rint((w - m) / d) in 0..15
 // (fp32 throughout: the same operations as quantize_min_max, so the same bytes for finite
-// weights, but for the sign of a zero m), written in the tiled layout. Its torch version passes over Gemma 3's 262k x 640 head eight times: 1.6 s
-// of every engine start.
+// weights, but for the sign of a zero m), written in the tiled layout. Its torch version
+// passes over Gemma 3's 262k x 640 head eight times: 1.6 s of every engine start.
 torch::Tensor q4_screen_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.device().is_cpu(),
-              "weight must be a contiguous float32 [N, K] CPU tensor");
+  check_fp32_weight(weight);
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(K % kGroup == 0, "the 4-bit screen needs in_features divisible by ", kGroup, ", got ", K);
   const int64_t tiles = (N + kTileRows - 1) / kTileRows, groups = K / kGroup;

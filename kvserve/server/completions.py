@@ -66,8 +66,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest,
         await ctx.compile_grammar(structured[1], structured[0])
         params = dataclasses.replace(params, structured_outputs=structured[1])
     prompts = await _prompts(ctx, body.prompt)
-    per_prompt = [ctx.fit_to_context(params, len(p.token_ids), "prompt", None if body.max_tokens is None else "max_tokens")
-                  for p in prompts]
+    max_tokens_param = None if body.max_tokens is None else "max_tokens"
+    per_prompt = [ctx.fit_to_context(params, len(p.token_ids), "prompt", max_tokens_param) for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = [EngineJob(p.token_ids, sp, f"{request_id}-{i}")
             for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
