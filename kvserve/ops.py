@@ -136,7 +136,12 @@ def nibble_kernel_activations(x: torch.Tensor) -> torch.Tensor:
 
 def enabled_for(x: torch.Tensor) -> bool:
     """Whether the fused kernels handle this activation tensor (fp32 on the CPU)."""
-    return _kernels_on and x.dtype == torch.float32 and x.device.type == "cpu" and load_extension() is not None
+    return x.dtype == torch.float32 and kernels_on(x)
+
+
+def kernels_on(x: torch.Tensor) -> bool:
+    """Whether the fused kernels run for tensors on x's device (the CPU, kernels built and on)."""
+    return _kernels_on and x.device.type == "cpu" and load_extension() is not None
 
 
 @contextmanager
@@ -282,17 +287,22 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, indices
 
 
-def gathered_rows_dot(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``out[s, j] = x[s] . w[idx[s, j]]`` (the LM head's rescoring of its top candidates).
-    The kernel sums each dot product in Fp32Linear's order whatever the number of rows;
-    ``torch.bmm`` (the reference) picks its kernel by the batch."""
-    if enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and w.dtype == torch.float32 and w.stride(-1) == 1:
-        return _ext.gathered_rows_dot(x, w, idx.contiguous())
+def gathered_rows_dot(x: torch.Tensor, w: Any, idx: torch.Tensor) -> torch.Tensor:
+    """``out[s, j] = x[s] . w[idx[s, j]]`` (the LM head's rescoring of its top candidates), ``w``
+    an fp32 table or a kvserve.row_table.Q8Table (its rows, the same values). The kernel sums
+    each dot product in Fp32Linear's order whatever the number of rows; ``torch.bmm`` (the
+    reference) picks its kernel by the batch."""
+    q8 = hasattr(w, "qs")
+    values = w.qs if q8 else w
+    if (enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and values.stride(-1) == 1
+            and (q8 or w.dtype == torch.float32)):
+        return _ext.gathered_rows_dot(x, values, idx.contiguous(), w.d if q8 else None)
     return gathered_rows_dot_reference(x, w, idx)
 
 
-def gathered_rows_dot_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    rows = w.index_select(0, idx.reshape(-1)).view(*idx.shape, -1)
+def gathered_rows_dot_reference(x: torch.Tensor, w: Any, idx: torch.Tensor) -> torch.Tensor:
+    flat = idx.reshape(-1)
+    rows = (w.dequantized(flat) if hasattr(w, "qs") else w.index_select(0, flat)).view(*idx.shape, -1)
     return torch.bmm(rows.float(), x.float().unsqueeze(-1)).squeeze(-1)
 
 

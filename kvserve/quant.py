@@ -26,6 +26,7 @@ from torch import nn
 
 from kvserve import block_formats, ops
 from kvserve.config import INT4_PREFILL_MODES, ConfigError
+from kvserve.row_table import RowSource, keep_embedding_as_blocks, table_args
 from kvserve.token_roles import current_token_roles
 
 logger = logging.getLogger(__name__)
@@ -909,25 +910,27 @@ class RescoredLMHead(nn.Module):
     argmax is the fp32 argmax unless the true best ranked below the candidates.
     """
 
-    def __init__(self, fast: nn.Module, exact_weight: torch.Tensor, top_k: int = LM_HEAD_RESCORE_TOP_K,
+    def __init__(self, fast: nn.Module, exact_weight: RowSource, top_k: int = LM_HEAD_RESCORE_TOP_K,
                  screen: Optional[Q4Screen] = None) -> None:
         super().__init__()
         self.fast = fast
-        self.exact_weight = exact_weight  # shared with the (fp32) embedding table when tied
+        # fp32 [vocab, hidden], or the Q8Table of its blocks (kvserve.row_table); shared with the
+        # embedding table when tied.
+        self.exact_weight = exact_weight
         self.top_k = top_k
         self.screen = screen
         self._kept_logits: Optional[torch.Tensor] = None  # see _kept_buffer
 
     def native_screen(self, rows: int, x: torch.Tensor) -> Optional[tuple]:
-        """(logits buffer, screen weights, exact weights, top_k): the arguments of forward's
-        one-call argmax path (``screened_logits_out``) for ``rows`` rows like ``x`` (contiguous
-        [rows, hidden]), or None where forward takes another path."""
-        exact = self.exact_weight
-        if (self.screen is None or not rows or not ops.enabled_for(x) or exact.dtype != torch.float32
-                or not exact.is_contiguous()):
+        """(logits buffer, screen weights, exact weights, their Q8_0 scales or None, top_k): the
+        arguments of forward's one-call argmax path (``screened_logits_out``) for ``rows`` rows
+        like ``x`` (fp32, on x's device), or None where forward takes another path."""
+        exact, exact_scales = table_args(self.exact_weight)
+        if (self.screen is None or not rows or not ops.enabled_for(x)
+                or (exact_scales is None and exact.dtype != torch.float32) or not exact.is_contiguous()):
             return None
         out = self._kept_buffer(rows, self.screen.out_features, x)
-        return out, self.screen.packed, exact, min(SCREEN_TOP_K, out.shape[-1])
+        return out, self.screen.packed, exact, exact_scales, min(SCREEN_TOP_K, out.shape[-1])
 
     def argmax_tokens(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Each row's argmax of ``self(x, argmax_only=True)`` as int64 ``[rows]`` (the token
@@ -1108,6 +1111,8 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
         logger.info("int4: %s prefill copies of the block-quantized layers for prompt tokens, %.1f MiB",
                     prefill_copy_format(model), prefill_bytes / 2**20)
     _weights_to_huge_pages(model)
+    del exact  # (the fp32 table, freed here where the blocks replace it)
+    keep_embedding_as_blocks(model)
     return counts
 
 

@@ -15,6 +15,7 @@ from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.loader import load_model, resolve_model
 from kvserve.models.fused import attach_fused_layers
+from kvserve.row_table import table_args
 from kvserve.token_roles import ALL_GENERATED, ALL_PROMPT, MIXED, TokenRoles, use_token_roles
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
@@ -57,7 +58,7 @@ def test_fused_layers_reject_tokens_and_positions_outside_their_tables():
     caches = allocate_kv_cache(cfg, 4, 16, "float32", "cpu")
     md = build_attention_metadata([[0]], [0], [2], 16)
     tables = decoder.rope_inv_freq.tables(2, "cpu")
-    embed = decoder.embed_tokens.weight
+    embed = table_args(decoder.embed_tokens)
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         fused(torch.tensor([1, cfg.vocab_size]), torch.tensor([0, 1]), embed, 1.0, tables, tables, md, caches)
     past = tables[0].shape[0]

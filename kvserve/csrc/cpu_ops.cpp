@@ -2266,16 +2266,18 @@ std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k) 
 
 // The LM head's logits for a step that reads only each row's argmax (kvserve.quant.
 // RescoredLMHead), in one call: the 4-bit screen ranks the vocabulary into out [S, V], each
-// row's k best (top_k_rows) get their fp32 logits against exact [V, K] (gathered_rows_dot), and
-// every other entry becomes -inf. The same kernels, in the same order, as the head's torch
-// calls; one call instead of six saved ~0.05 ms of a 3.5 ms single-stream SmolLM2 step, whose
-// Python and dispatcher state the weight stream has evicted from the caches by then.
-void screened_logits_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor exact, int64_t k) {
+// row's k best (top_k_rows) get their fp32 logits against exact [V, K] (gathered_rows_dot: fp32,
+// or its Q8_0 blocks with exact_scales), and every other entry becomes -inf. The same kernels, in
+// the same order, as the head's torch calls; one call instead of six saved ~0.05 ms of a 3.5 ms
+// single-stream SmolLM2 step, whose Python and dispatcher state the weight stream has evicted
+// from the caches by then.
+void screened_logits_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor exact,
+                         c10::optional<torch::Tensor> exact_scales, int64_t k) {
   RECORD_FUNCTION("kvserve::screened_logits", std::vector<c10::IValue>());
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   q4_screen_linear_out(out, x, packed);
   const auto [values, indices] = top_k_rows(out, k);
-  const torch::Tensor best = gathered_rows_dot(x, exact, indices);
+  const torch::Tensor best = gathered_rows_dot(x, exact, indices, exact_scales);
   const int64_t S = out.size(0), V = out.size(1);
   float* o = out.data_ptr<float>();
   const int64_t* ids = indices.data_ptr<int64_t>();
@@ -2294,14 +2296,14 @@ void screened_logits_out(torch::Tensor out, torch::Tensor x, torch::Tensor packe
 // candidates, that is this scan of the candidates in ascending token id (the same token for
 // ties, NaNs and a row of all -inf).
 void screened_argmax_out(torch::Tensor tokens, torch::Tensor scratch, torch::Tensor x, torch::Tensor packed,
-                         torch::Tensor exact, int64_t k) {
+                         torch::Tensor exact, c10::optional<torch::Tensor> exact_scales, int64_t k) {
   RECORD_FUNCTION("kvserve::screened_argmax", std::vector<c10::IValue>());
   TORCH_CHECK(scratch.is_contiguous(), "scratch must be contiguous");
   TORCH_CHECK(tokens.scalar_type() == torch::kInt64 && tokens.is_contiguous() && tokens.numel() == scratch.size(0),
               "tokens must be a contiguous int64 [S]");
   q4_screen_linear_out(scratch, x, packed);
   const auto [values, indices] = top_k_rows(scratch, k);
-  const torch::Tensor best = gathered_rows_dot(x, exact, indices);
+  const torch::Tensor best = gathered_rows_dot(x, exact, indices, exact_scales);
   const int64_t S = scratch.size(0);
   const int64_t* ids = indices.data_ptr<int64_t>();
   const float* logit = best.data_ptr<float>();
@@ -2798,6 +2800,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear);
   m.def("q8_linear_out", &q8_linear_out);
   m.def("q8_0_quantize", &q8_0_quantize);
+  m.def("q8_0_reproduces", &q8_0_reproduces);
   kvserve::register_step_team(m);
   m.def("set_portable_quant_kernels", &set_portable_quant_kernels);
   m.def("quant_kernel_isa", &quant_kernel_isa);
@@ -2810,7 +2813,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_out", &bf16_linear_out);
   m.def("pack_bf16_weight", &pack_bf16_weight);
   m.def("fp32_linear", &fp32_linear);
-  m.def("gathered_rows_dot", &gathered_rows_dot);
+  m.def("gathered_rows_dot", &gathered_rows_dot, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("idx"),
+        pybind11::arg("w_scales") = pybind11::none());
   m.def("set_portable_dense_kernels", &set_portable_dense_kernels);
   m.def("bf16_kernel_route", &bf16_kernel_route);
   m.def("w8a8_linear", &w8a8_linear, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("affine"), pybind11::arg("n"),

@@ -17,6 +17,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
 torch::Tensor act_and_mul(torch::Tensor x, int64_t act);
 void act_and_mul_out(torch::Tensor out, const torch::Tensor& x, int64_t act);
 std::tuple<torch::Tensor, torch::Tensor> top_k_rows(torch::Tensor x, int64_t k);
-void screened_logits_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor exact, int64_t k);
+void screened_logits_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor exact,
+                         c10::optional<torch::Tensor> exact_scales, int64_t k);
 void screened_argmax_out(torch::Tensor tokens, torch::Tensor scratch, torch::Tensor x, torch::Tensor packed,
-                         torch::Tensor exact, int64_t k);
+                         torch::Tensor exact, c10::optional<torch::Tensor> exact_scales, int64_t k);

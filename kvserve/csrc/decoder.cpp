@@ -13,6 +13,7 @@
 #include "dense_linear.h"
 #include "quant_linear.h"
 #include "w8a8_linear.h"
+#include "row_table.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -285,13 +286,15 @@ class FusedDecoderLayers {
     });
   }
 
-  // forward from the step's tokens: hidden = the embedding rows of input_ids (times
-  // embed_scale unless it is 1: Gemma's normalizer, an fp32 product as torch's), and each rope
+  // forward from the step's tokens: hidden = the embedding rows of input_ids (an fp32 table, or
+  // its Q8_0 blocks with embed_scales: row_table.h), times embed_scale unless it is 1 (Gemma's
+  // normalizer, an fp32 product as torch's), and each rope
   // table's rows at the step's positions ([n, D] tables of positions 0 .. n - 1, from
   // RopeFrequencies.tables; the local ones may be the same tensors). The same values as the
   // model's embedding, scale and index_select in Python, without their dispatch each step.
   torch::Tensor forward_tokens(const torch::Tensor& input_ids, const torch::Tensor& positions,
-                               const torch::Tensor& embed_weight, double embed_scale, const torch::Tensor& cos_table,
+                               const torch::Tensor& embed_weight, const c10::optional<torch::Tensor>& embed_scales,
+                               double embed_scale, const torch::Tensor& cos_table,
                                const torch::Tensor& sin_table, const torch::Tensor& local_cos_table,
                                const torch::Tensor& local_sin_table, const std::vector<torch::Tensor>& kv_caches,
                                const std::vector<torch::Tensor>& kv_scales, const std::vector<int64_t>& kv_groups,
@@ -305,20 +308,18 @@ class FusedDecoderLayers {
                     input_ids.dim() == 1 && input_ids.is_contiguous() && positions.is_contiguous() &&
                     positions.numel() == input_ids.numel(),
                 "input_ids and positions must be contiguous int64 [T]");
-    TORCH_CHECK(embed_weight.scalar_type() == torch::kFloat32 && embed_weight.dim() == 2 && embed_weight.is_contiguous(),
-                "the embedding must be a contiguous float32 [vocab, hidden]");
-    const int64_t T = input_ids.numel(), vocab = embed_weight.size(0), hidden_size = embed_weight.size(1);
-    auto hidden = torch::empty({T, hidden_size}, embed_weight.options());
+    const RowTable table(embed_weight, embed_scales, "the embedding");
+    const int64_t T = input_ids.numel(), vocab = table.rows(), hidden_size = table.width();
+    auto hidden = torch::empty({T, hidden_size}, input_ids.options().dtype(torch::kFloat32));
     const int64_t* ids = input_ids.data_ptr<int64_t>();
-    const float* table = embed_weight.data_ptr<float>();
     float* h = hidden.data_ptr<float>();
     const float scale = static_cast<float>(embed_scale);
     for (int64_t t = 0; t < T; ++t) {
       TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id ", ids[t], " is outside the vocabulary of ", vocab);
-      const float* row = table + ids[t] * hidden_size;
       float* out = h + t * hidden_size;
+      const float* row = table.row(ids[t], out);
       if (scale == 1.f) {
-        std::copy(row, row + hidden_size, out);
+        if (row != out) std::copy(row, row + hidden_size, out);
       } else {
 #pragma omp simd
         for (int64_t i = 0; i < hidden_size; ++i) out[i] = row[i] * scale;
@@ -374,14 +375,16 @@ class FusedDecoderLayers {
   // stream, mostly dispatch slowed by caches the weights evicted). Returns the tokens [steps, S].
   torch::Tensor decode_round(int64_t num_steps, const torch::Tensor& input_ids,
                              const torch::Tensor& positions, int64_t block_size, const torch::Tensor& embed_weight,
-                             double embed_scale, const torch::Tensor& cos_table, const torch::Tensor& sin_table,
+                             const c10::optional<torch::Tensor>& embed_scales, double embed_scale,
+                             const torch::Tensor& cos_table, const torch::Tensor& sin_table,
                              const torch::Tensor& local_cos_table, const torch::Tensor& local_sin_table,
                              const std::vector<torch::Tensor>& kv_caches, const std::vector<torch::Tensor>& kv_scales,
                              const std::vector<int64_t>& kv_groups, const std::vector<torch::Tensor>& slot_mappings,
                              const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
                              const torch::Tensor& query_start_loc, const torch::Tensor& norm_weight, double norm_eps,
                              double norm_offset, const torch::Tensor& screen, const torch::Tensor& exact,
-                             int64_t top_k, const torch::Tensor& logits) const {
+                             const c10::optional<torch::Tensor>& exact_scales, int64_t top_k,
+                             const torch::Tensor& logits) const {
     const int64_t S = input_ids.numel();
     TORCH_CHECK(num_steps >= 0 && block_size > 0, "num_steps >= 0, block_size > 0");
     TORCH_CHECK(input_ids.scalar_type() == torch::kInt64 && input_ids.is_contiguous() &&
@@ -420,12 +423,12 @@ class FusedDecoderLayers {
                 pos[s] % block_size;
           }
         }
-        const auto hidden = forward_tokens(input_ids, positions, embed_weight, embed_scale, cos_table, sin_table,
-                                           local_cos_table, local_sin_table, kv_caches, kv_scales, kv_groups,
-                                           slot_mappings, block_tables, seq_lens, query_start_loc, 0, c10::nullopt,
-                                           c10::nullopt, c10::nullopt);
+        const auto hidden = forward_tokens(input_ids, positions, embed_weight, embed_scales, embed_scale, cos_table,
+                                           sin_table, local_cos_table, local_sin_table, kv_caches, kv_scales,
+                                           kv_groups, slot_mappings, block_tables, seq_lens, query_start_loc, 0,
+                                           c10::nullopt, c10::nullopt, c10::nullopt);
         screened_argmax_out(tokens[step], logits, rms_norm(hidden, norm_weight, norm_eps, norm_offset), screen, exact,
-                            top_k);
+                            exact_scales, top_k);
       }
     };
     kvserve::run_in_step_team(run_round, team_safe_);

@@ -29,6 +29,7 @@
 #include "bf16.h"
 #include "linear_args.h"
 #include "row_dispatch.h"
+#include "row_table.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -823,38 +824,33 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return out;
 }
 
-torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor idx) {
+torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor idx,
+                                c10::optional<torch::Tensor> w_scales) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
               "x must be a float32 CPU [S, K] tensor with contiguous rows");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.stride(1) == 1 && w.size(1) == x.size(1),
-              "w must be float32 [V, K] with contiguous rows");
+  const RowTable table(w, w_scales, "w");
+  TORCH_CHECK(table.width() == x.size(1), "w has rows of ", table.width(), ", x of ", x.size(1));
   TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.dim() == 2 && idx.is_contiguous() && idx.size(0) == x.size(0),
               "idx must be int64 [S, k]");
-  const int64_t S = x.size(0), C = idx.size(1), K = x.size(1), V = w.size(0);
+  const int64_t S = x.size(0), C = idx.size(1), K = x.size(1), V = table.rows();
   auto out = torch::empty({S, C}, x.options());
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < S * C; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "idx out of range");
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   float* o = out.data_ptr<float>();
   // Each (row, candidate) pair alone: a decode step's 64 candidates are rows scattered over a
   // table the step's weights have evicted (SmolLM2: 64 x 2.3 KB of 113 MB), so the pairs are
   // shared by the threads and each fetches the rows kRowsAhead on while it sums the current one:
   // one row at a time its misses came one after another (~0.9 us a row on a Zen 3). A pair's
-  // sum does not depend on the thread.
+  // sum does not depend on the thread, nor on the table's storage (RowTable: the same row).
   constexpr int64_t kRowsAhead = 4;
-  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(float));
-  const auto row_of = [&](int64_t pair) { return wp + ip[pair] * w.stride(0); };
-  const auto fetch = [&](int64_t pair) {
-    const char* r = reinterpret_cast<const char*>(row_of(pair));
-    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(r + line);
-  };
   kvserve::parallel_for(0, S * C, 8, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < std::min(p1, p0 + kRowsAhead); ++p) fetch(p);
+    std::vector<float> buf(K);
+    for (int64_t p = p0; p < std::min(p1, p0 + kRowsAhead); ++p) table.prefetch(ip[p]);
     for (int64_t p = p0; p < p1; ++p) {
-      if (p + kRowsAhead < p1) fetch(p + kRowsAhead);
+      if (p + kRowsAhead < p1) table.prefetch(ip[p + kRowsAhead]);
       const float* xr[1] = {xp + (p / C) * x.stride(0)};
-      const float* wr[1] = {row_of(p)};
+      const float* wr[1] = {table.row(ip[p], buf.data())};
 #if defined(KVSERVE_DENSE_AVX512) || defined(KVSERVE_DOT_AVX2)
       if (!g_portable) {
         float res[1][8];

@@ -19,8 +19,10 @@ void fp32_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::o
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 
 // out[s, j] = x[s] . w[idx[s, j]] (fp32), the LM head's rescoring of its top candidates, each
-// dot product in the order fp32_linear uses.
-torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor idx);
+// dot product in the order fp32_linear uses; w an fp32 table, or its Q8_0 blocks with w_scales
+// (row_table.h: the same rows, so the same sums).
+torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor idx,
+                                c10::optional<torch::Tensor> w_scales = c10::nullopt);
 
 // Tests: force the portable loops on a machine that has the AVX512 ones.
 void set_portable_dense_kernels(bool portable);

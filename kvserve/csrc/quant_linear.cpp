@@ -31,11 +31,13 @@
 #include "nibble_tiles.h"
 #include "row_dispatch.h"
 #include "fp16.h"
+#include "row_table.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -86,11 +88,6 @@ T* grown(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
-#if defined(__F16C__)
-inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }  // one vcvtph2ps (exact, as the generic one)
-#else
-inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
-#endif
 
 inline uint16_t float_to_bf16_rne(float f) {
   uint32_t bits;
@@ -108,7 +105,7 @@ inline float bf16_to_float(uint16_t b) {
 
 // Per-group scales as a format stores them: fp16 bits (GGUF's own) or fp32 (scales that are
 // products of two stored numbers, exact only in fp32).
-inline float scale_value(uint16_t h) { return half_to_float(h); }
+inline float scale_value(uint16_t h) { return fp16_bits_to_float(h); }
 inline float scale_value(float f) { return f; }
 
 // The activations of one nibble-format call for the portable loop: per 64-input chunk, the bf16
@@ -168,7 +165,7 @@ struct Q5Format {
   const uint16_t* d;   // per group, fp16
   int64_t chunks;
 
-  float portable_scale(int64_t n, int64_t c, int half) const { return half_to_float(d[(n * chunks + c) * 2 + half]); }
+  float portable_scale(int64_t n, int64_t c, int half) const { return fp16_bits_to_float(d[(n * chunks + c) * 2 + half]); }
   float portable_offset(int64_t, int64_t, int) const { return 0.f; }
   // The fifth bit of weight j of group g of row n. The masks number a block's 64 bytes of
   // nibbles as 32 16-bit words, 4 nibbles each: word i holds weights 2 (i % 8) and + 1 of group
@@ -239,7 +236,7 @@ struct Q5Tiles {
   const uint8_t* group(int64_t tile, int64_t g) const { return packed + (tile * groups + g) * kGroupBytes; }
   float portable_scale(int64_t n, int64_t c, int half) const {
     const uint16_t* d = reinterpret_cast<const uint16_t*>(group(n / kTileRows, 2 * c + half) + kTileNibbleBytes + 64);
-    return half_to_float(d[n % kTileRows]);
+    return fp16_bits_to_float(d[n % kTileRows]);
   }
   float portable_offset(int64_t, int64_t, int) const { return 0.f; }
   std::pair<int, int> portable_values(int64_t n, int64_t c, int half, int j) const {
@@ -919,6 +916,24 @@ std::vector<torch::Tensor> q8_0_quantize(torch::Tensor weight) {
     }
   });
   return {qs, d};
+}
+
+// Whether Q8_0 blocks (qs int8 [N, K], d the fp16 bits of [N, K / 32]) read as rows (row_table.h:
+// d * q in fp32) give weight [N, K]'s bits exactly, signed zeros and NaNs included: only then may
+// they stand in for it (kvserve.row_table.Q8Table).
+bool q8_0_reproduces(torch::Tensor weight, torch::Tensor qs, torch::Tensor d) {
+  check_fp32_weight(weight);
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const RowTable table(qs, d, "qs");
+  TORCH_CHECK(table.rows() == N && table.width() == K, "the blocks must have the weight's shape");
+  const float* w = weight.data_ptr<float>();
+  std::atomic<bool> same{true};
+  at::parallel_for(0, N, 256, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(K);
+    for (int64_t r = r0; r < r1 && same.load(std::memory_order_relaxed); ++r)
+      if (std::memcmp(table.row(r, row.data()), w + r * K, K * sizeof(float)) != 0) same = false;
+  });
+  return same;
 }
 
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> bias) {

@@ -35,6 +35,7 @@ void q8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> bias);
 // Q8Linear.from_float's (qs int8 [N, K], d fp16 bits int16 [N, K / 32]) for fp32 W [N, K].
 std::vector<torch::Tensor> q8_0_quantize(torch::Tensor weight);
+bool q8_0_reproduces(torch::Tensor weight, torch::Tensor qs, torch::Tensor d);
 
 // Tests: force the portable loops on a machine that has the AVX512 ones.
 void set_portable_quant_kernels(bool portable);

@@ -109,9 +109,9 @@ class PagedCausalLM(nn.Module):
         head, norm = self.lm_head, self.model.norm
         if (fused is None or self.tp is not None or self.pp is not None or self.config.final_logit_softcapping
                 or not isinstance(head, RescoredLMHead) or norm.weight.dtype != torch.float32
-                or not fused.applies_to(self.model.embed_tokens.weight, kv_caches)):
+                or not fused.applies_to(self.model.embed_tokens, kv_caches)):
             return None
-        screen_call = head.native_screen(input_ids.shape[0], self.model.embed_tokens.weight)
+        screen_call = head.native_screen(input_ids.shape[0], norm.weight)  # (an fp32 tensor on the device)
         if screen_call is None:
             return None
         fused_inputs = self.model.fused_inputs(attn_metadata.max_seq_len + num_steps, input_ids.device)

@@ -27,6 +27,7 @@ from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
 from kvserve.quant import (Bf16Linear, DecodeFormatLinear, Fp32Linear, Int4Linear, Int8Linear, Q5Linear, Q8Linear,
                            SegmentedLinear, W8A8Linear)
+from kvserve.row_table import kernels_read
 from kvserve.token_roles import ALL_GENERATED, current_token_roles
 
 logger = logging.getLogger(__name__)
@@ -109,11 +110,13 @@ class FusedDecoderLayers:
     def __init__(self, native: Any) -> None:
         self.native = native
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, embed_weight: torch.Tensor,
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 embed_table: tuple[torch.Tensor, Optional[torch.Tensor]],
                  embed_scale: float, rope_tables: tuple[torch.Tensor, torch.Tensor],
                  local_rope_tables: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata,
                  kv_caches: KVCache, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The step from its tokens: the embedding rows of ``input_ids`` times ``embed_scale``
+        """The step from its tokens: the embedding rows of ``input_ids`` (``embed_table``:
+        kvserve.row_table.table_args of the model's embedding) times ``embed_scale``
         and the rope tables' rows at ``positions`` (``RopeFrequencies.tables``, covering them;
         the local ones may be the same) are read natively, the values the model's own ops give.
         Per step that is half a dozen fewer small torch ops and tensors from Python, each of
@@ -123,7 +126,7 @@ class FusedDecoderLayers:
         data, scales, groups = kv_caches.native_views
         roles = current_token_roles()  # None: every row generated (the 4-bit weights)
         kind = ALL_GENERATED if roles is None else roles.kind
-        return self.native.forward_tokens(input_ids, positions, embed_weight, embed_scale, *rope_tables,
+        return self.native.forward_tokens(input_ids, positions, *embed_table, embed_scale, *rope_tables,
                                           *local_rope_tables, data, scales, groups, md.all_slot_mappings(),
                                           md.all_block_tables(), md.seq_lens_tensor, md.query_start_loc_tensor,
                                           kind, None if roles is None else roles.prompt_rows,
@@ -140,16 +143,17 @@ class FusedDecoderLayers:
         RescoredLMHead.native_screen's."""
         md = attn_metadata
         data, scales, groups = kv_caches.native_views
-        embed_weight, embed_scale, tables, local_tables = fused_inputs
-        logits, screen, exact, top_k = screen_call
-        return self.native.decode_round(num_steps, input_ids, positions, block_size, embed_weight,
+        embed_table, embed_scale, tables, local_tables = fused_inputs
+        logits, screen, exact, exact_scales, top_k = screen_call
+        return self.native.decode_round(num_steps, input_ids, positions, block_size, *embed_table,
                                         embed_scale, *tables, *local_tables, data, scales, groups,
                                         md.all_slot_mappings(), md.all_block_tables(), md.seq_lens_tensor,
                                         md.query_start_loc_tensor, norm.weight, norm.eps, norm.offset, screen, exact,
-                                        top_k, logits)
+                                        exact_scales, top_k, logits)
 
-    def applies_to(self, embed_weight: torch.Tensor, kv_caches: KVCache) -> bool:
-        return ops.enabled_for(embed_weight) and kv_caches.is_contiguous
+    def applies_to(self, embedding: nn.Module, kv_caches: KVCache) -> bool:
+        """Whether a step runs here: the kernels read the model's embedding table and the cache."""
+        return kernels_read(embedding) and kv_caches.is_contiguous
 
 
 def attach_fused_layers(model: nn.Module) -> Optional[FusedDecoderLayers]:

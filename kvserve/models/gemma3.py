@@ -20,6 +20,7 @@ from kvserve.config import ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, output_projection, token_embedding
+from kvserve.row_table import table_args
 from kvserve.token_roles import roles_of_rows
 from kvserve.models.llama import GatedMLP
 
@@ -113,9 +114,10 @@ class Gemma3Model(nn.Module):
         return self._embed_scales[dtype]
 
     def fused_inputs(self, num_positions: int, device: torch.device) -> tuple:
-        """What the fused layers read besides the step: (embedding, its scale, global and local
-        rope tables covering ``num_positions``)."""
-        return (self.embed_tokens.weight, self._embed_scale(torch.float32),
+        """What the fused layers read besides the step: (the embedding table's arguments
+        (kvserve.row_table.table_args), its scale, global and local rope tables covering
+        ``num_positions``)."""
+        return (table_args(self.embed_tokens), self._embed_scale(torch.float32),
                 self.rope_inv_freq.tables(num_positions, device), self.local_rope_inv_freq.tables(num_positions, device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -123,7 +125,7 @@ class Gemma3Model(nn.Module):
         """As LlamaModel.forward: the hidden states of ``output_rows`` (None: every row)."""
         cfg = self.config
         fused = self.fused_layers
-        if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
+        if fused is not None and fused.applies_to(self.embed_tokens, kv_caches):
             return fused(input_ids, positions, *self.fused_inputs(attn_metadata.max_seq_len, input_ids.device),
                          attn_metadata, kv_caches, output_rows)
         if self.pp is None or self.pp.is_first:

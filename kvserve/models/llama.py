@@ -18,6 +18,7 @@ from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import RMSNorm, RopeFrequencies, output_projection, token_embedding
+from kvserve.row_table import table_args
 from kvserve.token_roles import roles_of_rows
 
 if TYPE_CHECKING:
@@ -112,17 +113,18 @@ class LlamaModel(nn.Module):
         self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
 
     def fused_inputs(self, num_positions: int, device: torch.device) -> tuple:
-        """What the fused layers read besides the step: (embedding, its scale, rope tables
-        covering ``num_positions``, for global and local layers alike)."""
+        """What the fused layers read besides the step: (the embedding table's arguments
+        (kvserve.row_table.table_args), its scale, rope tables covering ``num_positions``, for
+        global and local layers alike)."""
         tables = self.rope_inv_freq.tables(num_positions, device)
-        return self.embed_tokens.weight, 1.0, tables, tables
+        return table_args(self.embed_tokens), 1.0, tables, tables
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_caches: KVCache, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The hidden states of ``output_rows`` of the step (sorted, distinct; None: every row)
         before the final norm (a stage before the last is given None: every row goes on)."""
         fused = self.fused_layers
-        if fused is not None and fused.applies_to(self.embed_tokens.weight, kv_caches):
+        if fused is not None and fused.applies_to(self.embed_tokens, kv_caches):
             return fused(input_ids, positions, *self.fused_inputs(attn_metadata.max_seq_len, input_ids.device),
                          attn_metadata, kv_caches, output_rows)
         if self.pp is None or self.pp.is_first:

@@ -1,0 +1,105 @@
+"""Tables read a row at a time, the token embedding and the LM head's exact weights, held as the
+Q8_0 blocks they are made of.
+
+GGUF files store both models' token embeddings as Q8_0 (an fp16 scale ``d`` per 32 int8 values
+``q``), and the loader dequantizes them to fp32: ``d * q``, a product exact in fp32. Kept as
+fp32 the table is the largest tensor of a Gemma 3 engine (671 MB); its blocks are 178 MB and
+give every row with the same bits (``kvserve/csrc/row_table.h``). The lookup and the head's
+rescoring of its top candidates read single rows, so they lose nothing by reading the blocks.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from kvserve import ops
+
+logger = logging.getLogger(__name__)
+
+Q8_GROUP = 32
+
+
+class Q8Table(nn.Module):
+    """An fp32 table ``[rows, K]`` as Q8_0 blocks: ``qs`` int8 ``[rows, K]``, ``d`` the fp16 bits
+    (int16) of ``[rows, K / 32]`` (Q8Linear's layout, so an int4 engine's Q8_0 LM head shares
+    them). Called with token ids it is the embedding lookup: their rows in fp32."""
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d)
+
+    @classmethod
+    def of_exact(cls, table: torch.Tensor, blocks: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                 ) -> Optional["Q8Table"]:
+        """The Q8_0 blocks that reproduce ``table`` bit for bit (``blocks`` if given and they do:
+        the head's own), or None where no blocks do (a table that was not Q8_0) or the kernels
+        are off."""
+        ext = ops.load_extension()
+        if (ext is None or table.dtype != torch.float32 or table.dim() != 2 or table.device.type != "cpu"
+                or table.shape[1] % Q8_GROUP or not table.is_contiguous()):
+            return None
+        if blocks is None or tuple(blocks[0].shape) != tuple(table.shape) or blocks[1].dtype != torch.int16:
+            blocks = tuple(ext.q8_0_quantize(table))
+        qs, d = blocks
+        return cls(qs, d) if ext.q8_0_reproduces(table, qs, d) else None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qs.shape
+
+    def dequantized(self, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows ``ids`` (any shape; all rows without) in fp32: ``[*ids.shape, K]``."""
+        qs, d = (self.qs, self.d) if ids is None else (self.qs[ids], self.d[ids])
+        values = qs.float().unflatten(-1, (-1, Q8_GROUP)) * d.view(torch.float16).float().unsqueeze(-1)
+        return values.flatten(-2)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantized(input_ids)
+
+
+RowSource = Union[torch.Tensor, Q8Table]
+
+
+def table_args(table: Union[nn.Module, RowSource]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """What the kernels take for a table (``row_table.h``'s RowTable): (fp32 values, None) or
+    (Q8_0 values, scales). ``table``: an fp32 tensor, a Q8Table, or an embedding module (its weight)."""
+    if isinstance(table, Q8Table):
+        return table.qs, table.d
+    if isinstance(table, nn.Module):
+        return table.weight, None
+    return table, None
+
+
+def kernels_read(table: Union[nn.Module, RowSource]) -> bool:
+    """Whether the native kernels read this table (on the CPU, fp32 or Q8_0 blocks)."""
+    values, scales = table_args(table)
+    return ops.enabled_for(values) if scales is None else ops.kernels_on(values)
+
+
+def keep_embedding_as_blocks(model: nn.Module) -> int:
+    """Replace the decoder's fp32 embedding table (and the LM head's exact weights, where they are
+    the same tensor) by the Q8_0 blocks that reproduce it, when some do; the bytes saved.
+    ``model.lm_head`` a RescoredLMHead whose fast head may hold the blocks already (Q8_0)."""
+    decoder, head = model.model, model.lm_head
+    embed = getattr(decoder, "embed_tokens", None)
+    if not isinstance(embed, nn.Embedding):
+        return 0  # (tensor-parallel ranks hold a shard of the table)
+    weight = embed.weight
+    fast = getattr(head, "fast", None)
+    blocks = (fast.qs, fast.d) if hasattr(fast, "qs") and getattr(head, "exact_weight", None) is weight else None
+    table = Q8Table.of_exact(weight, blocks)
+    if table is None:
+        return 0
+    decoder.embed_tokens = table
+    if getattr(head, "exact_weight", None) is weight:
+        del head.exact_weight  # (a Parameter: a module cannot take its place while it is registered)
+        head.exact_weight = table
+    shared = blocks is not None and table.qs is blocks[0]
+    saved = weight.numel() * weight.element_size() - (0 if shared else table.qs.numel() + table.d.numel() * 2)
+    logger.info("token embedding kept as its Q8_0 blocks%s: %.1f MiB less",
+                " (the LM head's)" if shared else "", saved / 2**20)
+    return saved
