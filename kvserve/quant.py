@@ -1111,7 +1111,6 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
         logger.info("int4: %s prefill copies of the block-quantized layers for prompt tokens, %.1f MiB",
                     prefill_copy_format(model), prefill_bytes / 2**20)
     _weights_to_huge_pages(model)
-    del exact  # (the fp32 table, freed here where the blocks replace it)
     keep_embedding_as_blocks(model)
     return counts
 

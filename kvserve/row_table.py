@@ -20,6 +20,7 @@ from kvserve import ops
 logger = logging.getLogger(__name__)
 
 Q8_GROUP = 32
+_FIRST_ROWS = 64  # rows tried before a whole table is quantized
 
 
 class Q8Table(nn.Module):
@@ -29,8 +30,8 @@ class Q8Table(nn.Module):
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor) -> None:
         super().__init__()
-        self.register_buffer("qs", qs)
-        self.register_buffer("d", d)
+        self.register_buffer("qs", qs.contiguous())
+        self.register_buffer("d", d.contiguous())
 
     @classmethod
     def of_exact(cls, table: torch.Tensor, blocks: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -38,11 +39,18 @@ class Q8Table(nn.Module):
         """The Q8_0 blocks that reproduce ``table`` bit for bit (``blocks`` if given and they do:
         the head's own), or None where no blocks do (a table that was not Q8_0) or the kernels
         are off."""
-        ext = ops.load_extension()
-        if (ext is None or table.dtype != torch.float32 or table.dim() != 2 or table.device.type != "cpu"
+        if (table.dtype != torch.float32 or table.dim() != 2 or table.device.type != "cpu"
                 or table.shape[1] % Q8_GROUP or not table.is_contiguous()):
             return None
+        ext = ops.load_extension()
+        if ext is None:
+            return None
         if blocks is None or tuple(blocks[0].shape) != tuple(table.shape) or blocks[1].dtype != torch.int16:
+            # A table of other values (safetensors weights, another GGUF type) shows it in its
+            # first rows: quantizing Gemma 3's whole table to find out took ~0.5 s.
+            first = table[:_FIRST_ROWS]
+            if not ext.q8_0_reproduces(first, *ext.q8_0_quantize(first)):
+                return None
             blocks = tuple(ext.q8_0_quantize(table))
         qs, d = blocks
         return cls(qs, d) if ext.q8_0_reproduces(table, qs, d) else None
@@ -53,7 +61,10 @@ class Q8Table(nn.Module):
 
     def dequantized(self, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows ``ids`` (any shape; all rows without) in fp32: ``[*ids.shape, K]``."""
-        qs, d = (self.qs, self.d) if ids is None else (self.qs[ids], self.d[ids])
+        qs, d = self.qs, self.d
+        if ids is not None:  # (index_select: an id outside the table is an error, as nn.Embedding's)
+            flat = ids.reshape(-1)
+            qs, d = qs.index_select(0, flat).view(*ids.shape, -1), d.index_select(0, flat).view(*ids.shape, -1)
         values = qs.float().unflatten(-1, (-1, Q8_GROUP)) * d.view(torch.float16).float().unsqueeze(-1)
         return values.flatten(-2)
 
@@ -89,17 +100,19 @@ def keep_embedding_as_blocks(model: nn.Module) -> int:
     if not isinstance(embed, nn.Embedding):
         return 0  # (tensor-parallel ranks hold a shard of the table)
     weight = embed.weight
+    tied = getattr(head, "exact_weight", None) is weight
     fast = getattr(head, "fast", None)
-    blocks = (fast.qs, fast.d) if hasattr(fast, "qs") and getattr(head, "exact_weight", None) is weight else None
+    blocks = (fast.qs, fast.d) if tied and hasattr(fast, "qs") else None
     table = Q8Table.of_exact(weight, blocks)
     if table is None:
         return 0
     decoder.embed_tokens = table
-    if getattr(head, "exact_weight", None) is weight:
+    if tied:
         del head.exact_weight  # (a Parameter: a module cannot take its place while it is registered)
         head.exact_weight = table
     shared = blocks is not None and table.qs is blocks[0]
-    saved = weight.numel() * weight.element_size() - (0 if shared else table.qs.numel() + table.d.numel() * 2)
+    kept = 0 if shared else sum(b.numel() * b.element_size() for b in (table.qs, table.d))
+    saved = weight.numel() * weight.element_size() - kept
     logger.info("token embedding kept as its Q8_0 blocks%s: %.1f MiB less",
                 " (the LM head's)" if shared else "", saved / 2**20)
     return saved

@@ -2,12 +2,17 @@
 (kvserve.row_table): the same rows, so the same bits everywhere they are read."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 from kvserve import loader, ops
-from kvserve.quant import Bf16Linear, Q4Screen, Q8Linear, RescoredLMHead
+from kvserve.loader import build_model
+from kvserve.models.fused import attach_fused_layers
+from kvserve.models.testing import build_random_model, tiny_config_by_name, unfused_state_dict
+from kvserve.quant import Bf16Linear, Q4Screen, Q8Linear, RescoredLMHead, convert_linear_layers
 from kvserve.request import SamplingParams
 from kvserve.row_table import Q8Table, keep_embedding_as_blocks, table_args
 
@@ -134,3 +139,35 @@ def test_an_engine_on_the_blocks_gives_the_same_tokens_and_logprobs(q8_exact_emb
     net, on_fp32 = outputs(LLM(**args))
     assert isinstance(net.model.embed_tokens, nn.Embedding)
     assert on_blocks == on_fp32
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "int4"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_an_untied_model_keeps_its_embedding_as_blocks_and_its_heads_fp32_weights(monkeypatch, name, weight_format):
+    """Without tied weights only the embedding is the Q8_0 table: the same hidden states and
+    logits (full and argmax-only) as with the fp32 table, through the fused layers and the
+    Python ones."""
+    from test_fused_decoder import _three_steps
+
+    cfg = dataclasses.replace(tiny_config_by_name(name), tie_word_embeddings=False)
+    weights = unfused_state_dict(build_random_model(cfg, seed=0))
+    embed = weights["model.embed_tokens.weight"]
+    weights["model.embed_tokens.weight"] = Q8Table(*Q8Linear.quantize_reference(embed)).dequantized()
+
+    def outputs(keep: bool) -> list[torch.Tensor]:
+        model = build_model(cfg, ((k, v.clone()) for k, v in weights.items()))
+        monkeypatch.setattr("kvserve.quant.keep_embedding_as_blocks", keep_embedding_as_blocks if keep else
+                            (lambda model: 0))
+        convert_linear_layers(model, weight_format)
+        assert isinstance(model.model.embed_tokens, Q8Table if keep else nn.Embedding)
+        assert isinstance(model.lm_head.exact_weight, torch.Tensor)
+        found, fused = [], attach_fused_layers(model)
+        assert fused is not None
+        for layers in (fused, None):
+            model.model.fused_layers = layers
+            hidden = model.model.norm(_three_steps(model, cfg))
+            found += [hidden, model.lm_head(hidden), model.lm_head(hidden, argmax_only=True)]
+        return found
+
+    for on_blocks, on_fp32 in zip(outputs(True), outputs(False)):
+        assert torch.equal(_bits(on_blocks), _bits(on_fp32))

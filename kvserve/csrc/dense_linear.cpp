@@ -845,7 +845,7 @@ torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor 
   // sum does not depend on the thread, nor on the table's storage (RowTable: the same row).
   constexpr int64_t kRowsAhead = 4;
   kvserve::parallel_for(0, S * C, 8, [&](int64_t p0, int64_t p1) {
-    std::vector<float> buf(K);
+    std::vector<float> buf(table.stored_as_fp32() ? 0 : K);  // a row of Q8_0 blocks, read out
     for (int64_t p = p0; p < std::min(p1, p0 + kRowsAhead); ++p) table.prefetch(ip[p]);
     for (int64_t p = p0; p < p1; ++p) {
       if (p + kRowsAhead < p1) table.prefetch(ip[p + kRowsAhead]);

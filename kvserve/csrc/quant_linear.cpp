@@ -88,7 +88,6 @@ T* grown(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
-
 inline uint16_t float_to_bf16_rne(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));

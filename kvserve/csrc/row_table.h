@@ -1,6 +1,6 @@
 // A table of fp32 rows [rows, K] read a row at a time (the token embedding, the LM head's
 // exact weights for rescoring) as it is stored: fp32, or the Q8_0 blocks it is made of
-// (kvserve.quant.Q8Rows: int8 values q [rows, K], the fp16 bits of a scale d per 32 values
+// (kvserve.row_table.Q8Table: int8 values q [rows, K], the fp16 bits of a scale d per 32 values
 // [rows, K / 32]). GGUF files store both models' embeddings as Q8_0: each value d * q is a
 // product exact in fp32, so a row read from the blocks has the bits of the fp32 table's row,
 // in 0.27x its bytes (Gemma 3: 178 MB against 671 MB).
@@ -41,6 +41,7 @@ class RowTable {
   }
 
   int64_t rows() const { return rows_; }
+  bool stored_as_fp32() const { return f32_ != nullptr; }
   int64_t width() const { return K_; }
 
   // Row r as fp32: the table's own memory, or `buf` (K floats) filled with d * q.

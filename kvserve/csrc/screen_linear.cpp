@@ -65,8 +65,6 @@ constexpr int kInputRowBlock = 4;
 
 bool g_portable = false;
 
-inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
-
 // One call's activations: per row and group, the int8 values, the scale and the fp32 sum.
 struct Int8Activations {
   int64_t groups;
@@ -241,9 +239,9 @@ void screen_tiles_portable(const uint8_t* packed, int64_t t0, int64_t t1, int64_
           uint16_t dh, mh;
           std::memcpy(&dh, p + kScaleOffset + 2 * lane, 2);
           std::memcpy(&mh, p + kScaleOffset + 32 + 2 * lane, 2);
-          const float scale = half_to_float(dh) * act.scale[r * groups + g];
+          const float scale = fp16_bits_to_float(dh) * act.scale[r * groups + g];
           acc = std::fma(static_cast<float>(dot), scale, acc);
-          acc = std::fma(half_to_float(mh), act.sum[r * groups + g], acc);
+          acc = std::fma(fp16_bits_to_float(mh), act.sum[r * groups + g], acc);
         }
         out[r * out_stride + t * kTileRows + lane] = acc;
       }
