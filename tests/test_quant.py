@@ -219,13 +219,16 @@ def test_q4_screen_pack_kernel_writes_the_reference_bytes():
 
 @pytest.mark.skipif(ops.load_extension() is None, reason="needs the fused CPU kernels")
 def test_q8_0_quantize_kernel_gives_the_reference_blocks():
-    """Q8Linear.from_float's one-pass kernel: the reference's codes and scales, zero groups,
-    subnormal groups, a scale past fp16's range (d = inf), values near ties."""
+    """Q8Linear.from_float's one-pass kernel (8 lanes at a time with AVX2): the reference's codes
+    and scales, zero groups, subnormal groups, a scale past fp16's range (d = inf), infinite
+    weights, negative zeros, values near ties."""
     torch.manual_seed(4)
     w = torch.randn(37, 96) * torch.tensor([1e-3, 0.05, 20.0]).repeat_interleave(32)
     w[0, :32], w[1, :32], w[2, :32] = 0.0, 1e-40, 7e4
     w[4, 64:96] = 1e7  # amax / 127 past 65504
     w[3, 32:64] = torch.arange(32) - 15.5  # amax 15.5: d = fp16(15.5 / 127), codes near ties
+    w[5, 3], w[6, 40] = float("inf"), float("-inf")  # d = inf: inf / inf, a NaN code (0)
+    w[7, 10:20] = -0.0
     qs, d = ops.load_extension().q8_0_quantize(w)
     reference_qs, reference_d = Q8Linear.quantize_reference(w)
     assert torch.equal(qs, reference_qs) and torch.equal(d, reference_d)
