@@ -9,7 +9,6 @@
 #include <torch/extension.h>
 
 #include <cstdint>
-#include <string>
 
 #include "fp16.h"
 
