@@ -309,7 +309,21 @@ def _idle_kv(url: str) -> float:
     return m["kvserve:kv_cache_usage_perc"]
 
 
-def test_closing_a_stream_aborts_and_frees_blocks(tiny):
+def pace_engine_steps(tiny, monkeypatch, seconds: float = 0.01) -> None:
+    """Each engine step at least ``seconds`` long for the rest of the test: a request that runs
+    to the context (~500 steps) then outlasts the test's checks on a loaded machine, where the
+    tiny model's steps alone could finish it before the client leaves."""
+    step = tiny.engine.step
+
+    def paced_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(tiny.engine, "step", paced_step)
+
+
+def test_closing_a_stream_aborts_and_frees_blocks(tiny, monkeypatch):
+    pace_engine_steps(tiny, monkeypatch)
     idle = _idle_kv(tiny.url)
     aborted = scrape(tiny.url)["kvserve:request_aborted_total"]
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_LEN - 16, "temperature": 0,
@@ -331,7 +345,8 @@ def test_closing_a_stream_aborts_and_frees_blocks(tiny):
     assert tiny.engine.kv_manager.num_used_blocks == 0
 
 
-def test_client_gone_before_a_non_streamed_answer_aborts(tiny):
+def test_client_gone_before_a_non_streamed_answer_aborts(tiny, monkeypatch):
+    pace_engine_steps(tiny, monkeypatch)
     aborted = scrape(tiny.url)["kvserve:request_aborted_total"]
     body = json.dumps({"model": MODEL, "messages": chat_messages("Tell me a story."),
                        "temperature": 0, "ignore_eos": True}).encode()  # up to the context
