@@ -89,6 +89,25 @@ def test_round_trips_match_hf_gguf_tokenizer(which, request):
     assert tok.convert_ids_to_tokens(ids[:5]) == hf.convert_ids_to_tokens(ids[:5])
 
 
+@pytest.mark.parametrize("which", ["smol", "gemma"])
+def test_special_tokens_match_hf_gguf_tokenizer(which, request):
+    """The cached conversion loads as a generic fast tokenizer (kvserve.tokenizer's
+    _load_converted_dir), not the class transformers names: its special tokens, their texts in
+    a prompt and its added tokens are HF's."""
+    tok = request.getfixturevalue(which)
+    hf = request.getfixturevalue(which + "_hf")
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "all_special_ids"):
+        assert getattr(tok.hf, attr) == getattr(hf, attr), attr
+    assert tok.hf.added_tokens_decoder == hf.added_tokens_decoder
+    specials = [t.content for t in hf.added_tokens_decoder.values()][:40]
+    text = "".join(f"{s} word{i}\n" for i, s in enumerate(specials)) + specials[0]
+    for add in (True, False):
+        ids = tok.encode(text, add_special_tokens=add)
+        assert ids == hf.encode(text, add_special_tokens=add)
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
 def test_smollm2_chat_template_matches_hf(smol, smol_hf):
     assert smol.has_chat_template
     for gen in (True, False):
