@@ -11,6 +11,7 @@ import copy
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,8 @@ from typing import Any, Optional, Sequence
 
 from kvserve.config import ConfigError
 from kvserve.request import RequestRejected
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvserve" / "tokenizers"
 
@@ -169,17 +172,25 @@ def _load_converted_dir(directory: Path):
     parses the JSON again in Python and rebuilds the 262k-token BPE from its vocabulary and
     merges: 2.9-3.1 s for Gemma 3, against ~1.3 s for the Rust parse alone. test_tokenizer
     checks the result against transformers' own GGUF tokenizer."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     config = json.loads((directory / "tokenizer_config.json").read_text())
     # The class name and load-time flags are about how the files were written, not the tokenizer.
-    for key in ("tokenizer_class", "backend", "is_local", "local_files_only", "name_or_path"):
+    # add_bos/eos_token and the added tokens are in tokenizer.json's post-processor and token list
+    # (from_pretrained drops the flags there too; the constructor would rewrite the post-processor).
+    for key in ("tokenizer_class", "backend", "is_local", "local_files_only", "name_or_path",
+                "add_bos_token", "add_eos_token", "added_tokens_decoder", "init_inputs"):
         config.pop(key, None)
     template = directory / "chat_template.jinja"
     if template.is_file():
         config["chat_template"] = template.read_text()
-    return PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), name_or_path=str(directory),
-                                   **config)
+    try:
+        config = PreTrainedTokenizerFast.convert_added_tokens(config, save=False)
+        return PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"),
+                                       name_or_path=str(directory), **config)
+    except Exception as e:  # a config this way cannot read: transformers' own, slower way
+        logger.warning("tokenizer %s: generic load failed (%s); loading with AutoTokenizer", directory, e)
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
 def _files_signature(directory: Path) -> tuple:

@@ -94,7 +94,8 @@ def tiny():
     track_engine(engine)  # conftest checks after every test: no request or block left behind
     async_engine = AsyncLLMEngine(engine)
     with ServerThread(create_app(async_engine, MODEL)) as server:
-        yield SimpleNamespace(url=server.url, engine=engine, client=openai_client(server.url))
+        yield SimpleNamespace(url=server.url, engine=engine, async_engine=async_engine,
+                              client=openai_client(server.url))
     async_engine.shutdown()
 
 
@@ -310,16 +311,17 @@ def _idle_kv(url: str) -> float:
 
 
 def pace_engine_steps(tiny, monkeypatch, seconds: float = 0.01) -> None:
-    """Each engine step at least ``seconds`` long for the rest of the test: a request that runs
-    to the context (~500 steps) then outlasts the test's checks on a loaded machine, where the
-    tiny model's steps alone could finish it before the client leaves."""
-    step = tiny.engine.step
+    """A pause of ``seconds`` after each engine step's outputs for the rest of the test: a
+    request that runs to the context (~500 steps) then outlasts the test's checks on a loaded
+    machine, where the tiny model's steps alone could finish it before the client leaves. The
+    pause is in the loop's delivery, outside the engine lock that an abort and /metrics take."""
+    deliver = tiny.async_engine._deliver
 
-    def paced_step():
+    def paced_deliver(request_id, item):
         time.sleep(seconds)
-        return step()
+        return deliver(request_id, item)
 
-    monkeypatch.setattr(tiny.engine, "step", paced_step)
+    monkeypatch.setattr(tiny.async_engine, "_deliver", paced_deliver)
 
 
 def test_closing_a_stream_aborts_and_frees_blocks(tiny, monkeypatch):
