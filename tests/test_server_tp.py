@@ -48,7 +48,8 @@ def tiny():
     async_engine = AsyncLLMEngine(engine)
     try:
         with ServerThread(create_app(async_engine, MODEL)) as server:
-            yield SimpleNamespace(url=server.url, engine=engine, client=openai_client(server.url))
+            yield SimpleNamespace(url=server.url, engine=engine, async_engine=async_engine,
+                                  client=openai_client(server.url))
     finally:
         async_engine.shutdown()
         # Every request the server saw is forgotten on every rank too (told with a step).
