@@ -292,17 +292,18 @@ def gathered_rows_dot(x: torch.Tensor, w: Any, idx: torch.Tensor) -> torch.Tenso
     an fp32 table or a kvserve.row_table.Q8Table (its rows, the same values). The kernel sums
     each dot product in Fp32Linear's order whatever the number of rows; ``torch.bmm`` (the
     reference) picks its kernel by the batch."""
-    q8 = hasattr(w, "qs")
-    values = w.qs if q8 else w
+    from kvserve.row_table import table_args  # (row_table imports this module)
+
+    values, scales = table_args(w)
     if (enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and values.stride(-1) == 1
-            and (q8 or w.dtype == torch.float32)):
-        return _ext.gathered_rows_dot(x, values, idx.contiguous(), w.d if q8 else None)
+            and (scales is not None or values.dtype == torch.float32)):
+        return _ext.gathered_rows_dot(x, values, idx.contiguous(), scales)
     return gathered_rows_dot_reference(x, w, idx)
 
 
 def gathered_rows_dot_reference(x: torch.Tensor, w: Any, idx: torch.Tensor) -> torch.Tensor:
     flat = idx.reshape(-1)
-    rows = (w.dequantized(flat) if hasattr(w, "qs") else w.index_select(0, flat)).view(*idx.shape, -1)
+    rows = (w.index_select(0, flat) if isinstance(w, torch.Tensor) else w.dequantized(flat)).view(*idx.shape, -1)
     return torch.bmm(rows.float(), x.float().unsqueeze(-1)).squeeze(-1)
 
 

@@ -15,11 +15,10 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from kvserve import ops
+from kvserve import block_formats, ops
 
 logger = logging.getLogger(__name__)
 
-Q8_GROUP = 32
 _FIRST_ROWS = 64  # rows tried before a whole table is quantized
 
 
@@ -40,7 +39,7 @@ class Q8Table(nn.Module):
         the head's own), or None where no blocks do (a table that was not Q8_0) or the kernels
         are off."""
         if (table.dtype != torch.float32 or table.dim() != 2 or table.device.type != "cpu"
-                or table.shape[1] % Q8_GROUP or not table.is_contiguous()):
+                or table.shape[1] % block_formats.GROUP or not table.is_contiguous()):
             return None
         ext = ops.load_extension()
         if ext is None:
@@ -64,9 +63,9 @@ class Q8Table(nn.Module):
         qs, d = self.qs, self.d
         if ids is not None:  # (index_select: an id outside the table is an error, as nn.Embedding's)
             flat = ids.reshape(-1)
-            qs, d = qs.index_select(0, flat).view(*ids.shape, -1), d.index_select(0, flat).view(*ids.shape, -1)
-        values = qs.float().unflatten(-1, (-1, Q8_GROUP)) * d.view(torch.float16).float().unsqueeze(-1)
-        return values.flatten(-2)
+            qs, d = qs.index_select(0, flat), d.index_select(0, flat)
+        values = torch.from_numpy(block_formats.byte_values(block_formats.ByteBlocks(qs.numpy(), d.numpy())))
+        return values if ids is None else values.view(*ids.shape, -1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.dequantized(input_ids)
