@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kvserve.attention import build_attention_metadata
-from kvserve.engine import load_tokenizer
+from kvserve.tokenizer import load_tokenizer
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.loader import load_model, resolve_model
 from kvserve.quant import SCREEN_GROUP, SCREEN_TOP_K, quantize_min_max, screen_activations

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 GROUP = 32  # weights per group (Q4_1, Q5_0, Q8_0, and Q4_K's sub-blocks)
 SUPER_BLOCK = 256  # Q4_K, Q6_K
@@ -221,3 +222,16 @@ def unpack(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> Optional
     type no kernel reads."""
     unpacker = UNPACKERS.get(type_name)
     return None if unpacker is None else unpacker(data, shape)
+
+
+@dataclass
+class QuantizedTensor:
+    """A weight as stored in the GGUF file, for weight-only quantized kernels to repack.
+
+    ``data`` is uint8 ``[out_features, row_bytes]`` with rows already in HF order (the q/k
+    permutation is a row gather, which commutes with row-wise quantization blocks).
+    """
+
+    quant_type: GGMLQuantizationType
+    data: np.ndarray
+    shape: tuple[int, ...]  # dequantized shape, [out_features, in_features]

@@ -12,7 +12,7 @@ from typing import Optional
 
 from kvserve.config import DEFAULT_MODEL, INT4_PREFILL_MODES, KV_CACHE_DTYPES, ConfigError, EngineArgs
 from kvserve.executor.base import ExecutorError
-from kvserve.spec.config import parse_speculative_config
+from kvserve.config.speculative import parse_speculative_config
 from kvserve.request import RequestRejected, SamplingParams
 
 
@@ -191,7 +191,7 @@ def _generate_batch(llm, ns: argparse.Namespace, default_params: SamplingParams)
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from kvserve.engine import load_tokenizer
+    from kvserve.tokenizer import load_tokenizer
     from kvserve.llm import LLM
     from kvserve.loader import resolve_model
 

@@ -37,9 +37,9 @@ from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected
 from kvserve.sampler import needs_no_step_state
 from kvserve.scheduler import Scheduler
 from kvserve.structured.grammar import GrammarCompiler
-from kvserve.spec import Speculator, build_speculator, parse_speculative_config
-from kvserve.spec.draft_model import DraftModel, DraftModelDrafter, load_draft_model
-from kvserve.tokenizer import Tokenizer
+from kvserve.speculative import Speculator, build_speculator, parse_speculative_config
+from kvserve.executor.draft_model import DraftModel, DraftModelDrafter, load_draft_model
+from kvserve.tokenizer import Tokenizer, load_tokenizer
 from kvserve.tracing import label
 
 logger = logging.getLogger("kvserve")
@@ -75,15 +75,6 @@ def resolve_precision(dtype: str, quantization: Optional[str],
     if quantization is None and cpu_has_fast_bf16():
         quantization = "bf16"
     return torch.float32, quantization
-
-
-def load_tokenizer(source: ModelSource) -> Tokenizer:
-    if source.kind == "gguf":
-        return Tokenizer.from_gguf(source.path)
-    if source.kind == "hf_dir":
-        return Tokenizer.from_pretrained(source.path)
-    # The random-weight test models share SmolLM2's vocabulary (49152 tokens).
-    return Tokenizer.from_gguf(resolve_model(DEFAULT_MODEL).path)
 
 
 def default_kv_cache_memory(device: torch.device) -> int:

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvserve.cpu_features import has_feature
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_linear.cpp", "screen_linear.cpp", "dense_linear.cpp", "amx_linear.cpp", "w8a8_linear.cpp", "decoder.cpp", "step_team.cpp")]
@@ -70,11 +72,9 @@ def _choose_bf16_route(ext: Any) -> None:
     (the OS, the kernel's permission, the self-test) is said once, with the reason, since its
     bits and speed are then the vector route's. KVSERVE_BF16_ROUTE=amx or
     KVSERVE_ATTENTION_ROUTE=amx where the tiles cannot run raises here."""
-    from kvserve.bench.machine import cpu_info
-
     route = ext.bf16_kernel_route()
     ext.attention_kernel_route()  # KVSERVE_ATTENTION_ROUTE=amx where the tiles cannot run raises here too
-    has_amx = "amx_bf16" in cpu_info()["features"]
+    has_amx = has_feature("amx_bf16")
     if has_amx and route != "amx" and os.environ.get("KVSERVE_BF16_ROUTE") not in ("dot", "widened"):
         logger.warning("the CPU lists AMX but bf16 layers take the %s route: %s", route, ext.amx_bf16_status())
 
@@ -285,26 +285,6 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _ext.top_k_rows(x, k) if k <= 64 else _ext.top_k_rows_select(x, k)
     values, indices = x.topk(k, dim=-1)
     return values, indices
-
-
-def gathered_rows_dot(x: torch.Tensor, w: Any, idx: torch.Tensor) -> torch.Tensor:
-    """``out[s, j] = x[s] . w[idx[s, j]]`` (the LM head's rescoring of its top candidates), ``w``
-    an fp32 table or a kvserve.row_table.Q8Table (its rows, the same values). The kernel sums
-    each dot product in Fp32Linear's order whatever the number of rows; ``torch.bmm`` (the
-    reference) picks its kernel by the batch."""
-    from kvserve.row_table import table_args  # (row_table imports this module)
-
-    values, scales = table_args(w)
-    if (enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and values.stride(-1) == 1
-            and (scales is not None or values.dtype == torch.float32)):
-        return _ext.gathered_rows_dot(x, values, idx.contiguous(), scales)
-    return gathered_rows_dot_reference(x, w, idx)
-
-
-def gathered_rows_dot_reference(x: torch.Tensor, w: Any, idx: torch.Tensor) -> torch.Tensor:
-    flat = idx.reshape(-1)
-    rows = (w.index_select(0, flat) if isinstance(w, torch.Tensor) else w.dequantized(flat)).view(*idx.shape, -1)
-    return torch.bmm(rows.float(), x.float().unsqueeze(-1)).squeeze(-1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:

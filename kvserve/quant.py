@@ -26,7 +26,7 @@ from torch import nn
 
 from kvserve import block_formats, ops
 from kvserve.config import INT4_PREFILL_MODES, ConfigError
-from kvserve.row_table import RowSource, keep_embedding_as_blocks, table_args
+from kvserve.row_table import RowSource, gathered_rows_dot, keep_embedding_as_blocks, table_args
 from kvserve.token_roles import current_token_roles
 
 logger = logging.getLogger(__name__)
@@ -986,7 +986,7 @@ class RescoredLMHead(nn.Module):
         if logits.shape[0] == 0:
             return logits
         idx = ops.top_k(logits, min(top_k, logits.shape[-1]))[1]  # [S, k]
-        exact = ops.gathered_rows_dot(x.float(), self.exact_weight, idx)
+        exact = gathered_rows_dot(x.float(), self.exact_weight, idx)
         if screened:
             logits.fill_(float("-inf"))
         return logits.scatter_(1, idx, exact)

@@ -10,7 +10,7 @@ rescoring of its top candidates read single rows, so they lose nothing by readin
 from __future__ import annotations
 
 import logging
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -115,3 +115,21 @@ def keep_embedding_as_blocks(model: nn.Module) -> int:
     logger.info("token embedding kept as its Q8_0 blocks%s: %.1f MiB less",
                 " (the LM head's)" if shared else "", saved / 2**20)
     return saved
+
+
+def gathered_rows_dot(x: torch.Tensor, w: Any, idx: torch.Tensor) -> torch.Tensor:
+    """``out[s, j] = x[s] . w[idx[s, j]]`` (the LM head's rescoring of its top candidates), ``w``
+    an fp32 table or a Q8Table (its rows, the same values). The kernel sums
+    each dot product in Fp32Linear's order whatever the number of rows; ``torch.bmm`` (the
+    reference) picks its kernel by the batch."""
+    values, scales = table_args(w)
+    if (ops.enabled_for(x) and x.dim() == 2 and x.stride(-1) == 1 and values.stride(-1) == 1
+            and (scales is not None or values.dtype == torch.float32)):
+        return ops.load_extension().gathered_rows_dot(x, values, idx.contiguous(), scales)
+    return gathered_rows_dot_reference(x, w, idx)
+
+
+def gathered_rows_dot_reference(x: torch.Tensor, w: Any, idx: torch.Tensor) -> torch.Tensor:
+    flat = idx.reshape(-1)
+    rows = (w.index_select(0, flat) if isinstance(w, torch.Tensor) else w.dequantized(flat)).view(*idx.shape, -1)
+    return torch.bmm(rows.float(), x.float().unsqueeze(-1)).squeeze(-1)

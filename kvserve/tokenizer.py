@@ -16,10 +16,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from kvserve.config import ConfigError
 from kvserve.request import RequestRejected
+
+if TYPE_CHECKING:
+    from kvserve.loader.resolve import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -343,3 +346,16 @@ class StopStringMatcher:
                     hold = n
                     break
         return len(text) - hold
+
+
+def load_tokenizer(source: "ModelSource") -> Tokenizer:
+    """The tokenizer of a resolved model: the GGUF's own, the HF directory's files, or for the
+    random-weight test models SmolLM2's."""
+    from kvserve.loader.resolve import DEFAULT_MODEL, resolve_model
+
+    if source.kind == "gguf":
+        return Tokenizer.from_gguf(source.path)
+    if source.kind == "hf_dir":
+        return Tokenizer.from_pretrained(source.path)
+    # The random-weight test models share SmolLM2's vocabulary (49152 tokens).
+    return Tokenizer.from_gguf(resolve_model(DEFAULT_MODEL).path)

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from kvserve import block_formats, ops, quant
-from kvserve.loader.gguf import QuantizedTensor
+from kvserve.block_formats import QuantizedTensor
 from kvserve.quant import (DecodeFormatLinear, Int4Linear, Q5Linear, Q8Linear, SegmentedLinear, gguf_linear,
                            tile_nibbles, untile_nibbles)
 

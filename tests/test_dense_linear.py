@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from kvserve import ops
-from kvserve.bench.machine import cpu_info
+from kvserve import ops, row_table
+from kvserve.cpu_features import cpu_info
 from kvserve.quant import (Bf16Linear, Fp32Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead,
                            pack_bf16_weight, pack_bf16_weight_reference, unpack_bf16_weight)
 
@@ -213,7 +213,7 @@ def test_gathered_rows_dot_is_fp32_linear_bit_for_bit():
     torch.manual_seed(1)
     w, x = torch.randn(500, 576), torch.randn(5, 576)
     idx = torch.randint(0, 500, (5, 16))
-    exact = ops.gathered_rows_dot(x, w, idx)
+    exact = row_table.gathered_rows_dot(x, w, idx)
     assert torch.equal(exact, Fp32Linear(w, None)(x).gather(1, idx))
-    ref = ops.gathered_rows_dot_reference(x, w, idx)
+    ref = row_table.gathered_rows_dot_reference(x, w, idx)
     assert (exact - ref).abs().max() <= 1e-5 * ref.abs().max()

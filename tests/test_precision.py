@@ -14,7 +14,7 @@ from torch import nn
 
 from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache
-from kvserve.engine import load_tokenizer
+from kvserve.tokenizer import load_tokenizer
 from kvserve.loader import load_model, resolve_model
 from kvserve.quant import has_prefill_copies
 from kvserve.token_roles import ALL_PROMPT, TokenRoles

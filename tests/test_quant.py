@@ -9,7 +9,7 @@ from gguf.quants import dequantize
 
 import pytest
 
-from kvserve import ops
+from kvserve import ops, row_table
 from kvserve.block_formats import unpack_q4_1
 from kvserve.config import ConfigError
 from kvserve.quant import (SCREEN_TOP_K, Bf16Linear, Int4Linear, Int8Linear, Q4Screen, Q8Linear, RescoredLMHead,
@@ -271,7 +271,7 @@ def test_rescored_head_argmax_only_in_one_call_matches_the_separate_kernels():
         x = torch.randn(rows, 128)
         screen = head.screen(x)
         idx = ops.top_k(screen, SCREEN_TOP_K)[1]
-        expected = torch.full_like(screen, float("-inf")).scatter_(1, idx, ops.gathered_rows_dot(x, w, idx))
+        expected = torch.full_like(screen, float("-inf")).scatter_(1, idx, row_table.gathered_rows_dot(x, w, idx))
         assert torch.equal(head(x, argmax_only=True), expected)
 
 

@@ -132,8 +132,8 @@ def test_temperature_one_samples_the_targets_distribution(llm_factory, monkeypat
     # Two samples of 1000 from one distribution over a handful of outcomes: TV ~ 0.03.
     assert total_variation(ref, got) < 0.07, (ref, got)
     # The test can fail: accepting every draft skews the distribution towards the drafts.
-    import kvserve.runner
-    monkeypatch.setattr(kvserve.runner, "accept_run", lambda drafts, target: list(drafts) + [target[-1]])
+    import kvserve.executor.runner
+    monkeypatch.setattr(kvserve.executor.runner, "accept_run", lambda drafts, target: list(drafts) + [target[-1]])
     assert total_variation(ref, _continuations(on, prompt, params, n)) > 0.2
 
 
@@ -148,7 +148,7 @@ def test_speculative_config_reaches_the_engine_from_every_entry_point():
     from kvserve.cli import build_parser, engine_args_from
     from kvserve.config import ConfigError, EngineArgs
     from kvserve.server.metrics import ServerMetrics
-    from kvserve.spec import SpeculativeConfig
+    from kvserve.speculative import SpeculativeConfig
 
     for command in (["serve"], ["generate", "hi"], ["chat"], ["bench", "throughput"], ["profile"]):
         ns = build_parser().parse_args(command + ["--speculative-config", NGRAM])

@@ -13,9 +13,9 @@ import torch
 
 from kvserve.config import ConfigError
 from kvserve.request import SamplingParams
-from kvserve.spec import parse_speculative_config
+from kvserve.speculative import parse_speculative_config
 from kvserve.sampler import exponential_race
-from kvserve.spec.rejection import rejection_sample
+from kvserve.speculative.rejection import rejection_sample
 
 from test_spec_decode import PROMPTS, _continuations, total_variation
 
@@ -163,8 +163,8 @@ def test_temperature_one_samples_the_targets_distribution(llm_factory, monkeypat
     assert total_variation(ref, got) < 0.09, (ref, got)
     # The test can fail: accepting every draft (then sampling the target's next token)
     # skews the continuations towards the draft's (measured 0.25).
-    import kvserve.runner
-    monkeypatch.setattr(kvserve.runner, "rejection_sample", lambda drafts, p, q, g: list(drafts) + [
+    import kvserve.executor.runner
+    monkeypatch.setattr(kvserve.executor.runner, "rejection_sample", lambda drafts, p, q, g: list(drafts) + [
         int(exponential_race(p[-1:], {}))])
     assert total_variation(ref, _continuations(on, prompt, params, n)) > 0.15
 
@@ -234,9 +234,9 @@ def test_smollm2_fp32_with_its_int4_weights_as_draft_is_lossless(llm_factory):
 
 def test_a_draft_model_backs_off_unless_its_drafts_pay_for_its_forwards():
     from kvserve.models.testing import tiny_config
-    from kvserve.spec import SpeculativeConfig, Speculator
-    from kvserve.spec.draft_model import relative_cost
-    from kvserve.spec.ngram import NgramDrafter
+    from kvserve.speculative import SpeculativeConfig, Speculator
+    from kvserve.executor.draft_model import relative_cost
+    from kvserve.speculative.ngram import NgramDrafter
 
     cfg = tiny_config("llama")
     assert relative_cost(cfg, "int4", cfg, "bf16", torch.float32) == pytest.approx(0.3125)

@@ -14,9 +14,9 @@ from kvserve.config import ConfigError
 from kvserve.kv_manager import KVCacheManager
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.scheduler import Scheduler
-from kvserve.spec import SpeculativeConfig, Speculator, parse_speculative_config
-from kvserve.spec.ngram import NgramDrafter
-from kvserve.spec.verify import accept_run
+from kvserve.speculative import SpeculativeConfig, Speculator, parse_speculative_config
+from kvserve.speculative.ngram import NgramDrafter
+from kvserve.speculative.verify import accept_run
 
 VOCAB = 32
 EOS = 0

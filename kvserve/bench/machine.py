@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.cpu_features import CPU_FEATURES, cpu_info  # noqa: F401 (re-exported for benchmarks)
 
 
 def matmul_gflops(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0,
@@ -41,32 +42,6 @@ def matmul_gflops(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0,
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# The vector and matrix features kvserve's kernels choose between (and llama.cpp's builds).
-CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-                "amx_tile", "amx_bf16", "amx_int8")
-
-
-def cpu_info() -> dict:
-    """The CPU model and which of CPU_FEATURES it has, from /proc/cpuinfo (Linux; elsewhere
-    the platform's processor string and no features)."""
-    import platform
-
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name":
-                    model = value.strip()
-                elif key == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    return {"model": model, "features": [f for f in CPU_FEATURES if f in flags]}
 
 
 def kernel_routes() -> dict:

@@ -8,7 +8,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.executor.step import StepInput, StepOutput
 from kvserve.kv_cache import KVCacheSpec
-from kvserve.runner import ModelRunner
+from kvserve.executor.runner import ModelRunner
 
 
 class UniProcExecutor:

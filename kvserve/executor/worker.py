@@ -96,7 +96,7 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
     from kvserve.distributed import init_process_group, stage_layers
     from kvserve.loader import load_config, load_model, resolve_model
     from kvserve.models.tensor_parallel import stage_kv_spec
-    from kvserve.runner import ModelRunner
+    from kvserve.executor.runner import ModelRunner
 
     torch.set_num_threads(spec.num_threads)
     t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvserve import block_formats
+from kvserve.block_formats import QuantizedTensor
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.loader.gguf_reader import GGUFFile
 
@@ -266,19 +267,6 @@ def iter_gguf_weights(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, 
         if not values.flags.writeable:  # a zero-copy view of the mapped file (F32 tensors)
             values = values.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-
-
-@dataclass
-class QuantizedTensor:
-    """A weight as stored in the GGUF file, for weight-only quantized kernels to repack.
-
-    ``data`` is uint8 ``[out_features, row_bytes]`` with rows already in HF order (the q/k
-    permutation is a row gather, which commutes with row-wise quantization blocks).
-    """
-
-    quant_type: GGMLQuantizationType
-    data: np.ndarray
-    shape: tuple[int, ...]  # dequantized shape, [out_features, in_features]
 
 
 def quantized_weights(gf: GGUFFile, config: ModelConfig) -> dict[str, QuantizedTensor]:

@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from kvserve import environment
 from kvserve.config import DEFAULT_MODEL, ConfigError
 from kvserve.loader.gguf import open_gguf
 from kvserve.loader.gguf_reader import GGUF_MAGIC
 from kvserve.loader.safetensors import config_from_hf, read_hf_config, safetensors_files
-
-TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-swa": "gemma3-swa",
-               "tiny-gemma3-pairs": "gemma3-pairs"}
-# Tiny models with other head counts, for tensor-parallel tests: "tiny-llama-h6kv2" is
-# tiny-llama with 6 query and 2 KV heads, "tiny-llama-h4kv2d32" the same with a head dimension
-# of 32 (models.testing.tiny_config_by_name).
-TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3)-h(\d+)kv(\d+)(?:d(\d+))?$")
-
+from kvserve.models.testing import TINY_HEADS_PATTERN, TINY_MODELS
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -34,7 +27,7 @@ class ModelSource:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
+    return environment.cache_dir()
 
 
 def _smollm2_path(cache_dir: Path) -> Path:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvserve.block_formats import QuantizedTensor
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, stage_layers
 from kvserve.kv_cache import KVCacheGroup, KVCacheSpec
@@ -143,7 +144,6 @@ class TPShardPlan:
         its float values)."""
         from gguf.constants import GGML_QUANT_SIZES
 
-        from kvserve.loader.gguf import QuantizedTensor
 
         rows = self.row_range(name)
         if rows is not None:

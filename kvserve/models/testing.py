@@ -6,6 +6,7 @@ drive them (bos 1, eos 2).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -17,6 +18,13 @@ from kvserve.models.layers import GemmaRMSNorm, RMSNorm
 from kvserve.models.registry import get_model_class
 
 TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs")
+
+TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-swa": "gemma3-swa",
+               "tiny-gemma3-pairs": "gemma3-pairs"}
+# Tiny models with other head counts, for tensor-parallel tests: "tiny-llama-h6kv2" is
+# tiny-llama with 6 query and 2 KV heads, "tiny-llama-h4kv2d32" the same with a head dimension
+# of 32 (models.testing.tiny_config_by_name).
+TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3)-h(\d+)kv(\d+)(?:d(\d+))?$")
 
 
 def tiny_config(arch: str) -> ModelConfig:
@@ -63,8 +71,6 @@ def tiny_config_by_name(name: str) -> ModelConfig:
     Q query and KV key/value heads (of D dimensions) and an intermediate size of 192 (divisible
     by 2, 3, 4 and 6), shaped for a tensor-parallel case (KV heads split across ranks, or
     replicated) or a kernel's head dimension (the AMX attention tiles take multiples of 32)."""
-    from kvserve.loader.resolve import TINY_HEADS_PATTERN, TINY_MODELS
-
     if name in TINY_MODELS:
         return tiny_config(TINY_MODELS[name])
     m = TINY_HEADS_PATTERN.match(name)

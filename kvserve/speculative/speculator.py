@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from kvserve.request import Request
-from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.ngram import NgramDrafter
+from kvserve.config.speculative import SpeculativeConfig
+from kvserve.speculative.ngram import NgramDrafter
 
 if TYPE_CHECKING:
     from kvserve.batch import ScheduledChunk

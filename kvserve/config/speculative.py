@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
-from kvserve.config import ConfigError
+from kvserve.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
 # Keys holding strings; every other key but "method" is an integer.

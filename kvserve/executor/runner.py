@@ -18,8 +18,8 @@ from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.executor.step import NewRequestData, StepInput, StepOutput
 from kvserve.quant import has_prefill_copies
 from kvserve.sampler import Sampler, SamplingMetadata, argmax_suffices, build_sampling_metadata, make_generator
-from kvserve.spec.rejection import rejection_sample
-from kvserve.spec.verify import accept_run
+from kvserve.speculative.rejection import rejection_sample
+from kvserve.speculative.verify import accept_run
 from kvserve.token_roles import ALL_GENERATED, TokenRoles
 from kvserve.tracing import label
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvserve.config.kernels import KernelConfig, parse_kernel_config
+from kvserve.config.speculative import SpeculativeConfig, parse_speculative_config
+from kvserve.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A user-facing configuration problem (bad model path, bad engine argument...)."""
+__all__ = ["ConfigError", "ModelConfig", "CacheConfig", "SchedulerConfig", "EngineArgs", "KernelConfig",
+           "SpeculativeConfig", "parse_speculative_config", "parse_kernel_config", "DEFAULT_MODEL", "KV_CACHE_DTYPES", "INT4_PREFILL_MODES"]
 
 
 # How int4 mode computes prompt tokens (EngineArgs.int4_prefill): through bf16 copies of the
@@ -91,12 +94,6 @@ class SchedulerConfig:
             raise ConfigError("max_num_seqs must be >= 1")
 
 
-@dataclass
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # KV cache dtypes (kvserve.kv_cache maps them to storage): auto = bfloat16 when the linear
 # weights are reduced, else the activation dtype; int8 = symmetric, a scale per token and head.
@@ -130,7 +127,7 @@ class EngineArgs:
     int4_prefill: str = "auto"  # one of INT4_PREFILL_MODES
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4}
-    # (a dict or its JSON string); None: off. See kvserve/spec/config.py for every key.
+    # (a dict or its JSON string); None: off. See kvserve/config/speculative.py for every key.
     speculative_config: Optional[Any] = None
     # Multi-step decoding (vLLM's --num-scheduler-steps): up to this many decode steps per
     # scheduling round while every running request decodes with sampling that needs nothing
@@ -146,6 +143,9 @@ class EngineArgs:
     # Bound on one step (and on every collective) of a parallel group: past it a worker is
     # taken as hung and the engine stops (seconds).
     distributed_timeout_s: float = 120.0
+    # Which CPU kernels and numerics run (routes, batch invariance, step teams, collectives):
+    # a KernelConfig or a dict of its fields (kvserve/config/kernels.py); resolved at start-up.
+    kernel_config: Any = field(default_factory=KernelConfig)
 
     def cache_config(self) -> CacheConfig:
         cfg = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -176,6 +176,6 @@ class EngineArgs:
         if self.num_scheduler_steps < 1:
             raise ConfigError("num_scheduler_steps must be >= 1")
         self.cache_config()
-        from kvserve.spec.config import parse_speculative_config  # spec imports this module
         parse_speculative_config(self.speculative_config)
+        self.kernel_config = parse_kernel_config(self.kernel_config)
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs).validate()

@@ -34,7 +34,7 @@ from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.executor.builder import child_index, token_slice
 from kvserve.sampler import Sampler, build_sampling_metadata, exponential_race, make_generator
-from kvserve.spec.config import SpeculativeConfig
+from kvserve.config.speculative import SpeculativeConfig
 
 # Mixed into a seeded request's seed for the draft's own random stream: the target's sampler
 # (in the runner, possibly another process) draws from seed + child index, and the draft's
@@ -93,8 +93,7 @@ def _peek_config(source) -> ModelConfig:
     """The draft's architecture without loading its weights (fails fast on a vocabulary
     mismatch before seconds of loading)."""
     if source.kind == "tiny":
-        from kvserve.loader.resolve import TINY_MODELS
-        from kvserve.models.testing import tiny_config
+        from kvserve.models.testing import TINY_MODELS, tiny_config
         return tiny_config(TINY_MODELS[source.name])
     if source.kind == "gguf":
         from kvserve.loader.gguf import config_from_gguf, open_gguf
@@ -109,7 +108,7 @@ def load_draft_model(spec: SpeculativeConfig, target_config: ModelConfig, target
     """Load ``spec.model`` with the target's activation dtype and KV dtype, in the weight
     format ``spec.quantization`` (default: the target's). Raises ConfigError unless it shares
     the target's vocabulary: its token ids must mean the target's tokens."""
-    from kvserve.engine import load_tokenizer  # the engine imports this package
+    from kvserve.tokenizer import load_tokenizer
     from kvserve.loader import load_model, resolve_model
 
     source = resolve_model(spec.model)
