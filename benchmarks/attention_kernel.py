@@ -4,7 +4,7 @@ consecutive as the engine's allocator hands them out): a prefill of ``--prompt``
 every layer, and a decode step at ``--context`` keys through every layer, warm (the cache still
 in L2/L3 from the last step) and cold (a 64 MB sweep between steps, as a decode step's weights
 evict it). Prints the CPU and the kernel's route for a bf16 cache (dot | widened | amx;
-KVSERVE_ATTENTION_ROUTE overrides); best medians of ``--repeats`` rounds. ``--routes`` runs
+`--routes` picks others); best medians of ``--repeats`` rounds. ``--routes`` runs
 several routes in this one process, alternated round by round (on an AMX machine:
 ``--routes widened,amx``; ``amx-emulated`` is the tile program's C++ model, for checks, not speed).
 ``--batch N``: the decode step is N sequences' (each on its own blocks), as in a batched step;

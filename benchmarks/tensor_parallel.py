@@ -4,8 +4,9 @@
    step reduces (rows x hidden of SmolLM2: 576 fp32).
    Beside it, kvserve's shared-memory all-reduce (kvserve/shm_collectives.py).
 2. In a TP engine: time in collectives per decode step against the step time, read from the
-   workers (``KVSERVE_TIME_COMM=1``), for a single stream (W3 shape) and a batch (W2 shape);
-   with ``KVSERVE_SHM_COLLECTIVES=0`` the engine's collectives are gloo's.
+   workers (``KernelConfig(time_collectives=True)``), for a single stream (W3 shape) and a
+   batch (W2 shape); with ``--gloo`` (``KernelConfig(shm_collectives=False)``) the engine's
+   collectives are gloo's.
 
 Run under the heavy-run lock, one thread per rank:
     flock /tmp/kvserve-heavy.lock python benchmarks/tensor_parallel.py [--tp 2] [--output-len 64]
@@ -61,12 +62,13 @@ def allreduce_costs(world: int, shapes: list, iters: int = 2000) -> dict:
     return res
 
 
-def engine_comm(tp: int, model: str, num_requests: int, prompt_len: int, output_len: int) -> dict:
-    os.environ["KVSERVE_TIME_COMM"] = "1"
+def engine_comm(tp: int, model: str, num_requests: int, prompt_len: int, output_len: int, shm: bool) -> dict:
     from kvserve import SamplingParams
+    from kvserve.config import KernelConfig
     from kvserve.llm import LLM
 
-    llm = LLM(model=model, tensor_parallel_size=tp, num_threads=1, kv_cache_memory=256 << 20)
+    kernels = KernelConfig(time_collectives=True, shm_collectives=shm)
+    llm = LLM(model=model, tensor_parallel_size=tp, num_threads=1, kv_cache_memory=256 << 20, kernel_config=kernels)
     try:
         prompts = [[1000 + (i * 37 + j) % 20000 for j in range(prompt_len)] for i in range(num_requests)]
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--model", default="gemma-3-270m", help="TP=2 needs even head counts (SmolLM2: 9 / 3)")
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--gloo", action="store_true", help="the engine's collectives over gloo, not shared memory")
     ns = parser.parse_args()
     import platform
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
@@ -99,8 +102,8 @@ def main() -> None:
     for shape, t in allreduce_costs(ns.tp, shapes).items():
         print(f"all_reduce over {ns.tp} local ranks, {shape} fp32: {t * 1e6:.0f} us per call")
     for name, (n, p) in {"W3-shape (1 x 256 prompt)": (1, 256), "W2-shape (32 x 64 prompt)": (32, 64)}.items():
-        r = engine_comm(ns.tp, ns.model, n, p, ns.output_len)
-        backend = "gloo" if os.environ.get("KVSERVE_SHM_COLLECTIVES") == "0" else "shm"
+        r = engine_comm(ns.tp, ns.model, n, p, ns.output_len, shm=not ns.gloo)
+        backend = "gloo" if ns.gloo else "shm"
         print(f"TP={ns.tp} ({backend}) {ns.model} {name}, {ns.output_len} out: {r['steps']} steps, "
               f"step {', '.join(f'{s:.1f}' for s in r['step_ms'])} ms per rank, "
               f"collectives {', '.join(f'{c:.2f}' for c in r['comm_ms'])} ms "

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from kvserve import ops
-from kvserve.config import ConfigError
 from kvserve.kv_cache import LayerKV
 from kvserve.tracing import label
 
@@ -374,16 +373,3 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Laye
             a, b = qsl[seq], qsl[seq + 1]
             out[a:b] = _prefill_attention(q[a:b], k[a:b], v[a:b], kv, md, seq, scale, window, logit_softcap)
     return out
-
-
-AttentionFn = Callable[..., torch.Tensor]
-
-# Backends by name; each has paged_attention's signature (which picks the fused CPU kernels
-# itself). Others (flash-attention on CUDA) register here.
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention}
-
-
-def get_attention_backend(name: str = "torch") -> AttentionFn:
-    if name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"unknown attention backend '{name}' (available: {', '.join(ATTENTION_BACKENDS)})")
-    return ATTENTION_BACKENDS[name]

@@ -10,7 +10,9 @@ import sys
 import time
 from typing import Optional
 
-from kvserve.config import DEFAULT_MODEL, INT4_PREFILL_MODES, KV_CACHE_DTYPES, ConfigError, EngineArgs
+from kvserve import environment
+from kvserve.config import (DEFAULT_MODEL, INT4_PREFILL_MODES, KV_CACHE_DTYPES, ConfigError, EngineArgs, KernelConfig,
+                            parse_kernel_config)
 from kvserve.executor.base import ExecutorError
 from kvserve.config.speculative import parse_speculative_config
 from kvserve.request import RequestRejected, SamplingParams
@@ -60,6 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="multi-step decoding: up to N decode steps per scheduling round while no "
                         "running request asks for logprobs, a grammar or penalties and none waits "
                         "(streams get bursts of up to N tokens)")
+    g.add_argument("--kernel-config", default=None, metavar="JSON", type=_parse_kernel_config,
+                   help='CPU kernel routes and numerics, e.g. \'{"bf16_route": "dot", "step_teams": false}\' '
+                        "(keys: native_kernels, cpu_march, bf16_route, attention_route, step_teams, "
+                        "batch_invariant, shm_collectives, time_collectives)")
 
 
 def _parse_bytes(text: str) -> int:
@@ -70,6 +76,17 @@ def _parse_bytes(text: str) -> int:
         return int(float(number) * scale)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from None
+
+
+def _parse_kernel_config(text: str) -> KernelConfig:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--kernel-config is not JSON: {exc}") from None
+    try:
+        return parse_kernel_config(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
@@ -85,6 +102,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         num_scheduler_steps=ns.num_scheduler_steps,
         tensor_parallel_size=ns.tensor_parallel_size, pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_timeout_s=ns.distributed_timeout,
+        kernel_config=ns.kernel_config or KernelConfig(),
     )
     return dataclasses.replace(args, **overrides)
 
@@ -115,6 +133,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     params = sampling_params_from(ns)
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     print(llm.engine.describe_kv_cache(), file=sys.stderr)
+    print(llm.engine.describe_kernels(), file=sys.stderr)
     if ns.input:
         return _generate_batch(llm, ns, params)
     if not ns.prompt:
@@ -252,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
+    p.add_argument("--api-key", default=environment.api_key(),
+                   help="require this bearer token on every request (default: $KVSERVE_API_KEY; none: open)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-waiting-requests", type=int, default=None)
     p.add_argument("--log-level", default="info")

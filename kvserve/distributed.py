@@ -122,11 +122,13 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int
 
 def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device | str,
                        timeout_s: float, tp_size: Optional[int] = None, pp_size: int = 1,
-                       shm_path: Optional[str] = None) -> tuple[ParallelGroup, Optional[PipelineStage]]:
+                       shm_path: Optional[str] = None, time_comm: bool = False
+                       ) -> tuple[ParallelGroup, Optional[PipelineStage]]:
     """Join the default group, then this rank's tensor-parallel group (ranks
     ``stage * tp_size + t``) and pipeline stage. ``timeout_s`` bounds every collective: a peer
     that hangs makes the others fail after it instead of blocking for ever. ``shm_path``
-    (ranks on one machine): a /dev/shm path prefix for shared-memory collectives."""
+    (ranks on one machine): a /dev/shm path prefix for shared-memory collectives (None: gloo's
+    own); ``time_comm``: the group times its collectives (KernelConfig.time_collectives)."""
     tp_size = tp_size or world_size
     if tp_size * pp_size != world_size:
         raise ValueError(f"{world_size} ranks are not {tp_size} x {pp_size}")
@@ -139,9 +141,8 @@ def init_process_group(rank: int, world_size: int, init_method: str, device: tor
         groups = [dist.new_group([s * tp_size + t for t in range(tp_size)]) for s in range(pp_size)]
         group = groups[stage]
     tp = ParallelGroup(rank=tp_rank, world_size=tp_size, group=group,
-                       time_comm=os.environ.get("KVSERVE_TIME_COMM") == "1")
-    if shm_path and tp_size > 1 and torch.device(device).type == "cpu" \
-            and os.environ.get("KVSERVE_SHM_COLLECTIVES", "1") != "0":
+                       time_comm=time_comm)
+    if shm_path and tp_size > 1 and torch.device(device).type == "cpu":
         from kvserve.shm_collectives import ShmCollectives
         path = f"{shm_path}-stage{stage}"
         if tp_rank == 0:

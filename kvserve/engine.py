@@ -16,7 +16,8 @@ from typing import Optional, Union
 import torch
 
 from kvserve import ops
-from kvserve.config import DEFAULT_MODEL, ConfigError, EngineArgs, ModelConfig
+from kvserve.ops import apply_kernel_config
+from kvserve.config import ConfigError, EngineArgs, ModelConfig
 from kvserve.kv_cache import KVCacheSpec, kv_cache_groups
 from kvserve.kv_manager import KVCacheManager, max_blocks_per_request
 from kvserve.executor.base import Executor
@@ -28,7 +29,7 @@ from kvserve.executor.multiproc import MultiprocExecutor
 from kvserve.executor.uniproc import UniProcExecutor
 from kvserve.executor.worker import WorkerSpec
 from kvserve.loader import load_config, load_model, return_freed_heap
-from kvserve.loader.resolve import ModelSource, resolve_model
+from kvserve.loader.resolve import resolve_model
 from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
 from kvserve.quant import has_prefill_copies, prefill_copy_bytes, prefill_copy_format
@@ -39,7 +40,7 @@ from kvserve.scheduler import Scheduler
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.speculative import Speculator, build_speculator, parse_speculative_config
 from kvserve.executor.draft_model import DraftModel, DraftModelDrafter, load_draft_model
-from kvserve.tokenizer import Tokenizer, load_tokenizer
+from kvserve.tokenizer import load_tokenizer
 from kvserve.tracing import label
 
 logger = logging.getLogger("kvserve")
@@ -153,6 +154,8 @@ class LLMEngine:
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
+        # Resolved here (auto routes named), before any weight is packed for a route.
+        self.kernel_config = apply_kernel_config(args.kernel_config)
         self.device = torch.device(args.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked for but torch sees no CUDA device")
@@ -268,6 +271,7 @@ class LLMEngine:
                               tensor_parallel_size=args.tensor_parallel_size,
                               pipeline_parallel_size=args.pipeline_parallel_size,
                               kv_groups=self.kv_groups,
+                              kernel_config=args.kernel_config,
                               shm_path=None if under_torchrun() else
                               f"/dev/shm/kvserve-{os.getpid()}-{secrets.token_hex(4)}")
             self.executor = MultiprocExecutor(spec, args.tensor_parallel_size * args.pipeline_parallel_size)
@@ -291,6 +295,10 @@ class LLMEngine:
     def kv_cache_tokens(self) -> int:
         """How many tokens the KV pool holds."""
         return self.num_blocks * self.kv_spec.block_size
+
+    def describe_kernels(self) -> str:
+        """The start-up line's kernel configuration, as resolved on this machine."""
+        return self.kernel_config.describe()
 
     def describe_kv_cache(self) -> str:
         spec = self.kv_spec
@@ -415,6 +423,7 @@ class LLMEngine:
         while the last stage runs one micro-batch, the first stage already runs the next.
         """
         t0 = time.perf_counter()
+        apply_kernel_config(self.kernel_config)  # (another engine in this process may differ)
         touched: set[str] = set(self._pending_finished)
         self._pending_finished.clear()
         stats = StepStats()
@@ -448,11 +457,12 @@ class LLMEngine:
         return outputs
 
     def _schedule(self, micro_batch: int) -> SchedulerOutput:
+        drafts = None
         if self.speculator is not None:
             with label("spec.propose"):
-                self.speculator.propose(self.scheduler.running_in(micro_batch))
+                drafts = self.speculator.propose(self.scheduler.running_in(micro_batch))
         with label("scheduler.schedule"):
-            sched = self.scheduler.schedule(micro_batch)
+            sched = self.scheduler.schedule(micro_batch, drafts)
         if self.speculator is not None and not sched.is_empty:
             with label("spec.draft_model"):
                 self.speculator.fill(sched.chunks)  # a draft model proposes into its slots

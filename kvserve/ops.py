@@ -6,14 +6,17 @@ rotary embedding, KV-cache write, the step's paged attention (prefill chunks and
 reading blocks in place, no gathered copy) or gated activation in one call. They are compiled on first use with
 ``torch.utils.cpp_extension`` (cached in ``<venv>/kvserve-build``; ``scripts/setup.sh``
 builds them) and used only for fp32 activations on the CPU. Anything else, a machine without
-a compiler, or ``KVSERVE_CPU_OPS=0`` takes the torch reference below (for the cache write and
+a compiler, or ``KernelConfig(native_kernels=False)`` takes the torch reference below (for the cache write and
 attention, in kvserve.kv_cache and kvserve.attention), which the tests use as the
-ground truth for the kernels.
+ground truth for the kernels. Which routes the kernels take (and whether rows must be
+batch-invariant) is the engine's ``KernelConfig``, put in force by ``apply_kernel_config``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvserve.config.kernels import KernelConfig
 from kvserve.cpu_features import has_feature
+from kvserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -32,28 +37,37 @@ ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}
 _ext: Any = None
 _load_attempted = False
 _kernels_on = True
+# The kernel configuration in force (apply_kernel_config): the defaults until an engine applies one.
+_applied: Optional[KernelConfig] = None
+_native_allowed = True
+_batch_invariant = True
+_march = "native"
+_routes_set: dict[str, str] = {}
+_amx_warned = False
 
 
 def load_extension() -> Optional[Any]:
-    """The compiled module, building it the first time; None when disabled or unbuildable."""
+    """The compiled module, building it the first time; None where the kernel configuration in
+    force says plain torch (``KernelConfig.native_kernels``) or it cannot be built."""
     global _ext, _load_attempted
+    if not _native_allowed:
+        return None
     if _load_attempted:
         return _ext
     _load_attempted = True
-    if os.environ.get("KVSERVE_CPU_OPS", "1") == "0":
-        return None
     try:
         from torch.utils.cpp_extension import load
 
+        suffix = "" if _march == "native" else "_" + re.sub(r"[^0-9A-Za-z]", "_", _march)
         _ext = load(
-            build_directory=_build_directory(),
-            name="kvserve_cpu_ops",
+            build_directory=_build_directory(suffix),
+            name="kvserve_cpu_ops" + suffix,
             sources=[str(path) for path in _SOURCES],
             # Reassociation lets the vectorised dot products reduce their lanes as a tree;
             # without it GCC adds the 16 lanes one by one (measured 3x slower attention).
-            # KVSERVE_CPU_MARCH (e.g. znver3, x86-64-v2) builds another CPU's route on this one, to
-            # test it (with TORCH_EXTENSIONS_DIR set to a directory of its own).
-            extra_cflags=["-O3", f"-march={os.environ.get('KVSERVE_CPU_MARCH', 'native')}", "-fopenmp", "-fopenmp-simd",
+            # KernelConfig.cpu_march (e.g. znver3, x86-64-v2) builds another CPU's route on this
+            # one, to test it, in a build directory of its own.
+            extra_cflags=["-O3", f"-march={_march}", "-fopenmp", "-fopenmp-simd",
                           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -62,31 +76,74 @@ def load_extension() -> Optional[Any]:
         logger.warning("fused CPU kernels unavailable (%s); using the plain-torch path", exc)
         _ext = None
         return _ext
-    _choose_bf16_route(_ext)
+    # Settle the bf16 route now, while the process is small: on a CPU with AMX that runs the
+    # tiles' self-test in a forked child.
+    _ext.bf16_kernel_route()
     return _ext
 
 
-def _choose_bf16_route(ext: Any) -> None:
-    """Settles the bf16 kernel's route now, while the process is small: on a CPU with AMX that
-    runs the tiles' self-test in a forked child. A CPU that lists AMX but whose tiles cannot run
-    (the OS, the kernel's permission, the self-test) is said once, with the reason, since its
-    bits and speed are then the vector route's. KVSERVE_BF16_ROUTE=amx or
-    KVSERVE_ATTENTION_ROUTE=amx where the tiles cannot run raises here."""
-    route = ext.bf16_kernel_route()
-    ext.attention_kernel_route()  # KVSERVE_ATTENTION_ROUTE=amx where the tiles cannot run raises here too
-    has_amx = has_feature("amx_bf16")
-    if has_amx and route != "amx" and os.environ.get("KVSERVE_BF16_ROUTE") not in ("dot", "widened"):
-        logger.warning("the CPU lists AMX but bf16 layers take the %s route: %s", route, ext.amx_bf16_status())
+def apply_kernel_config(config: KernelConfig) -> KernelConfig:
+    """Put ``config`` in force for this process's kernels and return it resolved: ``auto``
+    routes replaced by the routes the kernels take here, ``native_kernels`` False where they
+    cannot be built. An engine applies its configuration at start-up and again before each
+    step (nothing to do while it is still the one in force), so two engines in one process may
+    differ. Raises ConfigError for a route the machine cannot run (``amx`` without usable
+    tiles) or a ``cpu_march`` other than the one this process built its kernels for."""
+    global _applied, _native_allowed, _batch_invariant, _march
+    if config is _applied:
+        return config
+    if _load_attempted and _ext is not None and config.native_kernels and config.cpu_march != _march:
+        raise ConfigError(f"cpu_march {config.cpu_march!r}: this process built its kernels for {_march!r} "
+                          "(one build per process)")
+    _native_allowed, _batch_invariant = config.native_kernels, config.batch_invariant
+    if config.native_kernels:
+        _march = config.cpu_march
+    ext = load_extension()
+    if ext is None:
+        resolved = dataclasses.replace(config, native_kernels=False)
+    else:
+        ext.set_step_teams(config.step_teams)
+        try:
+            for route, setter, name in ((config.bf16_route, ext.set_bf16_kernel_route, "bf16_route"),
+                                        (config.attention_route, ext.set_attention_kernel_route, "attention_route")):
+                if route != "auto" or _routes_set.get(name, "auto") != "auto":
+                    setter(route)
+                    _routes_set[name] = route
+        except RuntimeError as exc:
+            raise ConfigError(f"kernel configuration: {exc}".splitlines()[0]) from None
+        resolved = dataclasses.replace(config, bf16_route=ext.bf16_kernel_route(),
+                                       attention_route=ext.attention_kernel_route())
+        if (has_feature("amx_bf16") and resolved.bf16_route != "amx" and config.bf16_route == "auto"
+                and not _amx_warned):
+            _warn_amx_unused(ext)
+    _applied = resolved
+    return resolved
 
 
-def _build_directory() -> Optional[str]:
+def _warn_amx_unused(ext: Any) -> None:
+    """A CPU that lists AMX but whose tiles cannot run (the OS, the kernel's permission, the
+    self-test) is said once, with the reason, since its bits and speed are then the vector
+    route's."""
+    global _amx_warned
+    _amx_warned = True
+    logger.warning("the CPU lists AMX but bf16 layers take the %s route: %s", ext.bf16_kernel_route(),
+                   ext.amx_bf16_status())
+
+
+def batch_invariant() -> bool:
+    """Whether every row's bits must not depend on the batch (KernelConfig.batch_invariant of the
+    configuration in force; True before any engine applied one)."""
+    return _batch_invariant
+
+
+def _build_directory(suffix: str = "") -> Optional[str]:
     """Per environment (``<venv>/kvserve-build``): the binary belongs to that environment's
     torch, and two checkouts sharing ``~/.cache/torch_extensions`` would rebuild each other's.
     None (torch's default) where the environment is read-only or ``TORCH_EXTENSIONS_DIR``
-    says where to build."""
+    says where to build (torch's own variable)."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return None
-    path = Path(sys.prefix) / "kvserve-build" / "cpu_ops"
+    path = Path(sys.prefix) / "kvserve-build" / ("cpu_ops" + suffix)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -95,7 +152,7 @@ def _build_directory() -> Optional[str]:
 
 
 def cpu_extension() -> Optional[Any]:
-    """The compiled module unless disabled (``use_kernels(False)``, ``KVSERVE_CPU_OPS=0``) or
+    """The compiled module unless disabled (``use_kernels(False)``, ``KernelConfig.native_kernels``) or
     unbuildable; for callers that check their tensors themselves."""
     return load_extension() if _kernels_on else None
 

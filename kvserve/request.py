@@ -118,8 +118,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # For n > 1: the sibling whose prompt blocks this one waits to share via the prefix cache.
     prefix_leader: Optional["Request"] = None
-    # Per-request RNG owned by the runner/sampler (a torch.Generator); opaque here.
-    generator: Any = None
     # Grammar state (kvserve.structured.grammar.GrammarState) when the output is constrained:
     # the sampler masks with it, the engine advances it with each accepted token.
     grammar: Any = None
@@ -139,9 +137,6 @@ class Request:
     finished_time: Optional[float] = None
     # Chained hashes of this request's full blocks, filled by the KV manager as they fill.
     block_hashes: list = field(default_factory=list)
-    # Speculative decoding: draft tokens proposed for the next step. They are not part of the
-    # request's tokens (nor hashed into the prefix cache) until the target model accepts them.
-    spec_token_ids: list[int] = field(default_factory=list)
     # Pipeline parallelism: the micro-batch this request runs in (Scheduler.schedule(micro_batch)).
     micro_batch: int = 0
 

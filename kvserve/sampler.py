@@ -13,13 +13,13 @@ for features some row actually uses, so a batch of plain greedy requests costs o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
 
 from kvserve import ops
-from kvserve.request import Logprob, Request
+from kvserve.request import Logprob, Request, SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them would overflow the logits
 # and the resulting distribution is an argmax anyway.
@@ -92,7 +92,24 @@ class SamplingMetadata:
         return max(n for n in self.num_logprobs if n is not None)
 
 
-def argmax_suffices(requests: Sequence[Request]) -> bool:
+class SamplingRow(Protocol):
+    """What the sampler reads of a request: the runner's RequestState (what the runner keeps of
+    a request between steps), or anything shaped like it. Its RNG is the row's own (seeded once,
+    so the stream continues across steps and preemptions)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    generator: Optional[torch.Generator]
+    grammar: Any  # an object with fill_bitmask(bitmask, row), or None
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+def argmax_suffices(requests: Sequence[SamplingRow]) -> bool:
     """Whether sampling these rows reads nothing of the logits but each row's argmax: every
     row greedy, with no logprobs, no grammar, and no logit bias, min_tokens blocking or
     penalty that could move the argmax (build_sampling_metadata's conditions). The LM head
@@ -107,7 +124,7 @@ def argmax_suffices(requests: Sequence[Request]) -> bool:
     return True
 
 
-def needs_no_step_state(request: Request) -> bool:
+def needs_no_step_state(request: Union[Request, SamplingRow]) -> bool:
     """Whether sampling this request's next token reads nothing that its last token changed:
     no penalties (they count the output), no min_tokens still blocking EOS, no grammar (advanced
     by the engine after each token) and no logprobs (gathered per step). Its SamplingMetadata
@@ -118,7 +135,7 @@ def needs_no_step_state(request: Request) -> bool:
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
 
-def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
+def build_sampling_metadata(requests: Sequence[SamplingRow], vocab_size: int,
                             device: torch.device | str) -> SamplingMetadata:
     """Gather the batch's sampling parameters into device tensors (runs once per step)."""
     num_rows = len(requests)
@@ -148,10 +165,6 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
         for i, (g, req) in enumerate(zip(greedy, requests)):
             if g:
                 continue
-            if req.generator is None and req.sampling_params.seed is not None:
-                # Safety net for requests built without one; the request keeps it so the
-                # stream continues across steps.
-                req.generator = make_generator(req.sampling_params.seed, device)
             if req.generator is not None:
                 generators[i] = req.generator
 
@@ -214,7 +227,7 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int,
         num_logprobs=num_logprobs, allowed_tokens=allowed_tokens)
 
 
-def grammar_masks(requests: Sequence[Request], vocab_size: int) -> tuple[list[int], np.ndarray]:
+def grammar_masks(requests: Sequence[SamplingRow], vocab_size: int) -> tuple[list[int], np.ndarray]:
     """Each constrained row's allowed next tokens: its grammar writes one row of a packed
     bitmask (one bit per token, llguidance's layout), applied to the logits as it is."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]

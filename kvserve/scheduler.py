@@ -121,11 +121,14 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def schedule(self, micro_batch: int = 0) -> SchedulerOutput:
-        """Pick this step's work (among ``micro_batch``'s requests). Does not advance
-        ``num_computed_tokens`` past the cache hits."""
-        out = SchedulerOutput(num_steps=self._num_steps(micro_batch))
-        budget = self._schedule_running(out, self.max_num_batched_tokens, micro_batch)
+    def schedule(self, micro_batch: int = 0, drafts: Optional[Mapping[str, Sequence[int]]] = None) -> SchedulerOutput:
+        """Pick this step's work (among ``micro_batch``'s requests). ``drafts`` (speculative
+        decoding: request id -> draft tokens proposed for this step) are verified on the
+        requests' decode chunks, as many as fit. Does not advance ``num_computed_tokens`` past
+        the cache hits."""
+        drafts = drafts or {}
+        out = SchedulerOutput(num_steps=self._num_steps(micro_batch, drafts))
+        budget = self._schedule_running(out, self.max_num_batched_tokens, micro_batch, drafts)
         # After a preemption the victims head the waiting queue and cannot fit yet, and
         # admission is first come first served: nobody jumps in to thrash the cache.
         self._schedule_waiting(out, budget, micro_batch)
@@ -137,7 +140,7 @@ class Scheduler:
             return self.running
         return [r for r in self.running if r.micro_batch == micro_batch]
 
-    def _num_steps(self, micro_batch: int) -> int:
+    def _num_steps(self, micro_batch: int, drafts: Mapping[str, Sequence[int]]) -> int:
         """How many decode steps this round runs (multi-step decoding, vLLM's
         ``--num-scheduler-steps``). More than one only when nothing waits for admission (a
         waiting request's first token would wait for the whole round) and every running request
@@ -148,21 +151,22 @@ class Scheduler:
         (EOS, a stop string) ends the request there, as a stop in a speculative run does."""
         running = self.running
         if (self.num_scheduler_steps == 1 or self.waiting or not running or self.num_micro_batches > 1
-                or self.multi_step_eligible is None):
+                or self.multi_step_eligible is None or drafts):
             return 1
         if any(r.num_tokens - r.num_computed_tokens != 1 or r.num_computed_tokens < r.num_prompt_tokens
-               or r.spec_token_ids or not self.multi_step_eligible(r) for r in running):
+               or not self.multi_step_eligible(r) for r in running):
             return 1
         return max(1, min(self.num_scheduler_steps, *(max_new_tokens(r, self.max_model_len) for r in running)))
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, micro_batch: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, micro_batch: int,
+                          drafts: Mapping[str, Sequence[int]]) -> int:
         mine = self.running_in(micro_batch)
         i = 0
         while i < len(mine) and budget > 0:
             request = mine[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            spec = self._spec_tokens(request, num_new, budget)
+            spec = self._spec_tokens(request, drafts.get(request.request_id), num_new, budget)
             # Drafts, and a multi-step round's later steps, ride on lookahead slots; without room
             # for them the request just decodes (and the round takes one step).
             lookahead = len(spec) + out.num_steps - 1
@@ -203,11 +207,10 @@ class Scheduler:
             self.kv_manager.trim(request, request.num_computed_tokens + chunk.num_new_tokens)
             chunk.block_tables = self.kv_manager.get_block_tables(request.request_id)
 
-    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+    def _spec_tokens(self, request: Request, drafts: Optional[Sequence[int]], num_new: int, budget: int) -> list[int]:
         """The drafts this step verifies for ``request``: only on a decode, within the token
         budget, and never more than the length rules could let it keep (the token after the
         last accepted draft is sampled too, hence the -1)."""
-        drafts = request.spec_token_ids
         if not drafts or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
             return []
         k = min(len(drafts), budget - 1, max_new_tokens(request, self.max_model_len) - 1)
@@ -286,7 +289,6 @@ class Scheduler:
                 continue  # aborted between schedule() and now
             needs_sample = chunk.needs_sample
             request.num_computed_tokens += chunk.num_new_tokens
-            request.spec_token_ids = []  # drafts are proposed afresh for every step
             if not needs_sample:
                 continue
             new_tokens = sampled[request.request_id]

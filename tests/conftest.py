@@ -60,3 +60,21 @@ def _engines_left_idle():
         assert engine.kv_manager.num_used_blocks == 0, (
             f"{engine.kv_manager.num_used_blocks} KV blocks still in use after the test")
         assert engine.output_processor.num_unfinished == 0
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tp-full", action="store_true",
+                     help="also run the long tensor-parallel cases (more ranks, the real models, two local nodes)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "tp_full: a long tensor-parallel case, run with --tp-full")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--tp-full"):
+        return
+    skip = pytest.mark.skip(reason="a long tensor-parallel case: run with --tp-full")
+    for item in items:
+        if "tp_full" in item.keywords:
+            item.add_marker(skip)

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from kvserve import ops
-from kvserve.attention import build_attention_metadata, get_attention_backend, paged_attention
-from kvserve.config import ConfigError
+from kvserve.attention import build_attention_metadata, paged_attention
 from kvserve.kv_cache import KVCacheSpec, LayerKV, allocate_kv_cache, dequantize_int8, quantize_int8
 from kvserve.models.testing import tiny_config
 
@@ -194,12 +193,6 @@ def test_int8_holds_at_least_1_9x_the_tokens_of_bf16():
         bf16 = KVCacheSpec(30, 3, head_dim, 16, "bfloat16")
         int8 = KVCacheSpec(30, 3, head_dim, 16, "int8")
         assert bf16.bytes_per_token / int8.bytes_per_token >= 1.9
-
-
-def test_backend_table():
-    assert get_attention_backend("torch") is paged_attention
-    with pytest.raises(ConfigError, match="unknown attention backend 'nope'"):
-        get_attention_backend("nope")
 
 
 def test_bfloat16_close_to_reference():

@@ -128,9 +128,10 @@ def test_peer_names():
         expand_peer_names("vllm")
 
 
-def test_blas_peer_is_the_opt_out_of_batch_invariance(monkeypatch):
-    """kvserve-blas: the same engine with its bf16 linears on oneDNN (KVSERVE_BATCH_INVARIANT=0),
-    what the determinism cost is measured against; the flag does not outlive the peer."""
+def test_blas_peer_is_the_opt_out_of_batch_invariance():
+    """kvserve-blas: the same engine with its bf16 linears on oneDNN (KernelConfig's
+    batch_invariant=False), what the determinism cost is measured against; the setting is the
+    peer engine's own: an engine built after it packs its weights again."""
     from kvserve.bench.peers import PeerContext, open_peer
     from kvserve.config import EngineArgs
     from kvserve.ops import load_extension
@@ -138,12 +139,15 @@ def test_blas_peer_is_the_opt_out_of_batch_invariance(monkeypatch):
 
     if load_extension() is None:
         pytest.skip("no native kernels: both paths are the same")
-    monkeypatch.delenv("KVSERVE_BATCH_INVARIANT", raising=False)
+    from kvserve.engine import LLMEngine
+
     eargs = EngineArgs(model="tiny-llama", quantization="bf16", num_blocks=64)
     peer = open_peer("kvserve-blas", PeerContext("test", "", 1, eargs))
     linears = [m for m in peer.engine.model.modules() if isinstance(m, Bf16Linear)]
     assert linears and not any(m.packed for m in linears)
-    assert "KVSERVE_BATCH_INVARIANT" not in os.environ and peer.name == "kvserve-blas"
+    assert peer.engine.kernel_config.batch_invariant is False and peer.name == "kvserve-blas"
+    after = LLMEngine(eargs)
+    assert all(m.packed for m in after.model.modules() if isinstance(m, Bf16Linear))
 
 
 def test_weight_format_peers_change_only_the_format():

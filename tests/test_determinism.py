@@ -12,17 +12,15 @@ a prompt past its 512-token window).
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
-from kvserve import SamplingParams
+from kvserve import SamplingParams, ops
 from kvserve.bench.determinism import preemption_room, run_check, signature
 from kvserve.llm import LLM
 
-pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0",
-                                reason="the guarantee is the kernels'; the plain-torch path calls BLAS")
+pytestmark = pytest.mark.skipif(ops.load_extension() is None, reason="the guarantee is the kernels'; the plain-torch path calls BLAS")
 
 MAX_TOKENS = 5
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)

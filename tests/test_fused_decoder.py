@@ -4,7 +4,6 @@ in every weight format."""
 from __future__ import annotations
 
 import copy
-import os
 from typing import Callable, Optional
 
 import pytest
@@ -18,7 +17,7 @@ from kvserve.models.fused import attach_fused_layers
 from kvserve.row_table import table_args
 from kvserve.token_roles import ALL_GENERATED, ALL_PROMPT, MIXED, TokenRoles, use_token_roles
 
-pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
+pytestmark = pytest.mark.skipif(ops.load_extension() is None, reason="fused kernels disabled")
 
 
 def _three_steps(model, cfg, n_blocks: int = 24, block_size: int = 16, kv_dtype: str = "float32",

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from kvserve.executor.runner import RequestState
 from kvserve.request import Request, SamplingParams
 import kvserve.sampler as sampler_module
 from kvserve.sampler import Sampler, apply_top_k_top_p, argmax_suffices, build_sampling_metadata, make_generator
@@ -15,12 +16,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 _ids = itertools.count()
 
 
-def make_request(prompt=(0,), output=(), eos=(), generator=None, **params) -> Request:
-    req = Request(request_id=f"r{next(_ids)}", prompt_token_ids=list(prompt),
-                  sampling_params=SamplingParams(**params), eos_token_ids=list(eos))
-    req.output_token_ids = list(output)
-    req.generator = generator
-    return req
+def make_request(prompt=(0,), output=(), eos=(), generator=None, **params) -> RequestState:
+    """A sampler row as the runner keeps it (sampler.SamplingRow)."""
+    return RequestState(f"r{next(_ids)}", list(prompt), SamplingParams(**params), list(eos), generator,
+                        output_token_ids=list(output))
 
 
 def sample(logits: torch.Tensor, requests: list[Request]):
@@ -182,12 +181,18 @@ def test_same_seed_same_tokens_whatever_the_batch(device):
     assert differs != alone, "a different seed should give a different sequence"
 
 
-def test_seed_without_generator_gets_one():
-    req = make_request(temperature=1.0, seed=7)
+def test_the_runner_seeds_each_seeded_request_its_own_generator():
+    from kvserve.executor.step import NewRequestData
+
+    def state(seed):
+        data = NewRequestData(f"r{next(_ids)}", [0], SamplingParams(temperature=1.0, seed=seed), [], seed)
+        return RequestState.for_new_request(data, torch.device("cpu"))
+
+    req = state(7)
+    assert req.generator is not None and state(None).generator is None
     logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(5))
     first = [sample(logits, [req]).sampled_token_ids.item() for _ in range(10)]
-    again = make_request(temperature=1.0, seed=7)
-    assert req.generator is not None
+    again = state(7)
     assert first == [sample(logits, [again]).sampled_token_ids.item() for _ in range(10)]
 
 

@@ -115,7 +115,7 @@ def test_a_worker_killed_mid_stream_ends_the_server_cleanly(tmp_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(os.environ.get("KVSERVE_TP_FULL") != "1", reason="KVSERVE_TP_FULL=1")
+@pytest.mark.tp_full  # run with --tp-full (tests/conftest.py)
 def test_torchrun_two_local_nodes_serve_like_one_process(tmp_path, offline):
     """Two torchrun agents on this machine stand for two nodes (one rank each): rank 0 serves,
     rank 1 is its worker; the answer matches one process; stopping node 0 stops node 1."""

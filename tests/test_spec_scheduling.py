@@ -147,19 +147,18 @@ def test_policy_skips_large_batches_and_backs_off_on_rejection():
     spec = Speculator(cfg, NgramDrafter(2, 2, 2))
     seq = [1, 2, 3, 1, 2]
     a, b, c = (_decoding(x, seq) for x in "abc")
-    assert spec.propose([a, b, c]) == 0 and not a.spec_token_ids  # batch too large
-    assert spec.propose([a, b]) == 2 and a.spec_token_ids == [3, 1]
+    assert spec.propose([a, b, c]) == {}  # batch too large
+    assert spec.propose([a, b]) == {"a": [3, 1], "b": [3, 1]}
     # Penalties would need per-draft replay: no drafts.
     pen = _decoding("pen", seq)
     pen.sampling_params.repetition_penalty = 1.2
-    assert spec.propose([pen]) == 0
+    assert spec.propose([pen]) == {}
     # Nothing accepted: skip 1 step, then 2, then 4 (the cap), until a draft is accepted.
     skipped = []
     for accepted in (0, 0, 0, 0, 1):
-        a.spec_token_ids = []
         spec.observe("a", 2, accepted)
         n = 0
-        while spec.propose([a]) == 0:
+        while not spec.propose([a]):
             n += 1
         skipped.append(n)
     assert skipped == [1, 2, 4, 4, 0]
@@ -177,10 +176,10 @@ def test_drafts_take_lookahead_slots_and_rejected_ones_are_rolled_back():
     one_step(sched, runner)  # prefill + first token: 4 tokens, 1 block
     assert r.num_computed_tokens == 3 and r.num_tokens == 4
     truth = reference([1, 2, 3], 20)
-    r.spec_token_ids = [truth[1], truth[2], (truth[3] + 1) % VOCAB, 5, 6]  # third one wrong
-    out = sched.schedule()
+    drafts = [truth[1], truth[2], (truth[3] + 1) % VOCAB, 5, 6]  # third one wrong
+    out = sched.schedule(drafts={"a": drafts})
     (chunk,) = out.chunks
-    assert chunk.num_new_tokens == 6 and chunk.spec_token_ids == r.spec_token_ids
+    assert chunk.num_new_tokens == 6 and chunk.spec_token_ids == drafts
     # Room for the last token and five drafts: positions 3..8, three blocks.
     assert len(chunk.block_ids) == 3
     new = sched.update_from_output(out, runner.run(out))
@@ -188,7 +187,6 @@ def test_drafts_take_lookahead_slots_and_rejected_ones_are_rolled_back():
     # KV holds positions 0..5 (the prompt, the first token, two accepted drafts): 2 blocks.
     assert r.num_computed_tokens == 6 and r.num_tokens == 7
     assert len(sched.kv_manager.get_block_ids("a")) == 2
-    assert r.spec_token_ids == []
     # Only the first block (positions 0..3, all accepted tokens) is in the prefix cache.
     assert len(r.block_hashes) == 1
     run_to_end(sched, runner)
@@ -204,11 +202,10 @@ def run_to_end(sched, runner, drafter=None, max_steps=500):
     for _ in range(max_steps):
         if not sched.has_unfinished_requests():
             return
+        drafts = {}
         if drafter is not None:
-            for r in sched.running:
-                if r.num_tokens - r.num_computed_tokens == 1:
-                    r.spec_token_ids = drafter(r)
-        out = sched.schedule()
+            drafts = {r.request_id: drafter(r) for r in sched.running if r.num_tokens - r.num_computed_tokens == 1}
+        out = sched.schedule(drafts=drafts)
         assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
         sched.update_from_output(out, runner.run(out))
     raise AssertionError("requests did not finish")
@@ -220,8 +217,7 @@ def test_drafts_never_pass_max_tokens_the_context_or_the_budget():
     sched.add_request(r)
     one_step(sched, runner)
     truth = reference([1, 2, 3], 4)
-    r.spec_token_ids = truth[1:] + [1, 1, 1]
-    out = sched.schedule()
+    out = sched.schedule(drafts={"a": truth[1:] + [1, 1, 1]})
     # 3 tokens may still come: the last real token + 2 drafts (the third is sampled).
     assert out.chunks[0].spec_token_ids == truth[1:3]
     sched.update_from_output(out, runner.run(out))
@@ -231,8 +227,7 @@ def test_drafts_never_pass_max_tokens_the_context_or_the_budget():
     r = req("b", [1, 2, 3], max_tokens=20)
     sched.add_request(r)
     one_step(sched, runner)
-    r.spec_token_ids = [9] * 8
-    assert len(sched.schedule().chunks[0].spec_token_ids) == 3
+    assert len(sched.schedule(drafts={"b": [9] * 8}).chunks[0].spec_token_ids) == 3
     sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
 
 
@@ -251,8 +246,7 @@ def test_a_stop_inside_an_accepted_run_ends_the_request_there(rule):
                                             **params), eos_token_ids=eos)
     sched.add_request(r)
     one_step(sched, runner)
-    r.spec_token_ids = truth[1:8]
-    out = sched.schedule()
+    out = sched.schedule(drafts={"a": truth[1:8]})
     if rule != "max_tokens":
         assert len(out.chunks[0].spec_token_ids) == 7
     seen = []
@@ -270,8 +264,7 @@ def test_a_stop_string_hook_ends_the_run_at_its_token():
     r = req("a", prompt, max_tokens=12)
     sched.add_request(r)
     one_step(sched, runner)
-    r.spec_token_ids = truth[1:6]
-    out = sched.schedule()
+    out = sched.schedule(drafts={"a": truth[1:6]})
     sched.update_from_output(out, runner.run(out), on_token=lambda q, j: j == 2)
     assert r.output_token_ids == truth[:4] and r.status is RequestStatus.FINISHED_STOPPED
 
@@ -300,10 +293,8 @@ def _simulate(seed):
                 sched.add_request(r)
         if t > 20 and not sched.has_unfinished_requests():
             break
-        for r in sched.running:
-            if r.num_tokens - r.num_computed_tokens == 1:
-                r.spec_token_ids = drafter(r)
-        out = sched.schedule()
+        drafts = {r.request_id: drafter(r) for r in sched.running if r.num_tokens - r.num_computed_tokens == 1}
+        out = sched.schedule(drafts=drafts)
         assert out.total_num_scheduled_tokens <= budget
         for c in out.chunks:
             kv_tokens = c.start_position + c.num_new_tokens

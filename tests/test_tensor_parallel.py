@@ -5,7 +5,7 @@ executor's failure handling (a worker killed or hung); nothing left running afte
 Every engine here is shut down in the test that built it, and every wait is bounded (the
 executor's own timeout, plus pytest-timeout as a backstop). Each case starts worker
 processes (~10 s on a busy 2-core box), so the default run keeps one case per shape kind;
-``KVSERVE_TP_FULL=1`` adds the others and the real models (SmolLM2 at TP=3, Gemma 3 at TP=2:
+``--tp-full`` (a pytest option) adds the others and the real models (SmolLM2 at TP=3, Gemma 3 at TP=2:
 heavy, run them under the heavy-run lock).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kvserve.structured.params import StructuredOutputsParams
 
 PROMPTS = [[1, 5, 9, 200, 3000, 17, 4242, 99], [1] + list(range(300, 340)), [1, 77, 78, 79]]
 LOGPROB_TOLERANCE = 1e-4
-FULL = pytest.mark.skipif(os.environ.get("KVSERVE_TP_FULL") != "1", reason="KVSERVE_TP_FULL=1")
+FULL = pytest.mark.tp_full  # run with --tp-full (tests/conftest.py)
 
 
 def _params() -> list[SamplingParams]:

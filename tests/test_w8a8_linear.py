@@ -3,7 +3,6 @@ mode's prompt rows) against its plain-torch twin, its vector route (AVX512-VNNI 
 portable loop (the same bits), and a row's bits whatever the rows around it."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from kvserve.quant import (Bf16Linear, Int4Linear, Q5Linear, Q8Linear, Segmented
                            w8a8_activations)
 from test_block_formats import random_blocks
 
-pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
+pytestmark = pytest.mark.skipif(ops.load_extension() is None, reason="fused kernels disabled")
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 13, 97, 200)
 # Ragged N (not a multiple of 16) and K (not of 32); K = 3: fewer inputs than outliers.

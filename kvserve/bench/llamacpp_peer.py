@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from kvserve import environment
 from kvserve.bench.timing import EngineRun, RequestTiming
 from kvserve.bench.workloads import Workload
 
@@ -46,7 +47,7 @@ Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
 def requantized_cache_dir() -> Path:
     """Where requantized GGUF files are kept between runs (``KVSERVE_CACHE_DIR`` or
     ``~/.cache/kvserve``), under ``llamacpp/``."""
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(Path.home(), ".cache", "kvserve")
+    root = str(environment.cache_dir())
     return Path(root) / "llamacpp"
 
 

@@ -21,13 +21,12 @@ that cannot run here (package absent, no GGUF file) is skipped with the reason.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from kvserve.config import ConfigError, EngineArgs
+from kvserve.config import ConfigError, EngineArgs, parse_kernel_config
 
 ALIASES = {
     "hf": ["hf-fp32-seq", "hf-fp32-batch"],
@@ -166,17 +165,8 @@ def open_peer(name: str, ctx: PeerContext):
     if name == "kvserve-blas":
         from kvserve.bench.kvserve_driver import KvserveDriver
 
-        # The weights are packed for one path or the other at load: the flag only has to
-        # hold while this peer's engine is built.
-        previous = os.environ.get("KVSERVE_BATCH_INVARIANT")
-        os.environ["KVSERVE_BATCH_INVARIANT"] = "0"
-        try:
-            driver = KvserveDriver(ctx.eargs)
-        finally:
-            if previous is None:
-                del os.environ["KVSERVE_BATCH_INVARIANT"]
-            else:
-                os.environ["KVSERVE_BATCH_INVARIANT"] = previous
+        kernels = dataclasses.replace(parse_kernel_config(ctx.eargs.kernel_config), batch_invariant=False)
+        driver = KvserveDriver(dataclasses.replace(ctx.eargs, kernel_config=kernels))
         driver.name = name
         return driver
     raise ConfigError(f"unknown peer {name!r}")

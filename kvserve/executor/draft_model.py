@@ -33,6 +33,7 @@ from kvserve.batch import ScheduledChunk
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.executor.builder import child_index, token_slice
+from kvserve.executor.runner import RequestState
 from kvserve.sampler import Sampler, build_sampling_metadata, exponential_race, make_generator
 from kvserve.config.speculative import SpeculativeConfig
 
@@ -229,7 +230,6 @@ class DraftModelDrafter:
         for i, c in enumerate(active):
             req = c.request
             c.spec_token_ids = drafts[i]
-            req.spec_token_ids = list(drafts[i])
             c.draft_probs = torch.stack(probs[i]) if probs[i] else None
             # KV written for positions up to N + k - 2; verification keeps what was accepted.
             self._progress[req.request_id] = _Progress(req.num_tokens - 1 + num_drafts[i], req.num_preemptions)
@@ -264,7 +264,9 @@ class DraftModelDrafter:
         # The request's own processing (logit bias, temperature, top-k/p, min-p), as the
         # target's sampler applies it: rejection sampling compares like with like.
         requests = [c.request for c in chunks]
-        smd = build_sampling_metadata(requests, logits.shape[-1], logits.device)
+        rows = [RequestState(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids,
+                             output_token_ids=r.output_token_ids) for r in requests]
+        smd = build_sampling_metadata(rows, logits.shape[-1], logits.device)
         logits = Sampler.apply_logits_processors(logits.float(), smd)
         greedy = ops.argmax(logits)
         if smd.all_greedy:

@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
+from kvserve import environment
 from kvserve.config import ConfigError
 
 
@@ -39,12 +40,12 @@ def torchrun_rank() -> int:
 
 
 def engine_address() -> tuple[str, int]:
-    port = int(os.environ.get("KVSERVE_ENGINE_PORT") or int(os.environ["MASTER_PORT"]) + 1)
+    port = environment.engine_port() or int(os.environ["MASTER_PORT"]) + 1
     return os.environ["MASTER_ADDR"], port
 
 
 def shared_authkey() -> bytes:
-    key = os.environ.get("KVSERVE_WORKER_AUTHKEY")
+    key = environment.worker_authkey()
     if not key:
         raise ConfigError("a multi-node launch needs KVSERVE_WORKER_AUTHKEY (the same hex key on "
                           "every node, e.g. from `python -c 'import secrets; print(secrets.token_hex(16))'`)")

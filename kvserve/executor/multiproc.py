@@ -27,6 +27,7 @@ import weakref
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Optional
 
+from kvserve import environment
 from kvserve.executor.base import ExecutorError
 from kvserve.executor.launch import plan_launch
 from kvserve.executor.step import StepInput, StepOutput
@@ -51,7 +52,7 @@ class MultiprocExecutor:
         launch = plan_launch(world_size)
         listener = Listener((launch.listen_host, launch.listen_port), authkey=launch.authkey)
         address = f"{launch.connect_host}:{listener.address[1]}"
-        env = {**os.environ, "KVSERVE_WORKER_AUTHKEY": launch.authkey.hex()}
+        env = {**os.environ, environment.WORKER_AUTHKEY: launch.authkey.hex()}
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._pidfds: list[int] = []

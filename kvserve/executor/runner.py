@@ -16,6 +16,7 @@ from kvserve.attention import AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.executor.step import NewRequestData, StepInput, StepOutput
+from kvserve.request import SamplingParams
 from kvserve.quant import has_prefill_copies
 from kvserve.sampler import Sampler, SamplingMetadata, argmax_suffices, build_sampling_metadata, make_generator
 from kvserve.speculative.rejection import rejection_sample
@@ -44,19 +45,26 @@ class _BitmaskRow:
 class RequestState:
     """What the runner remembers of a request between steps: its sampling parameters, its
     own RNG (seeded once, so the stream continues across steps and preemptions) and the
-    tokens it has produced (penalties, min_tokens). The sampler reads these like a Request."""
+    tokens it has produced (penalties, min_tokens). The sampler's row (sampler.SamplingRow)."""
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "generator", "output_token_ids", "grammar")
 
-    def __init__(self, data: NewRequestData, device: torch.device) -> None:
-        self.request_id = data.request_id
-        self.prompt_token_ids = data.prompt_token_ids
-        self.sampling_params = data.sampling_params
-        self.eos_token_ids = data.eos_token_ids
-        self.generator = None if data.seed is None else make_generator(data.seed, device)
-        self.output_token_ids: list[int] = []
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: list[int], generator: Optional[torch.Generator] = None,
+                 output_token_ids: Optional[list[int]] = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.generator = generator
+        self.output_token_ids: list[int] = [] if output_token_ids is None else output_token_ids
         self.grammar: Optional[_BitmaskRow] = None
+
+    @classmethod
+    def for_new_request(cls, data: NewRequestData, device: torch.device) -> "RequestState":
+        generator = None if data.seed is None else make_generator(data.seed, device)
+        return cls(data.request_id, data.prompt_token_ids, data.sampling_params, data.eos_token_ids, generator)
 
     @property
     def num_output_tokens(self) -> int:
@@ -126,7 +134,7 @@ class ModelRunner:
         for rid in step.finished_request_ids:
             self.requests.pop(rid, None)
         for data in step.new_requests:
-            self.requests[data.request_id] = RequestState(data, self.device)
+            self.requests[data.request_id] = RequestState.for_new_request(data, self.device)
         for chunk in step.chunks:
             state = self.requests[chunk.request_id]
             if chunk.new_output_token_ids:

@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
+from kvserve import environment
+from kvserve.config import KernelConfig
+
 if TYPE_CHECKING:
     from kvserve.kv_cache import KVCacheGroup
 
@@ -59,6 +62,7 @@ class WorkerSpec:
     # The KV manager's groups (kv_cache_groups; global layer indices): one block table per
     # group in every step. Empty: one full group of every layer.
     kv_groups: tuple[KVCacheGroup, ...] = ()
+    kernel_config: KernelConfig = KernelConfig()  # EngineArgs.kernel_config, as the engine resolved it
 
     @property
     def driver_rank(self) -> int:
@@ -97,6 +101,7 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
     from kvserve.loader import load_config, load_model, resolve_model
     from kvserve.models.tensor_parallel import stage_kv_spec
     from kvserve.executor.runner import ModelRunner
+    from kvserve.ops import apply_kernel_config
 
     torch.set_num_threads(spec.num_threads)
     t0 = time.perf_counter()
@@ -107,8 +112,12 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    kernels = spec.kernel_config
+    apply_kernel_config(kernels)
     tp, pp = init_process_group(rank, world_size, init_method, device, spec.timeout_s,
-                                spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.shm_path)
+                                spec.tensor_parallel_size, spec.pipeline_parallel_size,
+                                spec.shm_path if kernels.shm_collectives else None,
+                                time_comm=kernels.time_collectives)
     source = resolve_model(spec.model)
     full_cfg = load_config(source)
     layer_range = (0, full_cfg.num_hidden_layers)
@@ -169,7 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.die_with_parent:
         _die_with_parent()
     host, port = ns.engine.rsplit(":", 1)
-    authkey = bytes.fromhex(os.environ.get("KVSERVE_WORKER_AUTHKEY", ""))
+    authkey = bytes.fromhex(environment.worker_authkey() or "")
     conn = Client((host, int(port)), authkey=authkey)
     worker_main(conn, ns.rank, ns.world_size, ns.init_method)
     # Skip the interpreter's teardown (seconds, in torch's and gloo's destructors): the

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvserve import ops
-from kvserve.attention import AttentionMetadata, get_attention_backend
+from kvserve.attention import AttentionMetadata, paged_attention
 from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class Gemma3Attention(nn.Module):
     tp: Optional[ParallelGroup] = None  # this rank's heads; o_proj's partial sums all-reduced
 
-    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -46,7 +46,6 @@ class Gemma3Attention(nn.Module):
         self.is_sliding = config.is_sliding(layer_idx)
         self.sliding_window = config.sliding_window if self.is_sliding else None
         self.softcap = config.attn_logit_softcapping
-        self.attention = get_attention_backend(attn_backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_cache: LayerKV, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -59,17 +58,17 @@ class Gemma3Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window, self.softcap)
+        out = paged_attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window, self.softcap)
         y = output_projection(self.o_proj, out.reshape(n, -1), output_rows)
         return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(dim, eps)
-        self.self_attn = Gemma3Attention(config, layer_idx, attn_backend)
+        self.self_attn = Gemma3Attention(config, layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
         self.mlp = GatedMLP(config)
@@ -92,12 +91,12 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     pp: Optional[PipelineStage] = None  # as LlamaModel's
 
-    def __init__(self, config: ModelConfig, attn_backend: str) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
+            Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         # Global layers: the configured rope (and its scaling); sliding layers: their own base.
@@ -149,9 +148,9 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(PagedCausalLM):
-    def __init__(self, config: ModelConfig, attn_backend: str = "torch") -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Gemma3Model(config, attn_backend)
+        self.model = Gemma3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kvserve import ops
-from kvserve.attention import AttentionMetadata, get_attention_backend
+from kvserve.attention import AttentionMetadata, paged_attention
 from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
@@ -48,7 +48,7 @@ class GatedMLP(nn.Module):
 class LlamaAttention(nn.Module):
     tp: Optional[ParallelGroup] = None  # this rank's heads; o_proj's partial sums all-reduced
 
-    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -60,7 +60,6 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
         self.scale = self.head_dim ** -0.5
         self.sliding_window = config.sliding_window if config.is_sliding(layer_idx) else None
-        self.attention = get_attention_backend(attn_backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_cache: LayerKV, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -72,16 +71,16 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = self.attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
+        out = paged_attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
         y = output_projection(self.o_proj, out.reshape(n, -1), output_rows)
         return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, attn_backend)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
 
@@ -101,12 +100,12 @@ class LlamaModel(nn.Module):
     # previous stage instead of the embedding, and go to the next one.
     pp: Optional[PipelineStage] = None
 
-    def __init__(self, config: ModelConfig, attn_backend: str) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope_inv_freq = RopeFrequencies(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -143,9 +142,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(PagedCausalLM):
-    def __init__(self, config: ModelConfig, attn_backend: str = "torch") -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend)
+        self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

@@ -220,8 +220,8 @@ def run_server(eargs, host: str = "127.0.0.1", port: int = 8000, api_key: Option
 
     logger.setLevel(log_level.upper())
     engine = LLMEngine(eargs)
-    logger.info("loaded %s in %.1f s; %s", eargs.model, engine.load_time_s,
-                engine.describe_kv_cache())
+    logger.info("loaded %s in %.1f s; %s; %s", eargs.model, engine.load_time_s,
+                engine.describe_kv_cache(), engine.describe_kernels())
     # What the load made lives as long as the server: out of the cyclic collector's way, a full
     # collection while serving walks only what serving made (Gemma 3's ~370k startup objects
     # took 0.15-0.27 s per full collection: a stall of every stream).

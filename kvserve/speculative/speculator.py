@@ -72,11 +72,12 @@ class Speculator:
         self.stats = SpecStats()
         self._state: dict[str, _RequestState] = {}
 
-    def propose(self, running: Sequence[Request]) -> int:
-        """Set ``spec_token_ids`` on the running requests that draft this step; returns how
-        many got drafts. The scheduler trims drafts to its budget and length limits."""
-        for r in running:
-            r.spec_token_ids = []  # a request left out of the last step keeps none stale
+    def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
+        """This step's drafts: request id -> draft tokens, for the running requests that draft
+        now (none for the others). The engine hands them to the scheduler, which trims them to
+        its budget and length limits and puts what it keeps on the step's chunks; a request never
+        carries drafts itself."""
+        drafts: dict[str, list[int]] = {}
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         if len(self._state) > 2 * len(running) + 64:
             alive = {r.request_id for r in running}
@@ -84,8 +85,7 @@ class Speculator:
             if hasattr(self.drafter, "retain"):
                 self.drafter.retain(alive)
         if not decoding or len(decoding) > self.config.disable_by_batch_size:
-            return 0
-        num = 0
+            return drafts
         for request in decoding:
             state = self._state.setdefault(request.request_id, _RequestState())
             if state.skip > 0:
@@ -93,10 +93,10 @@ class Speculator:
                 continue
             if not can_speculate(request):
                 continue
-            request.spec_token_ids = self.drafter.propose(request.all_token_ids,
-                                                          self.config.num_speculative_tokens)
-            num += bool(request.spec_token_ids)
-        return num
+            proposal = self.drafter.propose(request.all_token_ids, self.config.num_speculative_tokens)
+            if proposal:
+                drafts[request.request_id] = proposal
+        return drafts
 
     def fill(self, chunks: Sequence["ScheduledChunk"]) -> int:
         """After scheduling: a deferred drafter (a draft model, which needs the step's
