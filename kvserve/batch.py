@@ -27,7 +27,7 @@ class ScheduledChunk:
     block_tables: list[list[int]]
     spec_token_ids: list[int] = field(default_factory=list)
     # A model drafter sampling at temperature > 0: its processed distribution at each draft
-    # ([k, vocab] tensor) for rejection sampling. None: q = 1 on the proposed tokens (n-gram,
+    # ([k, vocab] float32 numpy array) for rejection sampling. None: q = 1 on the proposed tokens (n-gram,
     # greedy), and verification compares the target's samples with the drafts.
     draft_probs: Any = None
 

@@ -13,28 +13,7 @@ from kvserve.kv_manager import KVCacheManager
 from kvserve.request import Request, RequestRejected, RequestStatus, SamplingParams
 from kvserve.scheduler import Scheduler
 
-VOCAB = 32
-EOS = 0
-
-
-def next_token(tokens):
-    """The fake model: a deterministic function of the whole sequence."""
-    acc = 0
-    for i, t in enumerate(tokens):
-        acc = (acc * 31 + (i + 1) * (t + 7)) % 1_000_003
-    return acc % VOCAB
-
-
-def reference(prompt, max_tokens, eos=None):
-    """Tokens the request generates when run alone, with no cache at all."""
-    seq, out = list(prompt), []
-    while True:
-        tok = next_token(seq)
-        out.append(tok)
-        seq.append(tok)
-        if tok == eos or len(out) >= max_tokens:
-            return out
-
+from fake_model import EOS, VOCAB, next_token, paged_slot, reference  # noqa: F401 (VOCAB: other tests)
 
 class FakeRunner:
     """Writes each scheduled token into its paged slot, then samples from what it reads back.
@@ -50,7 +29,7 @@ class FakeRunner:
         self.written_in_generation = {}
 
     def _slot(self, block_ids, pos):
-        return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+        return paged_slot(block_ids, self.block_size, pos)
 
     def run(self, out):
         # Like an attention layer: the whole batch's K/V is written before any of it is read.

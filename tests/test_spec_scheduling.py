@@ -2,7 +2,7 @@
 and the scheduler / KV manager with drafts (lookahead slots, accepted runs, rollback of
 rejected drafts, stops in the middle of a run), checked against running without drafts.
 
-The fake model is ``test_scheduler``'s: each token is a function of the whole sequence,
+The fake model is ``fake_model``'s (shared with ``test_scheduler``): each token is a function of the whole sequence,
 read back from a simulated paged KV store, so a draft's KV that survives its rejection, or
 a rejected token hashed into the prefix cache, changes the generated tokens.
 """
@@ -18,26 +18,7 @@ from kvserve.speculative import SpeculativeConfig, Speculator, parse_speculative
 from kvserve.speculative.ngram import NgramDrafter
 from kvserve.speculative.verify import accept_run
 
-VOCAB = 32
-EOS = 0
-
-
-def next_token(tokens):
-    acc = 0
-    for i, t in enumerate(tokens):
-        acc = (acc * 31 + (i + 1) * (t + 7)) % 1_000_003
-    return acc % VOCAB
-
-
-def reference(prompt, max_tokens, eos=None):
-    seq, out = list(prompt), []
-    while True:
-        tok = next_token(seq)
-        out.append(tok)
-        seq.append(tok)
-        if tok == eos or len(out) >= max_tokens:
-            return out
-
+from fake_model import EOS, VOCAB, next_token, paged_slot, reference
 
 class SpecFakeRunner:
     """Writes every scheduled token (drafts included) into its paged slot, then, like a
@@ -50,7 +31,7 @@ class SpecFakeRunner:
         self.store = {}
 
     def _slot(self, block_ids, pos):
-        return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+        return paged_slot(block_ids, self.block_size, pos)
 
     def run(self, out):
         for c in out.chunks:

@@ -230,7 +230,8 @@ class DraftModelDrafter:
         for i, c in enumerate(active):
             req = c.request
             c.spec_token_ids = drafts[i]
-            c.draft_probs = torch.stack(probs[i]) if probs[i] else None
+            # (numpy: the step snapshot that carries them to the ranks is torch-free)
+            c.draft_probs = torch.stack(probs[i]).float().cpu().numpy() if probs[i] else None
             # KV written for positions up to N + k - 2; verification keeps what was accepted.
             self._progress[req.request_id] = _Progress(req.num_tokens - 1 + num_drafts[i], req.num_preemptions)
         return len(active)

@@ -212,7 +212,8 @@ class ModelRunner:
                 logits_indices.extend(range(offset - num_rows, offset))
                 sampled_requests.extend([self.requests[chunk.request_id]] * num_rows)
                 drafts.append(chunk.token_ids[n - chunk.num_drafts:] if chunk.num_drafts else [])
-                draft_probs.append(chunk.draft_probs if chunk.num_drafts else None)
+                draft_probs.append(torch.from_numpy(chunk.draft_probs).to(self.device)
+                                   if chunk.num_drafts and chunk.draft_probs is not None else None)
             if chunk.is_prefill:
                 n_prefill += n
             else:

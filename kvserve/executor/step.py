@@ -9,7 +9,7 @@ the request is first scheduled (``NewRequestData``), and then only as increments
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -48,8 +48,8 @@ class ChunkInput:
     # Prompt logprobs already computed (requests that asked for them), else None.
     num_prompt_logprobs_done: Optional[int] = None
     # A model drafter sampling at temperature > 0: its distributions q at each draft, a
-    # [num_drafts, vocab] tensor, for rejection sampling; None: compare samples with drafts.
-    draft_probs: Optional[Any] = None
+    # [num_drafts, vocab] float32 array, for rejection sampling; None: compare samples with drafts.
+    draft_probs: Optional[np.ndarray] = None
 
 
 @dataclass
