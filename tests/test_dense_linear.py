@@ -172,10 +172,10 @@ def test_tile_route_leaves_other_depths_on_the_vector_route(tile_route):
 def test_amx_route_where_the_machine_has_it():
     """The tile route is taken exactly where the CPU, the OS and the forked self-test allow it:
     on every machine whose CPU lists AMX-BF16 (the self-test must pass there), never on the AMD
-    and AMX-less Intel machines these tests usually run on (by default: set_bf16_kernel_route("dot" |
-    "widened") keeps the vector routes there). The self-test's own machinery (fork, pipe, comparison,
-    reaping) agrees when the child runs the emulation, also with SIGCHLD ignored (the child reaped by
-    the kernel)."""
+    and AMX-less Intel machines these tests usually run on: by default, and again after
+    set_bf16_kernel_route("auto"); "dot" or "widened" keeps the vector routes there. The self-test's
+    own machinery (fork, pipe, comparison, reaping) agrees when the child runs the emulation, also
+    with SIGCHLD ignored (the child reaped by the kernel)."""
     ext = ops.load_extension()
     assert ext.amx_bf16_available() == ("amx_bf16" in cpu_info()["features"]), ext.amx_bf16_status()
     assert (TILE_FREE_ROUTE == "amx") == ext.amx_bf16_available()
