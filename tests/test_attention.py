@@ -237,7 +237,7 @@ def _attention_routes() -> list[str]:
 @pytest.fixture
 def attention_route(request):
     """Switch the kernel's route for a bf16 cache for one test (the process's own route is
-    fixed at start: KVSERVE_ATTENTION_ROUTE or the CPU's vendor)."""
+    fixed at start: the CPU's vendor, or set_attention_kernel_route at the engine's start-up)."""
     ext = ops.load_extension()
     before = ext.attention_kernel_route()
     ext.set_attention_kernel_route(request.param)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -174,16 +172,25 @@ def test_tile_route_leaves_other_depths_on_the_vector_route(tile_route):
 def test_amx_route_where_the_machine_has_it():
     """The tile route is taken exactly where the CPU, the OS and the forked self-test allow it:
     on every machine whose CPU lists AMX-BF16 (the self-test must pass there), never on the AMD
-    and AMX-less Intel machines these tests usually run on; KVSERVE_BF16_ROUTE=dot|widened keeps
-    the vector routes. The self-test's own machinery (fork, pipe, comparison, reaping) agrees
-    when the child runs the emulation, also with SIGCHLD ignored (the child reaped by the kernel)."""
+    and AMX-less Intel machines these tests usually run on: by default, and again after
+    set_bf16_kernel_route("auto"); "dot" or "widened" keeps the vector routes there. The self-test's
+    own machinery (fork, pipe, comparison, reaping) agrees when the child runs the emulation, also
+    with SIGCHLD ignored (the child reaped by the kernel)."""
     ext = ops.load_extension()
     assert ext.amx_bf16_available() == ("amx_bf16" in cpu_info()["features"]), ext.amx_bf16_status()
-    forced_vector = os.environ.get("KVSERVE_BF16_ROUTE") in ("dot", "widened")
-    assert (TILE_FREE_ROUTE == "amx") == (ext.amx_bf16_available() and not forced_vector)
+    assert (TILE_FREE_ROUTE == "amx") == ext.amx_bf16_available()
+    before = ext.bf16_kernel_route()
+    try:
+        ext.set_bf16_kernel_route("auto")
+        assert ext.bf16_kernel_route() == TILE_FREE_ROUTE
+        if ext.amx_bf16_available():
+            ext.set_bf16_kernel_route("widened")
+            assert ext.bf16_kernel_route() not in ("amx", "amx-emulated")
+    finally:
+        ext.set_bf16_kernel_route(before)
     if not ext.amx_bf16_available():
         assert ext.amx_bf16_status() != "available"
-        with pytest.raises(RuntimeError, match="no AMX"):
+        with pytest.raises(RuntimeError, match="the AMX tiles cannot run here"):
             ext.set_bf16_kernel_route("amx")
     assert ext.amx_self_test_machinery()
     previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
@@ -193,19 +200,24 @@ def test_amx_route_where_the_machine_has_it():
         signal.signal(signal.SIGCHLD, previous)
 
 
-@pytest.mark.parametrize("variable", ["KVSERVE_BF16_ROUTE", "KVSERVE_ATTENTION_ROUTE"])
-def test_amx_route_demanded_where_it_cannot_run_fails_clearly(variable):
-    """KVSERVE_BF16_ROUTE=amx (the linear layers) or KVSERVE_ATTENTION_ROUTE=amx (attention over a
-    bf16 cache) on a machine whose tiles cannot run: loading the kernels raises with the reason,
-    instead of running another route's bits."""
+@pytest.mark.parametrize("setting", ["bf16_route", "attention_route"])
+def test_amx_route_demanded_where_it_cannot_run_fails_clearly(setting):
+    """The tiles demanded for the linear layers (set_bf16_kernel_route("amx")) or for attention over
+    a bf16 cache (set_attention_kernel_route("amx")) on a machine whose tiles cannot run: the
+    setter raises with the reason, instead of running another route's bits, and the route in
+    force stays."""
     ext = ops.load_extension()
     if ext.amx_bf16_available():
         pytest.skip("this machine runs the tiles")
-    code = ("from kvserve import ops\n"
-            "try:\n    ops.load_extension()\nexcept RuntimeError as e:\n    print('refused:', e)\n")
-    env = {**os.environ, variable: "amx"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert f"refused: {variable}=amx, but the AMX tiles cannot run here" in out.stdout, out.stderr[-2000:]
+    get, set_ = {"bf16_route": (ext.bf16_kernel_route, ext.set_bf16_kernel_route),
+                 "attention_route": (ext.attention_kernel_route, ext.set_attention_kernel_route)}[setting]
+    before = get()
+    try:
+        with pytest.raises(RuntimeError, match=f"{setting}=amx, but the AMX tiles cannot run here: .+"):
+            set_("amx")
+        assert get() == before
+    finally:
+        set_(before)
 
 
 def test_gathered_rows_dot_is_fp32_linear_bit_for_bit():

@@ -101,7 +101,7 @@ def test_tiny_batch_size_and_composition(tiny_model, dtype, quantization, kv):
 def tile_route():
     """Every bf16 call of the test through the AMX route's tile program (on its emulation where
     the machine has no AMX): the route Intel's AMX machines take for every bf16 layer; and
-    attention over the bf16 cache on its tile program too (opt-in there, KVSERVE_ATTENTION_ROUTE=amx;
+    attention over the bf16 cache on its tile program too (opt-in there, set_attention_kernel_route("amx");
     head dimensions that are a multiple of 32), where this build has it."""
     from kvserve import ops
 

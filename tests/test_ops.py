@@ -1,4 +1,5 @@
-"""The fused CPU kernels (kvserve/csrc/cpu_ops.cpp) against their plain-torch references.
+"""The fused CPU kernels (kvserve/csrc: norm_rope.cpp, kv_write.cpp, attention*.cpp, sampling.cpp)
+against their plain-torch references.
 
 Paged attention has its own file (test_attention.py runs every case on both paths); here are
 the norm, rotary embedding, KV-cache write and gated activation kernels, plus the build.

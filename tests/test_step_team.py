@@ -50,7 +50,7 @@ def threads(n: int):
 
 
 def test_step_teams_are_on_by_default(ext):
-    assert ext.step_teams_enabled() == (os.environ.get("KVSERVE_STEP_TEAM") != "0")
+    assert ext.step_teams_enabled()
 
 
 @pytest.mark.parametrize("num_threads", [2, 3])
@@ -99,8 +99,7 @@ def test_an_exception_outside_any_chunk_releases_the_helpers():
         "    assert in_team == plain\n"
         "assert ext.step_teams_formed() == formed + 6\n"
         "print('ok')\n")
-    env = {**os.environ, "KVSERVE_STEP_TEAM": "1"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 

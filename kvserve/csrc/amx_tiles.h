@@ -3,7 +3,7 @@
 // Intel's matrix unit (AMX) as the kernels use it: the tile configuration, the hardware's tile
 // instructions, and a C++ model of them (the instruction set reference's pseudo-code) that runs
 // the same tile program on any CPU. One program shape serves the bf16 GEMM (amx_linear.cpp)
-// and attention over a bf16 cache (cpu_ops.cpp): C tiles 0-3 (fp32 sums), A tiles 4-5, B tiles
+// and attention over a bf16 cache (attention.cpp): C tiles 0-3 (fp32 sums), A tiles 4-5, B tiles
 // 6-7, and the products C0 = A4 B6, C1 = A4 B7, C2 = A5 B6, C3 = A5 B7.
 
 #include "bf16.h"

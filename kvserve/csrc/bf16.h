@@ -1,10 +1,9 @@
 #pragma once
 
 // bf16 bits and values, and which way this CPU should multiply bf16: shared by the dense bf16
-// kernel (dense_linear.cpp) and attention over a bf16 cache (cpu_ops.cpp).
+// kernel (dense_linear.cpp) and attention over a bf16 cache (attention.cpp).
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 // f's nearest bf16 (ties to even, as torch's .to(bfloat16)), as its 16 bits; f finite.
@@ -22,12 +21,8 @@ inline float bf16_value(uint32_t b) {
 }
 
 // Whether a kernel with a bf16 dot-product route and a widened one (bf16 widened to fp32 for
-// FMAs) takes the dot route here: yes where vdpbf16ps runs at the FMA's rate (AMD's Zen 4), no
-// on Intel's cores, which run it at a quarter of that rate. `env_var` (dot | widened) overrides.
-// Read once per kernel, so that every call in a process computes a row the same way.
-inline bool bf16_dot_route(const char* env_var) {
-  const char* route = std::getenv(env_var);
-  if (route && std::strcmp(route, "dot") == 0) return true;
-  if (route && std::strcmp(route, "widened") == 0) return false;
-  return __builtin_cpu_is("intel") == 0;
-}
+// FMAs) takes the dot route here by default: yes where vdpbf16ps runs at the FMA's rate (AMD's
+// Zen 4), no on Intel's cores, which run it at a quarter of that rate. Each kernel's route setter
+// (set_bf16_kernel_route, set_attention_kernel_route: "dot" | "widened") overrides it; the route
+// is fixed between its calls, so that every call computes a row the same way.
+inline bool bf16_dot_default() { return __builtin_cpu_is("intel") == 0; }

@@ -8,6 +8,7 @@
 // one. Here the same kernels and the same torch ops run from one C++ loop over the layers,
 // in the same order, so the results are the same bit for bit: the Python model
 // (kvserve/models) stays the reference, and the tests hold the two together.
+#include "decoder.h"
 #include "cpu_ops.h"
 #include "step_team.h"
 #include "dense_linear.h"
@@ -251,9 +252,9 @@ struct Layer {
 
 }  // namespace
 
-class FusedDecoderLayers {
+class FusedDecoderLayers::Impl {
  public:
-  FusedDecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double norm_offset,
+  Impl(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double norm_offset,
                      int64_t activation, const std::vector<pybind11::dict>& layers)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         norm_offset_(norm_offset), activation_(activation) {
@@ -558,11 +559,44 @@ class FusedDecoderLayers {
   bool team_safe_ = false;  // every layer's linears run kvserve's kernels (Linear::team_safe)
 };
 
-void register_fused_decoder(pybind11::module& m) {
-  pybind11::class_<FusedDecoderLayers>(m, "FusedDecoderLayers")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, const std::vector<pybind11::dict>&>())
-      .def("forward_tokens", &FusedDecoderLayers::forward_tokens)
-      .def("decode_round", &FusedDecoderLayers::decode_round)
-      .def("__len__", &FusedDecoderLayers::num_layers)
-      .def_property_readonly("runs_in_step_team", &FusedDecoderLayers::team_safe);
+FusedDecoderLayers::FusedDecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                                       double norm_offset, int64_t activation,
+                                       const std::vector<pybind11::dict>& layers)
+    : impl_(std::make_unique<Impl>(num_heads, num_kv_heads, head_dim, eps, norm_offset, activation, layers)) {}
+
+FusedDecoderLayers::~FusedDecoderLayers() = default;
+
+torch::Tensor FusedDecoderLayers::forward_tokens(
+    const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& embed_weight,
+    const c10::optional<torch::Tensor>& embed_scales, double embed_scale, const torch::Tensor& cos_table,
+    const torch::Tensor& sin_table, const torch::Tensor& local_cos_table, const torch::Tensor& local_sin_table,
+    const std::vector<torch::Tensor>& kv_caches, const std::vector<torch::Tensor>& kv_scales,
+    const std::vector<int64_t>& kv_groups, const std::vector<torch::Tensor>& slot_mappings,
+    const std::vector<torch::Tensor>& block_tables, torch::Tensor seq_lens, const torch::Tensor& query_start_loc,
+    int64_t roles_kind, c10::optional<torch::Tensor> prompt_rows, c10::optional<torch::Tensor> generated_rows,
+    c10::optional<torch::Tensor> output_rows) const {
+  return impl_->forward_tokens(input_ids, positions, embed_weight, embed_scales, embed_scale, cos_table, sin_table,
+                               local_cos_table, local_sin_table, kv_caches, kv_scales, kv_groups, slot_mappings,
+                               block_tables, std::move(seq_lens), query_start_loc, roles_kind, std::move(prompt_rows),
+                               std::move(generated_rows), std::move(output_rows));
 }
+
+torch::Tensor FusedDecoderLayers::decode_round(
+    int64_t num_steps, const torch::Tensor& input_ids, const torch::Tensor& positions, int64_t block_size,
+    const torch::Tensor& embed_weight, const c10::optional<torch::Tensor>& embed_scales, double embed_scale,
+    const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& local_cos_table,
+    const torch::Tensor& local_sin_table, const std::vector<torch::Tensor>& kv_caches,
+    const std::vector<torch::Tensor>& kv_scales, const std::vector<int64_t>& kv_groups,
+    const std::vector<torch::Tensor>& slot_mappings, const std::vector<torch::Tensor>& block_tables,
+    const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, const torch::Tensor& norm_weight,
+    double norm_eps, double norm_offset, const torch::Tensor& screen, const torch::Tensor& exact,
+    const c10::optional<torch::Tensor>& exact_scales, int64_t top_k, const torch::Tensor& logits) const {
+  return impl_->decode_round(num_steps, input_ids, positions, block_size, embed_weight, embed_scales, embed_scale,
+                             cos_table, sin_table, local_cos_table, local_sin_table, kv_caches, kv_scales, kv_groups,
+                             slot_mappings, block_tables, seq_lens, query_start_loc, norm_weight, norm_eps,
+                             norm_offset, screen, exact, exact_scales, top_k, logits);
+}
+
+size_t FusedDecoderLayers::num_layers() const { return impl_->num_layers(); }
+
+bool FusedDecoderLayers::team_safe() const { return impl_->team_safe(); }

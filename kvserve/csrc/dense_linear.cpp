@@ -63,30 +63,23 @@ bool g_portable = false;
 
 #ifdef KVSERVE_DENSE_BF16
 // Whether bf16 weights are widened to fp32 for 16-lane FMAs rather than multiplied with
-// vdpbf16ps: on Intel's cores (see above). Fixed for the process, so every call on a machine
-// takes the same route (KVSERVE_BF16_ROUTE=dot|widened overrides).
-bool g_widen_bf16 = !bf16_dot_route("KVSERVE_BF16_ROUTE");
+// vdpbf16ps: on Intel's cores (see above). Fixed until set_bf16_kernel_route changes it, so every
+// call on a machine takes the same route ("dot" | "widened" there override the CPU's default).
+bool g_widen_bf16 = !bf16_dot_default();
 #endif
 
 // The tile route (amx_linear.cpp): 0 none, 1 the hardware's tiles, 2 their emulation (tests).
-// Decided at the first bf16 call (the hardware needs a self-test; ops.load_extension makes that
-// call before any weights load) and then fixed for the process like the vector route: on a
-// machine with AMX every bf16 call whose K is a multiple of 32 takes it, decode rows and prompt
-// rows alike, so a row's bits never depend on the call. KVSERVE_BF16_ROUTE=dot|widened keeps
-// the vector routes there; =amx demands the tiles (every bf16 call fails where they cannot run).
+// By default decided at the first bf16 call (the hardware needs a self-test; ops.load_extension
+// makes that call before any weights load) and then fixed like the vector route until
+// set_bf16_kernel_route changes it: on a machine with AMX every bf16 call whose K is a multiple
+// of 32 takes it, decode rows and prompt rows alike, so a row's bits never depend on the call.
+// set_bf16_kernel_route("dot" | "widened") keeps the vector routes there; "amx" demands the tiles
+// (and raises where they cannot run).
 std::atomic<int> g_amx{0};
-bool g_amx_demanded = false;
-std::once_flag g_amx_resolved;
+std::once_flag g_amx_resolved;  // the default decided, or a route set
 
 int amx_mode() {
-  std::call_once(g_amx_resolved, [] {
-    const char* route = std::getenv("KVSERVE_BF16_ROUTE");
-    const bool vector_asked = route && (std::strcmp(route, "dot") == 0 || std::strcmp(route, "widened") == 0);
-    g_amx_demanded = route && std::strcmp(route, "amx") == 0;
-    g_amx.store(!vector_asked && amx_bf16_available() ? 1 : 0, std::memory_order_relaxed);
-  });
-  TORCH_CHECK(!g_amx_demanded || amx_bf16_available(), "KVSERVE_BF16_ROUTE=amx, but the AMX tiles cannot run here: ",
-              amx_bf16_status());
+  std::call_once(g_amx_resolved, [] { g_amx.store(amx_bf16_available() ? 1 : 0, std::memory_order_relaxed); });
   return g_amx.load(std::memory_order_relaxed);
 }
 
@@ -694,12 +687,8 @@ void fp32_block(const float* x, int64_t x_stride, const float* w, int64_t w_stri
       out[m * o_stride + n] = dot_portable(x + m * x_stride, w + n * w_stride, K) + (bias ? bias[n] : 0.f);
 }
 
-}  // namespace
-
-void set_portable_dense_kernels(bool portable) { g_portable = portable; }
-
-std::string bf16_kernel_route() {
-  if (const int amx = amx_mode()) return amx == 1 ? "amx" : "amx-emulated";
+// The build's vector route for bf16 weights (bf16_kernel_route's names).
+const char* vector_bf16_route() {
 #if defined(KVSERVE_DENSE_BF16)
   return g_widen_bf16 ? "widened512" : "dot";
 #elif defined(KVSERVE_DENSE_AVX2)
@@ -709,19 +698,43 @@ std::string bf16_kernel_route() {
 #endif
 }
 
+}  // namespace
+
+void set_portable_dense_kernels(bool portable) { g_portable = portable; }
+
+std::string bf16_kernel_route() {
+  if (const int amx = amx_mode()) return amx == 1 ? "amx" : "amx-emulated";
+  return vector_bf16_route();
+}
+
 void set_bf16_kernel_route(const std::string& route) {
-  amx_mode();  // resolved first, so that the choice below stays
-  if (route == "amx" || route == "amx-emulated") {
-    TORCH_CHECK(route == "amx-emulated" || amx_bf16_available(), "no AMX tiles on this machine");
+  const bool tiles = route == "amx" || route == "amx-emulated";
+  // A route this machine or build cannot take raises, and the route in force stays.
+  TORCH_CHECK(route != "amx" || amx_bf16_available(), "bf16_route=amx, but the AMX tiles cannot run here: ",
+              amx_bf16_status());
+#if defined(KVSERVE_DENSE_BF16)
+  TORCH_CHECK(tiles || route == "auto" || route == "dot" || route == "widened" || route == "widened512",
+              "bf16 route must be auto, dot, widened (widened512), amx or amx-emulated here");
+#else
+  const std::string vector_route = vector_bf16_route();
+  TORCH_CHECK(tiles || route == "auto" || route == vector_route || (route == "widened" && vector_route == "widened256"),
+              "this build has only the ", vector_route, " bf16 route");
+#endif
+  std::call_once(g_amx_resolved, [] {});  // (a set route replaces the default, undecided or not)
+  if (route == "auto") {
+    g_amx.store(amx_bf16_available() ? 1 : 0, std::memory_order_relaxed);
+#if defined(KVSERVE_DENSE_BF16)
+    g_widen_bf16 = !bf16_dot_default();
+#endif
+    return;
+  }
+  if (tiles) {
     g_amx.store(route == "amx" ? 1 : 2, std::memory_order_relaxed);
     return;
   }
   g_amx.store(0, std::memory_order_relaxed);
 #if defined(KVSERVE_DENSE_BF16)
-  TORCH_CHECK(route == "dot" || route == "widened512", "bf16 route must be dot or widened512 here");
-  g_widen_bf16 = route == "widened512";
-#else
-  TORCH_CHECK(route == bf16_kernel_route(), "this build has only the ", bf16_kernel_route(), " bf16 route");
+  g_widen_bf16 = route != "dot";
 #endif
 }
 

@@ -31,6 +31,10 @@ void set_portable_dense_kernels(bool portable);
 // "widened512" (the weights widened to fp32 for 16-lane FMAs: Intel's cores without AMX, where
 // vdpbf16ps is slow), "widened256" (AVX2) or "portable"; "amx-emulated" where a test set it.
 std::string bf16_kernel_route();
-// Tests: take the other AVX512-BF16 route ("dot" or "widened512"), "amx" where the machine has
-// it, or "amx-emulated" (the tile program on a C++ model of the tiles, on any CPU).
+// The bf16 kernel's route from now until the next call: "auto" (this CPU's default: the tiles
+// where they run, else the vector route bf16_dot_default picks), "dot" or "widened" (the vector
+// routes; "widened" is widened512 or widened256, whichever the build has; a route the build lacks
+// raises), "amx" (raises where the tiles cannot run: see amx_bf16_status), "amx-emulated" (tests:
+// the tile program on a C++ model of the tiles, on any CPU), or a name bf16_kernel_route gave.
+// The engine sets it once, at start-up; tests switch it and back.
 void set_bf16_kernel_route(const std::string& route);

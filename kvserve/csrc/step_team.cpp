@@ -5,7 +5,6 @@
 #include <c10/util/ParallelGuard.h>
 #include <omp.h>
 #include <pthread.h>
-#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -49,12 +48,7 @@ struct StepTeam {
 
 namespace {
 
-bool enabled_from_environment() {
-  const char* value = std::getenv("KVSERVE_STEP_TEAM");
-  return !(value && std::strcmp(value, "0") == 0);
-}
-
-std::atomic<bool> g_enabled{enabled_from_environment()};
+std::atomic<bool> g_enabled{true};  // set_step_teams
 std::atomic<int64_t> g_formed{0};  // teams formed so far (tests)
 std::mutex g_team_mutex;           // one team at a time (another caller runs without one)
 StepTeam g_team;
@@ -234,15 +228,16 @@ void set_step_teams(bool enabled) { g_enabled.store(enabled, std::memory_order_r
 
 bool step_teams_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 
-namespace {
+int64_t step_teams_formed() { return g_formed.load(std::memory_order_relaxed); }
 
 // Tests: which thread ran each index of [0, n) when a team ran parallel_for(0, n, grain), and
 // when at::parallel_for did (-1: none). `throw_on` >= 0: the chunk holding that index throws;
 // `throw_after`: the body throws after its parallel call, outside any chunk. `nested`: each
 // chunk runs its indices through a nested parallel_for. `require_team`: fail where no team
 // formed (teams on, two threads or more, no other caller leading one).
-std::pair<std::vector<int64_t>, std::vector<int64_t>> probe_chunks(int64_t n, int64_t grain, int64_t throw_on,
-                                                                   bool throw_after, bool nested, bool require_team) {
+std::pair<std::vector<int64_t>, std::vector<int64_t>> step_team_probe(int64_t n, int64_t grain, int64_t throw_on,
+                                                                      bool throw_after, bool nested,
+                                                                      bool require_team) {
   std::vector<int64_t> in_team(n, -1), plain(n, -1);
   const auto record = [&](std::vector<int64_t>& ran, int64_t b, int64_t e) {
     const auto mark = [&](int64_t b2, int64_t e2) {
@@ -266,7 +261,7 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> probe_chunks(int64_t n, in
 
 // Benchmarks: seconds per call of `calls` parallel_for(0, 2, 1) with an empty body (a store per
 // chunk, to a line of its own), in one team or each call its own OpenMP region.
-double empty_call_seconds(int64_t calls, bool teamed) {
+double step_team_empty_call_seconds(int64_t calls, bool teamed) {
   struct alignas(64) Slot {
     int64_t value = 0;
   };
@@ -279,21 +274,6 @@ double empty_call_seconds(int64_t calls, bool teamed) {
   if (teamed) run_in_step_team(body);
   else body();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / calls;
-}
-
-}  // namespace
-
-void register_step_team(pybind11::module& m) {
-  m.def("set_step_teams", &set_step_teams,
-        "One parallel region per fused decoder step (kvserve::run_in_step_team) or one per kernel call");
-  m.def("step_teams_enabled", &step_teams_enabled);
-  m.def("step_team_empty_call_seconds", &empty_call_seconds, "benchmarks: an empty parallel call's cost");
-  m.def("step_teams_formed", [] { return g_formed.load(std::memory_order_relaxed); },
-        "tests: how many step teams have formed in this process");
-  m.def("step_team_probe", &probe_chunks, "tests: the thread of each index in a team and in at::parallel_for",
-        pybind11::arg("n"), pybind11::arg("grain"), pybind11::arg("throw_on") = -1, pybind11::arg("throw_after") = false,
-        pybind11::arg("nested") = false, pybind11::arg("require_team") = true,
-        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace kvserve

@@ -15,10 +15,11 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <functional>
+#include <utility>
+#include <vector>
 
 namespace kvserve {
 
@@ -51,11 +52,18 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
 // parallel region, or while another thread leads the team.
 void run_in_step_team(const std::function<void()>& body, bool allowed = true);
 
-// Teams on or off for the process (tests and A/B runs; on by default, KVSERVE_STEP_TEAM=0 off).
+// Teams on or off for the process (on by default; the engine sets it at start-up from its
+// settings, tests and A/B runs switch it).
 void set_step_teams(bool enabled);
 bool step_teams_enabled();
 
-// The module's bindings: set_step_teams, step_teams_enabled, step_team_probe (tests).
-void register_step_team(pybind11::module& m);
+// Tests and benchmarks (bound in bindings.cpp): how many teams have formed in this process; which
+// thread ran each index of a team's parallel_for and of at::parallel_for's (step_team.cpp); the
+// cost of an empty parallel call in a team or in its own OpenMP region.
+int64_t step_teams_formed();
+std::pair<std::vector<int64_t>, std::vector<int64_t>> step_team_probe(int64_t n, int64_t grain, int64_t throw_on,
+                                                                      bool throw_after, bool nested,
+                                                                      bool require_team);
+double step_team_empty_call_seconds(int64_t calls, bool teamed);
 
 }  // namespace kvserve
