@@ -1,4 +1,5 @@
-"""Fused CPU kernels (``kvserve/csrc/cpu_ops.cpp``) and their plain-torch twins.
+"""Fused CPU kernels (``kvserve/csrc/``: norm_rope, kv_write, attention, sampling ...) and their
+plain-torch twins.
 
 A decode step of a small model is hundreds of tiny ops per layer; in plain torch each costs
 a few microseconds of dispatch, more than its arithmetic. The C++ kernels do a whole norm,
@@ -42,7 +43,6 @@ _applied: Optional[KernelConfig] = None
 _native_allowed = True
 _batch_invariant = True
 _march = "native"
-_routes_set: dict[str, str] = {}
 _amx_warned = False
 
 
@@ -104,11 +104,8 @@ def apply_kernel_config(config: KernelConfig) -> KernelConfig:
     else:
         ext.set_step_teams(config.step_teams)
         try:
-            for route, setter, name in ((config.bf16_route, ext.set_bf16_kernel_route, "bf16_route"),
-                                        (config.attention_route, ext.set_attention_kernel_route, "attention_route")):
-                if route != "auto" or _routes_set.get(name, "auto") != "auto":
-                    setter(route)
-                    _routes_set[name] = route
+            ext.set_bf16_kernel_route(config.bf16_route)
+            ext.set_attention_kernel_route(config.attention_route)
         except RuntimeError as exc:
             raise ConfigError(f"kernel configuration: {exc}".splitlines()[0]) from None
         resolved = dataclasses.replace(config, bf16_route=ext.bf16_kernel_route(),

@@ -62,6 +62,20 @@ def _engines_left_idle():
         assert engine.output_processor.num_unfinished == 0
 
 
+@pytest.fixture(autouse=True)
+def _default_kernels_after():
+    """A test whose engine ran with other kernel settings (plain torch, no batch invariance, no
+    step teams) leaves the defaults in force for the next test, which may call kernels directly
+    (an engine puts its own settings back before each of its steps)."""
+    yield
+    from kvserve import ops
+    from kvserve.config import KernelConfig
+
+    applied = ops._applied
+    if applied is not None and not (applied.native_kernels and applied.batch_invariant and applied.step_teams):
+        ops.apply_kernel_config(KernelConfig())
+
+
 def pytest_addoption(parser):
     parser.addoption("--tp-full", action="store_true",
                      help="also run the long tensor-parallel cases (more ranks, the real models, two local nodes)")

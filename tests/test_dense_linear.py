@@ -4,7 +4,6 @@ whatever the number of rows in the call (oneDNN's bf16 matmul did not from 32 ro
 K = 1536, MKL's sgemm at any row count above 1)."""
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -15,13 +14,13 @@ from kvserve.cpu_features import cpu_info
 from kvserve.quant import (Bf16Linear, Fp32Linear, Int4Linear, Int8Linear, Q8Linear, RescoredLMHead,
                            pack_bf16_weight, pack_bf16_weight_reference, unpack_bf16_weight)
 
-pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
+pytestmark = pytest.mark.skipif(ops.load_extension() is None, reason="fused kernels disabled")
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 10, 11, 13, 33, 97, 200)  # (10, 11: the AVX2 tiles of 6 + 4 and 6 + 3 + 2 rows)
 
 
 # The route this process took before any test changed it.
-TILE_FREE_ROUTE = ops.load_extension().bf16_kernel_route() if os.environ.get("KVSERVE_CPU_OPS") != "0" else None
+TILE_FREE_ROUTE = ops.load_extension().bf16_kernel_route() if ops.load_extension() is not None else None
 
 
 def _other_bf16_route(ext) -> str | None:

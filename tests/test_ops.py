@@ -6,7 +6,6 @@ the norm, rotary embedding, KV-cache write and gated activation kernels, plus th
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from kvserve import ops
 from kvserve.models.layers import RopeFrequencies, rope_cos_sin, rope_inv_freq
 
-pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
+pytestmark = pytest.mark.skipif(ops.load_extension() is None, reason="fused kernels disabled")
 
 
 def test_extension_builds():

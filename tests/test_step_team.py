@@ -5,7 +5,6 @@ with teams on and off."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from kvserve.request import SamplingParams
 
 from test_fused_decoder import _three_steps
 
-pytestmark = pytest.mark.skipif(os.environ.get("KVSERVE_CPU_OPS") == "0", reason="fused kernels disabled")
+pytestmark = pytest.mark.skipif(ops.load_extension() is None, reason="fused kernels disabled")
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@
     kvserve-int4, kvserve-int8, kvserve-bf16,      (kvserve with that linear weight format,
     kvserve-fp32                                    --quantization; fp32: none)
     kvserve-blas                                   (kvserve's opt-out of determinism:
-                                                    KVSERVE_BATCH_INVARIANT=0, oneDNN/MKL linears)
+                                                    KernelConfig(batch_invariant=False), oneDNN/MKL linears)
     kvserve-noreclaim                              (sliding-window layers keep the whole context)
 
 Every peer has ``warmup()``, ``run(workload, progress) -> EngineRun`` and ``close()``. A peer
