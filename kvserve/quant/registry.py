@@ -54,12 +54,28 @@ class WeightFormat:
     streamed: tuple[str, ...] = ()
 
 
+def _fp32_args(layer: Fp32Linear) -> NativeArgs:
+    return "fp32", layer.weight, None, layer.bias
+
+
+def _plain_fp32_args(layer: nn.Linear) -> Optional[NativeArgs]:
+    return ("dense", layer.weight, None, layer.bias) if layer.weight.dtype == torch.float32 else None
+
+
 def _bf16_args(layer: Bf16Linear) -> NativeArgs:
     if layer.packed:
         return "bf16", layer.weight, None, layer.bias, layer.out_features
     # out_features given: the decoder sizes its buffers from it, and a pre-packed oneDNN
     # weight's shape need not say it.
     return "onednn_bf16" if layer.prepacked else "dense", layer.weight, None, layer.bias, layer.out_features
+
+
+def _int8_args(layer: Int8Linear) -> NativeArgs:
+    return "int8", layer.weight, layer.scales, layer.bias
+
+
+def _w8a8_args(layer: W8A8Linear) -> NativeArgs:
+    return "w8a8", layer.weight, layer.affine, layer.bias, layer.out_features, None, layer.largest_codes
 
 
 def _int4_args(layer: Int4Linear) -> NativeArgs:
@@ -74,6 +90,10 @@ def _q5_args(layer: Q5Linear) -> NativeArgs:
     return "q5", layer.qs, layer.d, layer.bias, None, None, layer.qh, None
 
 
+def _q8_args(layer: Q8Linear) -> NativeArgs:
+    return "q8", layer.qs, layer.d, layer.bias, None, None, None, None
+
+
 def _segments_args(layer: SegmentedLinear) -> Optional[NativeArgs]:
     parts = [_block_args(segment) for segment in layer.segments]
     if any(part is None for part in parts):
@@ -81,37 +101,34 @@ def _segments_args(layer: SegmentedLinear) -> Optional[NativeArgs]:
     return "segments", None, None, None, layer.out_features, None, None, parts
 
 
-def _plain_fp32_args(layer: nn.Linear) -> Optional[NativeArgs]:
-    return ("dense", layer.weight, None, layer.bias) if layer.weight.dtype == torch.float32 else None
+def _not_native(layer: nn.Module) -> None:
+    return None
 
 
-# The streamed buffers' order (None where the layer holds the other layout) is the order a
-# step reads them. (oneDNN's pre-packed bf16 weights are opaque tensors that cannot be placed.)
-# The LM head's screen is read at every greedy argmax-only step: on 4 KB pages Gemma 3's 94 MB
-# screen took 1.045x the time (median of 300 calls alternated with a huge-page copy, each after
-# a 96 MB flood, Zen 3; SmolLM2's 16 MB: the same).
+# ``streamed``: the buffers each format streams per token, in the order a step reads them.
+# (oneDNN's pre-packed bf16 weights are opaque tensors that cannot be placed.) (None where the
+# layer holds the other layout.) The LM head's screen is read at every greedy argmax-only step:
+# on 4 KB pages Gemma 3's 94 MB screen took 1.045x the time (median of 300 calls alternated with
+# a huge-page copy, each after a 96 MB flood, Zen 3; SmolLM2's 16 MB: the same).
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
-    WeightFormat("fp32", Fp32Linear, lambda l: ("fp32", l.weight, None, l.bias), from_float=Fp32Linear),
-    # A plain torch layer (fp32 models before use_invariant_fp32_linears, or without the extension).
+    WeightFormat("fp32", Fp32Linear, _fp32_args, from_float=Fp32Linear),
+    # A plain torch layer: fp32 weights that use_invariant_fp32_linears left to MKL (KVSERVE_BATCH_INVARIANT=0).
     WeightFormat("dense", nn.Linear, _plain_fp32_args),
     WeightFormat("bf16", Bf16Linear, _bf16_args, from_float=Bf16Linear),
-    WeightFormat("int8", Int8Linear, lambda l: ("int8", l.weight, l.scales, l.bias), from_float=Int8Linear),
-    WeightFormat("w8a8", W8A8Linear,
-                 lambda l: ("w8a8", l.weight, l.affine, l.bias, l.out_features, None, l.largest_codes),
-                 from_float=W8A8Linear.from_float),
+    WeightFormat("int8", Int8Linear, _int8_args, from_float=Int8Linear),
+    WeightFormat("w8a8", W8A8Linear, _w8a8_args, from_float=W8A8Linear.from_float),
     WeightFormat("q4", Int4Linear, _int4_args, from_float=Int4Linear.from_float, gguf_types=("Q4_1", "Q4_K"),
                  from_gguf=lambda blocks, shape, bias: Int4Linear.from_nibble_blocks(blocks, bias),
                  streamed=("packed", "qs", "dm")),
     WeightFormat("q5", Q5Linear, _q5_args, gguf_types=("Q5_0",),
                  from_gguf=lambda blocks, shape, bias: Q5Linear(blocks, shape[-1], bias),
                  streamed=("packed", "qs", "qh", "d")),
-    WeightFormat("q8", Q8Linear, lambda l: ("q8", l.qs, l.d, l.bias, None, None, None, None),
-                 from_float=Q8Linear.from_float, gguf_types=("Q8_0", "Q6_K"),
+    WeightFormat("q8", Q8Linear, _q8_args, from_float=Q8Linear.from_float, gguf_types=("Q8_0", "Q6_K"),
                  from_gguf=lambda blocks, shape, bias: Q8Linear.from_byte_blocks(blocks, bias),
                  streamed=("qs", "d")),
     WeightFormat("segments", SegmentedLinear, _segments_args),
     # Ranks the LM head's vocabulary (RescoredLMHead calls it; the decoder does not).
-    WeightFormat("screen", Q4Screen, lambda l: None, from_float=Q4Screen.from_float, streamed=("packed",)),
+    WeightFormat("screen", Q4Screen, _not_native, from_float=Q4Screen.from_float, streamed=("packed",)),
 )}
 _BY_CLASS = {f.layer: f for f in FORMATS.values()}
 _BY_GGUF_TYPE = {t: f for f in FORMATS.values() for t in f.gguf_types}
