@@ -135,7 +135,7 @@ def test_an_engine_on_the_blocks_gives_the_same_tokens_and_logprobs(q8_exact_emb
     net, on_blocks = outputs(LLM(**args))
     assert isinstance(net.model.embed_tokens, Q8Table) and net.lm_head.exact_weight is net.model.embed_tokens
     assert net.model.fused_layers is not None
-    monkeypatch.setattr("kvserve.quant.keep_embedding_as_blocks", lambda model: 0)
+    monkeypatch.setattr("kvserve.quant.convert.keep_embedding_as_blocks", lambda model: 0)
     net, on_fp32 = outputs(LLM(**args))
     assert isinstance(net.model.embed_tokens, nn.Embedding)
     assert on_blocks == on_fp32
@@ -156,7 +156,7 @@ def test_an_untied_model_keeps_its_embedding_as_blocks_and_its_heads_fp32_weight
 
     def outputs(keep: bool) -> list[torch.Tensor]:
         model = build_model(cfg, ((k, v.clone()) for k, v in weights.items()))
-        monkeypatch.setattr("kvserve.quant.keep_embedding_as_blocks", keep_embedding_as_blocks if keep else
+        monkeypatch.setattr("kvserve.quant.convert.keep_embedding_as_blocks", keep_embedding_as_blocks if keep else
                             (lambda model: 0))
         convert_linear_layers(model, weight_format)
         assert isinstance(model.model.embed_tokens, Q8Table if keep else nn.Embedding)

@@ -11,8 +11,9 @@ weights: the results are identical, the Python model stays the reference, and th
 hold the two together.
 
 It is attached (``attach_fused_layers``, by the loader) when every linear layer of the
-decoder is one of kvserve's formats or a plain fp32 ``nn.Linear``, the activations are fp32 on
-the CPU and the extension is built; otherwise the model runs layer by layer.
+decoder is one of kvserve's formats or a plain fp32 ``nn.Linear`` (what the decoder passes to
+call each: kvserve.quant.registry), the activations are fp32 on the CPU and the extension is
+built; otherwise the model runs layer by layer.
 """
 from __future__ import annotations
 
@@ -25,58 +26,11 @@ from torch import nn
 from kvserve import ops
 from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
-from kvserve.quant import (Bf16Linear, DecodeFormatLinear, Fp32Linear, Int4Linear, Int8Linear, Q5Linear, Q8Linear,
-                           SegmentedLinear, W8A8Linear)
+from kvserve.quant import native_linear_args
 from kvserve.row_table import kernels_read
 from kvserve.token_roles import ALL_GENERATED, current_token_roles
 
 logger = logging.getLogger(__name__)
-
-
-def _linear_spec(layer: nn.Module) -> Optional[tuple]:
-    """(kind, weight, scales, bias[, out_features[, prefill[, extra[, segments]]]]) as
-    decoder.cpp's ``Linear`` takes them, or None (out_features where the weight's shape does not
-    say it; prefill: a block-quantized layer's copy for the prompt rows, itself such a
-    spec; extra: Q5_0's fifth bits, a W8A8Linear's panels' largest codes; segments: a SegmentedLinear's parts' specs)."""
-    if isinstance(layer, DecodeFormatLinear):
-        blocks = _block_spec(layer)
-        if blocks is None or layer.prefill is None:
-            return blocks
-        prefill = _linear_spec(layer.prefill)
-        return None if prefill is None else (*blocks[:5], prefill, *blocks[6:])
-    if isinstance(layer, Int8Linear):
-        return "int8", layer.weight, layer.scales, layer.bias
-    if isinstance(layer, W8A8Linear):
-        return "w8a8", layer.weight, layer.affine, layer.bias, layer.out_features, None, layer.largest_codes
-    if isinstance(layer, Bf16Linear):
-        if layer.packed:
-            return "bf16", layer.weight, None, layer.bias, layer.out_features
-        # out_features given: the decoder sizes its buffers from it, and a pre-packed oneDNN
-        # weight's shape need not say it.
-        return "onednn_bf16" if layer.prepacked else "dense", layer.weight, None, layer.bias, layer.out_features
-    if isinstance(layer, Fp32Linear):
-        return "fp32", layer.weight, None, layer.bias
-    if type(layer) is nn.Linear and layer.weight.dtype == torch.float32:
-        return "dense", layer.weight, None, layer.bias
-    return None
-
-
-def _block_spec(layer: DecodeFormatLinear) -> Optional[tuple]:
-    """A block-quantized layer's spec without its prefill copy."""
-    if isinstance(layer, (Int4Linear, Q5Linear)) and layer.packed is not None:
-        return "tiles", layer.packed, None, layer.bias, layer.out_features, None, None, None
-    if isinstance(layer, Int4Linear):
-        return "q4", layer.qs, layer.dm, layer.bias, None, None, None, None
-    if isinstance(layer, Q5Linear):
-        return "q5", layer.qs, layer.d, layer.bias, None, None, layer.qh, None
-    if isinstance(layer, Q8Linear):
-        return "q8", layer.qs, layer.d, layer.bias, None, None, None, None
-    if isinstance(layer, SegmentedLinear):
-        parts = [_block_spec(segment) for segment in layer.segments]
-        if any(part is None for part in parts):
-            return None
-        return "segments", None, None, None, layer.out_features, None, None, parts
-    return None
 
 
 def _layer_spec(layer: nn.Module) -> Optional[dict[str, Any]]:
@@ -84,7 +38,7 @@ def _layer_spec(layer: nn.Module) -> Optional[dict[str, Any]]:
     attn, mlp = layer.self_attn, layer.mlp
     gemma = hasattr(layer, "pre_feedforward_layernorm")
     linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-    specs = {name: _linear_spec(module) for name, module in linears.items()}
+    specs = {name: native_linear_args(module) for name, module in linears.items()}
     if any(spec is None for spec in specs.values()) or mlp.hidden_act not in ops.ACTIVATION_CODES:
         return None
     return {
