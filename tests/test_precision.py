@@ -129,8 +129,11 @@ LONG_CONTEXT_SCORED = 400
 # AVX512 (Zen 3, 2026-12-06; the attention's AVX2 route, whose fp32 sums run in 8 lanes)
 # Gemma 3's long context is 98.25 %, already at 8f8b66e (and the same with the AVX2 softmax:
 # SmolLM2 99.36 % / 98.25 %, Gemma 3 99.04 %): a miss there too, recorded the same way.
+# On an Intel Xeon with AVX512 but neither AVX512-BF16 nor AMX (Ice Lake, 2026-12-07: widened
+# attention and bf16 routes), Gemma 3's tolerance text is 98.71 %, the same before and after
+# that session's refactor: a miss recorded the same way (issue 64 is where it gets fixed).
 INT8_KV_MISSES_BAR = {("smollm2-135m-instruct", "tolerance"), ("smollm2-135m-instruct", "long"),
-                      ("gemma-3-270m", "long")}
+                      ("gemma-3-270m", "long"), ("gemma-3-270m", "tolerance")}
 
 
 @pytest.mark.parametrize("text", ["tolerance", "long"])
