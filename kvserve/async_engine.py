@@ -1,14 +1,21 @@
 """Async front of the engine used by the server: one engine thread steps the engine while
 there is work; each request has its own asyncio queue of outputs.
 
-The engine itself is single-threaded; a lock serialises add/abort (from the event loop) with
-step (from the engine thread). Abort takes effect at once: blocks are freed before it returns.
+The engine itself is single-threaded, and a step can take long (a prefill, a real model).
+So the event loop never waits for it: adds and aborts are queued (a thread-safe queue) and
+the engine thread applies them at the next step boundary, where an abort frees the request's
+blocks (a closed stream runs at most the one step in flight). What the server reads while
+the engine steps (/metrics, the admission gate) is a snapshot of ``engine.stats()`` the engine
+thread takes after applying commands and after each step. The lock serialises the engine
+thread with ``call`` (tokenizing from worker threads), never with the event loop.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue as queue_module
 import threading
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Union
 
 from kvserve.engine import LLMEngine
@@ -20,6 +27,19 @@ logger = logging.getLogger("kvserve")
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Union[str, list[int]]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    flush: bool = False  # a server-side abort: deliver the aborted output to its stream
 
 
 class AsyncLLMEngine:
@@ -35,6 +55,13 @@ class AsyncLLMEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        # Commands from the event loop, applied by the engine thread between steps.
+        self._commands: "queue_module.SimpleQueue[Union[_Add, _Abort]]" = queue_module.SimpleQueue()
+        # Sequences queued to be added: the admission gate counts them as waiting until a
+        # snapshot that includes them is taken.
+        self._pending_sequences = 0
+        self._pending_lock = threading.Lock()  # both threads update the count; held for an add
+        self._snapshot: dict = engine.stats()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -58,15 +85,15 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         while not self._stopping:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-            if not busy:
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
             try:
+                self._apply_commands()
                 with self._lock:
-                    outputs = self.engine.step()
+                    busy = self.engine.has_unfinished_requests()
+                if not busy:
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                self._step()
             except ExecutorError as exc:  # the model is gone: no later step can succeed
                 logger.error("engine stopped: %s", exc)
                 self.dead_reason = str(exc)
@@ -77,9 +104,42 @@ class AsyncLLMEngine:
             except Exception as exc:  # one failing step must not kill the server
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(exc)
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+
+    def _step(self) -> None:
+        with self._lock:
+            outputs = self.engine.step()
+            # Before delivering: a client that has its last output sees it counted.
+            self._snapshot = self.engine.stats()
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
+    def _apply_commands(self) -> None:
+        """Apply the queued adds and aborts (in their order); a refused add is delivered to
+        its stream as the exception."""
+        added = applied = 0
+        flush = False
+        with self._lock:
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue_module.Empty:
+                    break
+                applied += 1
+                if isinstance(command, _Abort):
+                    self.engine.abort_request(command.request_id)
+                    flush |= command.flush
+                    continue
+                added += command.params.n
+                try:
+                    self.engine.add_request(command.request_id, command.prompt, command.params)
+                except Exception as exc:
+                    self._deliver(command.request_id, exc)
+            if applied:  # a scrape sees an aborted request gone (and its blocks back) at once
+                self._snapshot = self.engine.stats()
+        with self._pending_lock:
+            self._pending_sequences -= added
+        if flush:  # the aborted outputs come out of the next step
+            self._step()
 
     def _deliver(self, request_id: str, item: Union[RequestOutput, Exception]) -> None:
         entry = self._queues.get(request_id)
@@ -96,6 +156,7 @@ class AsyncLLMEngine:
             ids = list(self._queues)
             self.engine.abort_request(ids)
             self.engine.step()  # flush the aborted outputs out of the engine
+            self._snapshot = self.engine.stats()
         for rid in ids:
             self._deliver(rid, EngineDeadError(f"engine step failed: {exc}"))
 
@@ -113,14 +174,12 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine stopped: {self.dead_reason}")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            request_id = request_id or self.engine.new_request_id()
-            self._queues[request_id] = (loop, queue)
-            try:
-                self.engine.add_request(request_id, prompt, params)
-            except Exception:
-                self._queues.pop(request_id, None)
-                raise
+        # (a C-level counter: safe without the engine lock)
+        request_id = request_id or self.engine.new_request_id()
+        self._queues[request_id] = (loop, queue)
+        with self._pending_lock:
+            self._pending_sequences += params.n
+        self._commands.put(_Add(request_id, prompt, params))
         self._wakeup.set()
         finished = False
         try:
@@ -138,14 +197,35 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort_request(request_id)
+    def abort(self, request_id: str, flush: bool = False) -> None:
+        """Queue an abort; the engine thread applies it (and frees the blocks) at the next
+        step boundary. ``flush``: the request's stream still listens and gets its final
+        (aborted) output."""
+        self._commands.put(_Abort(request_id, flush))
         self._wakeup.set()
 
+    def abort_all(self) -> list[str]:
+        """Abort every request in flight (graceful shutdown past its timeout); their streams
+        end with finish reason "abort"."""
+        ids = list(self._queues)
+        for request_id in ids:
+            self.abort(request_id, flush=True)
+        return ids
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests with a listening stream (added, not yet finished)."""
+        return len(self._queues)
+
     def stats(self) -> dict:
-        with self._lock:
-            return self.engine.stats()
+        """``engine.stats()`` as of the last step boundary: read without the lock, so that
+        /metrics never waits for a step."""
+        return self._snapshot
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting to run, counting those queued but not added yet."""
+        return self._snapshot["num_waiting"] + self._pending_sequences
 
     def call(self, fn, *args, **kwargs):
         """Run ``fn(engine, ...)`` under the engine lock (tokenize, detokenize...)."""

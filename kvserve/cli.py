@@ -256,7 +256,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     eargs = engine_args_from(ns, max_waiting_requests=ns.max_waiting_requests)
     try:
         run_server(eargs, host=ns.host, port=ns.port, api_key=ns.api_key,
-                   served_model_name=ns.served_model_name, log_level=ns.log_level)
+                   served_model_name=ns.served_model_name, log_level=ns.log_level,
+                   shutdown_timeout=ns.shutdown_timeout, chat_template=ns.chat_template,
+                   allowed_origins=[o.strip() for o in ns.allowed_origins.split(",") if o.strip()])
     except EngineStopped as exc:
         print(f"kvserve: error: the engine stopped: {exc}", file=sys.stderr)
         return 1
@@ -276,6 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-waiting-requests", type=int, default=None)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/Ctrl-C: refuse new requests (503) and let those in flight "
+                        "finish for up to this many seconds, then abort them (default 30)")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins allowed to call the API (CORS), "
+                        "'*' for any (default: none)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|STRING",
+                   help="the chat template to serve chat with (a Jinja file or the template "
+                        "itself), for a model that has none or to replace its own")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate from a prompt (streams) or a JSONL file of prompts")

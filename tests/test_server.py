@@ -8,9 +8,11 @@ does, on the real default model (API key, back-pressure, chat).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -27,9 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import track_engine
 from kvserve import SamplingParams
 from kvserve.async_engine import AsyncLLMEngine
-from kvserve.config import EngineArgs
+from kvserve.config import ConfigError, EngineArgs
 from kvserve.engine import LLMEngine
-from kvserve.server.app import create_app
+from kvserve.server.app import create_app, load_chat_template
 
 MODEL = "tiny-llama"
 MAX_LEN = 512
@@ -117,6 +119,7 @@ def chat_messages(text: str) -> list[dict]:
 def test_models_health_openapi(tiny):
     models = tiny.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].chat_template is True
     assert httpx.get(tiny.url + "/health").status_code == 200
     spec = httpx.get(tiny.url + "/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
@@ -272,6 +275,31 @@ def test_batch_prompts_token_ids_and_echo(tiny, offline):
     assert streamed == PROMPTS[0] + singles[0]
 
 
+def test_echo_text_offsets_skip_what_the_echo_omits(tiny, offline):
+    """Each token's text starts at its text_offset in the returned text: a special token the
+    echo leaves out (a BOS) takes no room, and the offsets never go backwards."""
+    special = offline.tokenizer.hf.all_special_ids[0]
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    for prompt, skipped in (([special] + ids, 1), (PROMPTS[0], 0)):
+        for stream in (False, True):
+            kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                      logprobs=1, extra_body={"ignore_eos": True})
+            if stream:
+                chunks = list(tiny.client.completions.create(stream=True, **kw))
+                text = "".join(c.choices[0].text for c in chunks)
+                offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+                tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+            else:
+                choice = tiny.client.completions.create(**kw).choices[0]
+                text, offsets, tokens = choice.text, choice.logprobs.text_offset, choice.logprobs.tokens
+            n_prompt = len(ids) + skipped
+            assert len(offsets) == n_prompt + 6 and text.startswith(PROMPTS[0])
+            assert offsets == sorted(offsets) and offsets[:skipped + 1] == [0] * (skipped + 1)
+            for token, offset in zip(tokens[skipped:n_prompt], offsets[skipped:n_prompt]):
+                assert text[offset:].startswith(token), (token, offset, text)
+            assert offsets[n_prompt] == len(PROMPTS[0])  # the first generated token
+
+
 def test_extra_sampling_fields_reach_the_engine(tiny, offline):
     params = dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=12)
     extras = dict(top_k=20, min_p=0.05, repetition_penalty=1.3)
@@ -314,7 +342,7 @@ def pace_engine_steps(tiny, monkeypatch, seconds: float = 0.01) -> None:
     """A pause of ``seconds`` after each engine step's outputs for the rest of the test: a
     request that runs to the context (~500 steps) then outlasts the test's checks on a loaded
     machine, where the tiny model's steps alone could finish it before the client leaves. The
-    pause is in the loop's delivery, outside the engine lock that an abort and /metrics take."""
+    pause is in the loop's delivery, outside the engine lock (which tokenizing takes)."""
     deliver = tiny.async_engine._deliver
 
     def paced_deliver(request_id, item):
@@ -364,6 +392,64 @@ def test_client_gone_before_a_non_streamed_answer_aborts(tiny, monkeypatch):
     assert tiny.engine.kv_manager.num_used_blocks == 0
 
 
+def test_streams_closing_never_stall_health_or_metrics(tiny, monkeypatch):
+    """Aborts are queued to the engine thread: the event loop never waits for a step, so
+    /health and /metrics answer at once while streams open and close."""
+    pace_engine_steps(tiny, monkeypatch)
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_LEN - 16, "temperature": 1.0,
+            "ignore_eos": True, "stream": True}
+    worst = {"/health": 0.0, "/metrics": 0.0}
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=30) as http:
+            while not stop.is_set():
+                for path in worst:
+                    t0 = time.monotonic()
+                    assert http.get(tiny.url + path).status_code == 200
+                    worst[path] = max(worst[path], time.monotonic() - t0)
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        with httpx.Client(timeout=60) as http:
+            for i in range(6):
+                with http.stream("POST", tiny.url + "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    events = 0
+                    for line in resp.iter_lines():
+                        events += line.startswith("data: ")
+                        if events == 3 + i % 3:
+                            break  # closes the stream
+    finally:
+        stop.set()
+        poller.join(timeout=30)
+    assert wait_until(lambda: scrape(tiny.url)["kvserve:num_requests_running"] == 0, 2.0)
+    assert tiny.engine.kv_manager.num_used_blocks == 0
+    # Generous bounds (a loaded 2-core machine); the lock wait this replaced took seconds.
+    assert worst["/health"] < 0.5 and worst["/metrics"] < 0.5, worst
+
+
+def test_a_closed_stream_runs_at_most_one_more_step(tiny, monkeypatch):
+    """The abort is applied at the next step boundary: the step in flight when the stream
+    closes is the last one that generates for it."""
+    pace_engine_steps(tiny, monkeypatch)
+
+    async def three_tokens_then_close() -> int:
+        stream = tiny.async_engine.generate(PROMPTS[0], greedy(MAX_LEN - 16, ignore_eos=True))
+        async for output in stream:
+            if len(output.outputs[0].token_ids) >= 3:
+                break
+        await stream.aclose()  # queues the abort
+        return tiny.engine.counters.generation_tokens
+
+    at_close = asyncio.run(three_tokens_then_close())
+    assert wait_until(lambda: tiny.async_engine.stats()["num_running"] == 0, 2.0)
+    assert tiny.engine.counters.generation_tokens - at_close <= 1
+    assert tiny.engine.kv_manager.num_used_blocks == 0
+
+
 # ---------------------------------------------------------------------- concurrency
 def test_sixteen_concurrent_streams_equal_sequential_runs(tiny):
     prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(16)]
@@ -406,6 +492,9 @@ BAD_REQUESTS = [
     ("chat-too-long", "/v1/chat/completions", {"messages": chat_messages(LONG_TEXT)}, 400, "messages", "context"),
     ("max-tokens-zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ("max-tokens-beyond-context", "/v1/completions", {"prompt": "hi", "max_tokens": MAX_LEN}, 400, "max_tokens", "context"),
+    # Above the documented maximum (max_model_len - 1), also when another field is in effect.
+    ("max-tokens-above-its-maximum", "/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens", "context"),
+    ("max-tokens-beside-max-completion-tokens", "/v1/chat/completions", {"messages": chat_messages("hi"), "max_completion_tokens": 2, "max_tokens": MAX_LEN}, 400, "max_tokens", "context"),
     ("max-completion-tokens-beyond-context", "/v1/chat/completions", {"messages": chat_messages("hi"), "max_completion_tokens": 10**6}, 400, "max_completion_tokens", "context"),
     ("infinite-temperature", "/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', 400, "temperature", "finite"),
     ("negative-temperature", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
@@ -484,6 +573,38 @@ def test_openai_client_raises_clean_errors(tiny):
         tiny.client.chat.completions.create(model=MODEL, messages=chat_messages("hi"), temperature=-1)
 
 
+def test_cors_preflight_from_allowed_origins_only(tiny):
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    # Off by default: no origin is allowed.
+    assert "access-control-allow-origin" not in httpx.options(
+        tiny.url + "/v1/chat/completions", headers=preflight).headers
+    # A second app on the same engine, with --allowed-origins and an API key.
+    app = create_app(tiny.async_engine, MODEL, api_key="sekret",
+                     allowed_origins=["http://app.example", "http://localhost:3000"])
+    with ServerThread(app) as server:
+        ok = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+        assert ok.status_code == 200, ok.text
+        assert ok.headers["access-control-allow-origin"] == "http://app.example"
+        assert "POST" in ok.headers["access-control-allow-methods"]
+        other = httpx.options(server.url + "/v1/chat/completions",
+                              headers={**preflight, "Origin": "http://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        # The real request carries the header too, a refusal for a missing key included.
+        denied = httpx.get(server.url + "/v1/models", headers={"Origin": "http://app.example"})
+        assert denied.status_code == 401
+        assert denied.headers["access-control-allow-origin"] == "http://app.example"
+
+
+def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template == load_chat_template(template)
+    with pytest.raises(ConfigError, match="neither a file nor a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
 def test_chat_to_a_model_without_chat_template():
     engine = LLMEngine(EngineArgs(**TINY_ARGS))
     engine.tokenizer.hf.chat_template = None  # this engine's own tokenizer: now template-less
@@ -495,6 +616,9 @@ def test_chat_to_a_model_without_chat_template():
             assert resp.status_code == 400
             error = resp.json()["error"]
             assert "no chat template" in error["message"] and error["param"] == "messages"
+            assert "--chat-template" in error["message"]
+            (card,) = httpx.get(server.url + "/v1/models").json()["data"]
+            assert card["chat_template"] is False
             ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert ok.status_code == 200
     finally:
@@ -611,3 +735,97 @@ def test_kvserve_serve_default_model_with_api_key_and_back_pressure(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@contextlib.contextmanager
+def kvserve_serve(tmp_path, *args: str):
+    """``kvserve serve --model tiny-llama ARGS`` on a free port, up; yields (process, url,
+    log path). Killed at the end if still running."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", MODEL,
+                                 "--max-model-len", str(MAX_LEN), "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                return httpx.get(url + "/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_until(up, 240), log_path.read_text()
+        yield proc, url, log_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _streams_then_sigterm(proc, url: str, num_streams: int, max_tokens: int) -> list:
+    """Start ``num_streams`` completion streams, send SIGTERM once each has its first chunk,
+    check that new requests are refused while they run, and return each one's events."""
+    started = threading.Barrier(num_streams + 1, timeout=120)
+    results: list = [None] * num_streams
+
+    def stream(i: int) -> None:
+        body = {"prompt": PROMPTS[i], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        started.wait()
+        results[i] = events
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(num_streams)]
+    for t in threads:
+        t.start()
+    started.wait()
+    proc.send_signal(signal.SIGTERM)
+    # Draining: a new request is refused with a hint to retry, while the streams go on.
+    refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "shutting_down"
+    assert httpx.get(url + "/health").status_code == 200
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def _finish_reasons(events: list[str]) -> list:
+    assert events[-1] == "[DONE]"
+    return [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+
+
+def test_kvserve_serve_drains_on_sigterm(tmp_path):
+    """SIGTERM: new requests get 503 with Retry-After while the streams in flight run to their
+    end; then the process exits 0. Also --chat-template and --allowed-origins as the CLI
+    passes them."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    with kvserve_serve(tmp_path, "--shutdown-timeout", "60", "--chat-template", str(template),
+                       "--allowed-origins", "http://app.example") as (proc, url, log_path):
+        tokens = httpx.post(url + "/tokenize", json={"messages": chat_messages("hi")}).json()["tokens"]
+        assert httpx.post(url + "/detokenize", json={"tokens": tokens}).json()["prompt"] == "[user] hi\n"
+        preflight = httpx.options(url + "/v1/completions", headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+
+        for events in _streams_then_sigterm(proc, url, num_streams=3, max_tokens=256):
+            assert _finish_reasons(events)[-1] == "length"
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+
+
+def test_kvserve_serve_aborts_what_outlasts_the_shutdown_timeout(tmp_path):
+    with kvserve_serve(tmp_path, "--shutdown-timeout", "0.5") as (proc, url, log_path):
+        (events,) = _streams_then_sigterm(proc, url, num_streams=1, max_tokens=MAX_LEN - 16)
+        reasons = _finish_reasons(events)
+        assert reasons[-1] == "abort" and len(reasons) < MAX_LEN - 16
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+        assert "aborted 1 request" in log_path.read_text()

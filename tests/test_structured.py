@@ -22,6 +22,8 @@ from kvserve.engine import LLMEngine
 from kvserve.request import RequestRejected
 from kvserve.server import tools
 from kvserve.server.app import create_app
+from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.serving import ServingContext
 from kvserve.structured import StructuredOutputsParams as Spec
 from kvserve.structured.grammar import GrammarError
 from kvserve.structured.params import close_objects
@@ -286,6 +288,42 @@ def test_a_forced_call_cut_by_max_tokens_comes_back_as_a_partial_call(tiny):
     assert deltas[0].function.arguments == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)
+
+
+def test_objects_are_closed_unless_the_schema_opens_them(tiny):
+    """vLLM's semantics: tool arguments and json_schema objects without additionalProperties
+    take only their properties, whatever ``strict`` says; additionalProperties: true stays open."""
+    open_schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["city"]}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": open_schema}}
+    resp = tiny.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[weather],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=120, temperature=1.0, n=20, seed=3)
+    assert len(resp.choices) == 20
+    for choice in resp.choices:
+        # Closed, the object is short and ends: an open one may grow keys to max_tokens.
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert set(arguments) <= {"city", "days"} and "city" in arguments, arguments
+
+    # The grammars the server builds: closed by default, for every tool_choice and format.
+    plan = tools.ToolPlan(mode="named", tools=[tools.ChatTool.model_validate(weather)], named="get_weather")
+    assert plan.spec().schema()["additionalProperties"] is False
+    plan.mode = "required"
+    assert plan.spec().schema()["items"]["properties"]["arguments"]["additionalProperties"] is False
+    opened = {**open_schema, "additionalProperties": True}
+    plan.tools = [tools.ChatTool.model_validate({"type": "function", "function": {
+        "name": "get_weather", "parameters": opened}})]
+    assert plan.spec().schema()["items"]["properties"]["arguments"]["additionalProperties"] is True
+    for schema, closed in ((open_schema, False), (opened, True)):
+        body = ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": "hi"}], "response_format": {
+                "type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": False}}})
+        _, spec = ServingContext.structured_spec(body)
+        assert spec.schema()["additionalProperties"] is closed
 
 
 def test_auto_tools_prompt_roundtrip_and_errors(tiny):

@@ -1,18 +1,20 @@
 """The OpenAI-compatible HTTP server: FastAPI app, API-key check, and ``run_server``."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import ipaddress
 import logging
 import secrets
+from pathlib import Path
 from typing import Optional
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from kvserve.config import ConfigError
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.errors import bad_request, error_body, install_error_handlers
@@ -22,6 +24,7 @@ from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionRespon
                                      DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                                      MAX_TOKENS_MARK, TOKEN_ID_MARK, TOKEN_KEY_MARK, TokenizeRequest, TokenizeResponse)
 from kvserve.server.serving import ServingContext, check_text
+from kvserve.server.shutdown import DrainingServer, DrainMiddleware, DrainState
 from kvserve.server.streams import AdmissionGate
 
 logger = logging.getLogger("kvserve")
@@ -58,15 +61,17 @@ class APIKeyMiddleware:
 
 
 def create_app(async_engine, served_model_name: str, api_key: Optional[str] = None,
-               max_waiting_requests: Optional[int] = None):
+               max_waiting_requests: Optional[int] = None,
+               allowed_origins: Optional[list[str]] = None):
     """The ASGI app serving ``async_engine`` (an AsyncLLMEngine) under ``served_model_name``.
     The engine loop is started with the app; stopping it is the caller's business, since
-    several apps may share one engine."""
+    several apps may share one engine. ``allowed_origins``: the browser origins allowed to
+    call it (CORS; "*" for any). ``app.state.drain`` is what graceful shutdown drains."""
     metrics = ServerMetrics(async_engine.stats)
     gate = None
     if max_waiting_requests is not None:
         gate = AdmissionGate(max_waiting_requests,
-                             engine_waiting=lambda: async_engine.stats()["num_waiting"])
+                             engine_waiting=lambda: async_engine.num_waiting)
     ctx = ServingContext(async_engine, served_model_name, metrics, gate)
 
     @contextlib.asynccontextmanager
@@ -96,18 +101,22 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
-        # Reading engine stats takes the engine lock: keep that off the event loop.
-        body = await asyncio.to_thread(metrics.render)
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+        # Engine stats are the engine thread's last snapshot: no lock, no wait for a step
+        # (and not in a worker thread, which may all be waiting for the lock to tokenize).
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=served_model_name, max_model_len=ctx.max_model_len,
+                         chat_template=async_engine.engine.tokenizer.has_chat_template)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)])
+        return ModelList(data=[model_card()])
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
     async def get_model(model: str) -> ModelCard:
         ctx.check_model(model)
-        return ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)
+        return model_card()
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**_ERRORS, 200: {"content": _SSE}})
@@ -145,9 +154,26 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
         return app.openapi_schema
 
     app.openapi = openapi
+    # The last added is the outermost: CORS answers a preflight before the key is asked for,
+    # and its headers reach a browser on every answer (a 401 or a 503 included).
+    app.state.drain = DrainState()
+    app.add_middleware(DrainMiddleware, state=app.state.drain)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
     return app
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the template itself (vLLM's flag)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" not in value and "{%" not in value:
+        raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def served_spec(spec: dict, vocab_size: int, max_model_len: int) -> dict:
@@ -211,17 +237,27 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_server(eargs, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
-               served_model_name: Optional[str] = None, log_level: str = "info") -> None:
-    """Build the engine from ``eargs`` (EngineArgs) and serve it until interrupted."""
+               served_model_name: Optional[str] = None, log_level: str = "info",
+               shutdown_timeout: float = 30.0, allowed_origins: Optional[list[str]] = None,
+               chat_template: Optional[str] = None) -> None:
+    """Build the engine from ``eargs`` (EngineArgs) and serve it until interrupted (SIGTERM or
+    Ctrl-C: a graceful shutdown of up to ``shutdown_timeout`` seconds, server/shutdown.py)."""
     import uvicorn
 
     from kvserve.async_engine import AsyncLLMEngine
     from kvserve.engine import LLMEngine
 
     logger.setLevel(log_level.upper())
+    template = load_chat_template(chat_template) if chat_template is not None else None
     engine = LLMEngine(eargs)
     logger.info("loaded %s in %.1f s; %s; %s", eargs.model, engine.load_time_s,
                 engine.describe_kv_cache(), engine.describe_kernels())
+    if template is not None:
+        engine.tokenizer.hf.chat_template = template
+    if not engine.tokenizer.has_chat_template:
+        logger.warning("%s has no chat template: /v1/chat/completions will answer 400 (serve "
+                       "it with --chat-template FILE|STRING); /v1/completions works",
+                       eargs.model)
     # What the load made lives as long as the server: out of the cyclic collector's way, a full
     # collection while serving walks only what serving made (Gemma 3's ~370k startup objects
     # took 0.15-0.27 s per full collection: a stall of every stream).
@@ -238,14 +274,16 @@ def run_server(eargs, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     async_engine.start()
     try:
         app = create_app(async_engine, served_model_name or eargs.model, api_key=api_key,
-                         max_waiting_requests=eargs.max_waiting_requests)
+                         max_waiting_requests=eargs.max_waiting_requests,
+                         allowed_origins=allowed_origins)
         if not api_key and not _is_loopback(host):
             logger.warning("serving on %s without --api-key: anyone who can reach this port "
                            "can use the model", host)
         logger.info("serving %s on http://%s:%d/v1 (OpenAPI spec at /openapi.json)",
                     served_model_name or eargs.model, host, port)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                               timeout_graceful_shutdown=5))
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                timeout_graceful_shutdown=5)
+        server = DrainingServer(config, app.state.drain, shutdown_timeout, async_engine.abort_all)
         server.run()
     finally:
         async_engine.shutdown_engine()

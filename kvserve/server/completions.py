@@ -164,13 +164,25 @@ class _CompletionWriter:
         yield SSE_DONE
 
     def _prompt_logprobs(self, job_index: int, output: RequestOutput):
-        """The echoed prompt's logprobs (first token null), when asked for."""
+        """The echoed prompt's logprobs (first token null), when asked for; their offsets
+        count the echoed text only."""
         if self.params.prompt_logprobs is None or output.prompt_logprobs is None:
             return None
-        logprobs, _ = completion_logprobs(output.prompt_logprobs,
-                                          self.prompts[job_index].token_ids,
-                                          self.params.prompt_logprobs, self.ctx.token_text)
+        prompt, echo = self.prompts[job_index], self.echoes[job_index]
+        logprobs, _ = completion_logprobs(output.prompt_logprobs, prompt.token_ids,
+                                          self.params.prompt_logprobs, self.ctx.token_text,
+                                          omitted=self._omitted(prompt), text_length=len(echo))
         return logprobs
+
+    def _omitted(self, prompt: _Prompt) -> set[int]:
+        """Positions of the prompt's special tokens that its echo leaves out: those the
+        tokenizer added to a text prompt (BOS), or all of them when the echo of a token-id
+        prompt was decoded without them."""
+        special = self.ctx.token_text.special_ids
+        if prompt.text is None and not self.params.skip_special_tokens:
+            return set()
+        return {i for i, t in enumerate(prompt.token_ids) if t in special
+                and (prompt.text is None or self.ctx.token_text.text(t) not in prompt.text)}
 
     def _chunk(self, state: _ChoiceState, index: int, c, job_index: int,
                output: RequestOutput) -> Optional[CompletionResponse]:

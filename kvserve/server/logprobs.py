@@ -4,7 +4,7 @@ token objects)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Container, Optional
 
 from kvserve.request import Logprob
 from kvserve.server.protocol import (ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs,
@@ -25,11 +25,18 @@ def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(entries: list[Optional[dict[int, Logprob]]], token_ids: list[int], num_top: int,
-                        token_text: TokenText, text_offset: int = 0) -> tuple[CompletionLogprobs, int]:
+                        token_text: TokenText, text_offset: int = 0,
+                        omitted: Container[int] = (), text_length: Optional[int] = None
+                        ) -> tuple[CompletionLogprobs, int]:
     """``text_offset``: where the first of these tokens starts in the returned text.
-    Returns the logprobs and the offset just past the last token (for the next stream chunk)."""
+    ``omitted``: positions (in ``token_ids``) of tokens the returned text leaves out (an
+    echoed prompt's BOS): they take no room. ``text_length``: the length of the text these
+    tokens make (an echoed prompt), which no offset passes, so that the offsets never go
+    backwards into the generated tokens' (a sentencepiece token's leading space may be no
+    character of the text). Returns the logprobs and the offset just past the last token
+    (for the next stream chunk)."""
     out = CompletionLogprobs()
-    for token_id, entry in zip(token_ids, entries):
+    for position, (token_id, entry) in enumerate(zip(token_ids, entries)):
         text = token_text.text(token_id)
         out.tokens.append(text)
         if entry is None:  # the first prompt token: nothing predicts it
@@ -42,7 +49,11 @@ def completion_logprobs(entries: list[Optional[dict[int, Logprob]]], token_ids: 
             if chosen is not None:
                 top.setdefault(text, _finite(chosen.logprob))
             out.top_logprobs.append(top)
+        if text_length is not None:
+            text_offset = min(text_offset, text_length)
         out.text_offset.append(text_offset)
+        if position in omitted:
+            continue
         # Offsets count characters of the text; a token holding part of a character adds none.
         text_offset += len(token_text.token_bytes(token_id).decode("utf-8", errors="ignore"))
     return out, text_offset

@@ -2,8 +2,9 @@
 process, as they do in the tests).
 
 Engine-side totals (tokens, prefix cache, preemptions, aborts, queue and KV gauges) are read
-from ``engine.stats()`` at scrape time, so they can never drift from the engine's own
-bookkeeping; latency histograms are observed by the server when a request finishes.
+from ``engine.stats()`` as the engine thread last took it (after each step and each batch of
+adds and aborts: a scrape never waits for a step), so they can never drift from the engine's
+own bookkeeping; latency histograms are observed by the server when a request finishes.
 """
 from __future__ import annotations
 

@@ -418,6 +418,9 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "kvserve"
     max_model_len: Optional[int] = None
+    # False: the model has no chat template, so /v1/chat/completions answers 400 (the server
+    # takes one with --chat-template).
+    chat_template: bool = True
 
 
 class ModelList(BaseModel):

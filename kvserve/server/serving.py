@@ -84,6 +84,7 @@ class ServingContext:
                               param="stream_options")
 
     def sampling_params(self, body: SamplingRequest) -> SamplingParams:
+        self.check_max_tokens(body)
         try:
             params = body.to_sampling_params()
         except ValueError as exc:
@@ -95,6 +96,17 @@ class ServingContext:
         except RequestRejected as exc:
             raise bad_request(str(exc)) from None
         return params
+
+    def check_max_tokens(self, body: SamplingRequest) -> None:
+        """The bound /openapi.json states (max_model_len - 1: the prompt takes a token) holds for
+        each field given, also the one not in effect (max_tokens beside max_completion_tokens)."""
+        limit = self.max_model_len - 1
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(body, name, None)
+            if value is not None and value > limit:
+                raise bad_request(f"{name} is {value}, above {limit}: this model's context is "
+                                  f"{self.max_model_len} tokens, the prompt included",
+                                  param=name, code="context_length_exceeded")
 
     @staticmethod
     def structured_spec(body: SamplingRequest) -> Optional[tuple[str, StructuredOutputsParams]]:
@@ -108,8 +120,11 @@ class ServingContext:
             if fmt.json_schema is None:
                 raise bad_request("response_format of type json_schema needs a json_schema "
                                   "object ({name, schema, strict})", param="response_format")
+            # Objects are closed whatever ``strict`` says (vLLM's semantics: a key outside the
+            # schema breaks the client's parse); a schema that says additionalProperties: true
+            # stays open.
             specs.append(("response_format", StructuredOutputsParams(
-                json=fmt.json_schema.json_schema, strict=bool(fmt.json_schema.strict))))
+                json=fmt.json_schema.json_schema, strict=True)))
         so = body.structured_outputs
         if so is not None:
             fields: dict[str, Any] = {name: value for name, value in
@@ -179,7 +194,8 @@ class ServingContext:
             tokenizer = engine.tokenizer
             if not tokenizer.has_chat_template:
                 raise bad_request(f"model {self.model_name} has no chat template, so it cannot "
-                                  f"serve chat requests; use /v1/completions", param="messages",
+                                  f"serve chat requests: start the server with --chat-template "
+                                  f"FILE|STRING, or use /v1/completions", param="messages",
                                   code="no_chat_template")
             native = tools.template_takes_tools(tokenizer.hf.chat_template)
             turns = tools.messages_for_template(conversation, native)

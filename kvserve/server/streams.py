@@ -1,6 +1,6 @@
 """One HTTP request may be several engine requests (a batch of prompts). ``EngineStreams``
 runs them as one: all admitted or none, their outputs merged as they arrive, and every one
-aborted (its KV blocks freed) as soon as the HTTP request is abandoned.
+aborted (its KV blocks freed) at the engine's next step boundary once the HTTP request is abandoned.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ class EngineStreams:
 
     async def close(self) -> None:
         """Abort whatever is still running: cancelling a pump closes its engine generator,
-        whose clean-up aborts the request and frees its blocks at once."""
+        whose clean-up queues the abort (blocks freed at the next step boundary)."""
         if self._closed:
             return
         self._closed = True

@@ -33,6 +33,8 @@ class TokenText:
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._byte_level = _is_byte_level(tokenizer)
+        hf = getattr(tokenizer, "hf", tokenizer)
+        self.special_ids: frozenset[int] = frozenset(getattr(hf, "all_special_ids", None) or ())
         self.token_bytes: Callable[[int], bytes] = functools.lru_cache(maxsize=65536)(self._bytes)
 
     def _bytes(self, token_id: int) -> bytes:

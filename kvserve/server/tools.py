@@ -66,9 +66,11 @@ class ToolPlan:
         raise KeyError(name)
 
     def spec(self) -> Optional[StructuredOutputsParams]:
-        """The grammar that forces a call (required / named), else None."""
+        """The grammar that forces a call (required / named), else None. Argument objects are
+        closed unless their schema opens them (``strict``): a key outside the schema would
+        break the caller's ``fn(**arguments)``."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=self.parameters(self.named))
+            return StructuredOutputsParams(json=self.parameters(self.named), strict=True)
         if self.mode != "required":
             return None
         variants = [{"type": "object",
@@ -80,7 +82,7 @@ class ToolPlan:
                                   "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, strict=True)
 
     def known(self, name: Any) -> bool:
         return any(t.function.name == name for t in self.tools)
