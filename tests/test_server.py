@@ -129,6 +129,16 @@ def test_models_health_openapi(tiny):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
+def test_docs_pages_load_their_assets_from_the_server(tiny):
+    """/docs and /redoc work offline: every script and style they load is served here."""
+    for page in ("/docs", "/redoc"):
+        html = httpx.get(tiny.url + page).text
+        assets = re.findall(r'(?:src|href)=["\']([^"\']+\.(?:js|css))', html)
+        assert assets and all(a.startswith("/") for a in assets), (page, assets)
+        for asset in assets:
+            assert httpx.get(tiny.url + asset).status_code == 200, asset
+
+
 def test_completion_matches_offline_streamed_or_not(tiny, offline):
     prompt = PROMPTS[0]
     ref = offline.generate(prompt, greedy(20))[0].outputs[0]

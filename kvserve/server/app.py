@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi_offline import FastAPIOffline
 
 from kvserve.config import ConfigError
 from kvserve.server.chat import create_chat_completion
@@ -79,8 +80,10 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
         async_engine.start()
         yield
 
-    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible API of the kvserve inference engine.")
+    # /docs and /redoc from assets shipped in a package (fastapi-offline), not a CDN: the page
+    # works on a machine with no internet, as a server here usually is.
+    app = FastAPIOffline(title="kvserve", version="0.1.0", lifespan=lifespan,
+                         description="OpenAI-compatible API of the kvserve inference engine.")
     app.state.ctx = ctx
     install_error_handlers(app, on_server_rejection=metrics.count_server_rejection,
                            counted_paths=GENERATION_PATHS)
