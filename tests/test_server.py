@@ -833,9 +833,12 @@ def test_kvserve_serve_drains_on_sigterm(tmp_path):
 
 
 def test_kvserve_serve_aborts_what_outlasts_the_shutdown_timeout(tmp_path):
-    with kvserve_serve(tmp_path, "--shutdown-timeout", "0.5") as (proc, url, log_path):
-        (events,) = _streams_then_sigterm(proc, url, num_streams=1, max_tokens=MAX_LEN - 16)
+    # A stream of ~4,000 tokens: several seconds even on a fast, quiet machine, where the tiny
+    # model writes a few hundred tokens within the half-second timeout.
+    long = 4096
+    with kvserve_serve(tmp_path, "--shutdown-timeout", "0.5", "--max-model-len", str(long)) as (proc, url, log_path):
+        (events,) = _streams_then_sigterm(proc, url, num_streams=1, max_tokens=long - 64)
         reasons = _finish_reasons(events)
-        assert reasons[-1] == "abort" and len(reasons) < MAX_LEN - 16
+        assert reasons[-1] == "abort" and len(reasons) < long - 64
         assert proc.wait(timeout=60) == 0, log_path.read_text()
         assert "aborted 1 request" in log_path.read_text()
