@@ -63,7 +63,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "running request asks for logprobs, a grammar or penalties and none waits "
                         "(streams get bursts of up to N tokens)")
     g.add_argument("--kernel-config", default=None, metavar="JSON", type=_parse_kernel_config,
-                   help='CPU kernel routes and numerics, e.g. \'{"bf16_route": "dot", "step_teams": false}\' '
+                   help='CPU kernel routes and numerics, e.g. \'{"attention_route": "widened", "step_teams": false}\' '
                         "(keys: native_kernels, cpu_march, bf16_route, attention_route, step_teams, "
                         "batch_invariant, shm_collectives, time_collectives)")
 

@@ -127,6 +127,11 @@ def _warn_amx_unused(ext: Any) -> None:
                    ext.amx_bf16_status())
 
 
+def applied_kernel_config() -> Optional[KernelConfig]:
+    """The resolved kernel configuration in force; None before any engine applied one."""
+    return _applied
+
+
 def batch_invariant() -> bool:
     """Whether every row's bits must not depend on the batch (KernelConfig.batch_invariant of the
     configuration in force; True before any engine applied one)."""

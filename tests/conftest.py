@@ -71,7 +71,7 @@ def _default_kernels_after():
     from kvserve import ops
     from kvserve.config import KernelConfig
 
-    applied = ops._applied
+    applied = ops.applied_kernel_config()
     if applied is not None and not (applied.native_kernels and applied.batch_invariant and applied.step_teams):
         ops.apply_kernel_config(KernelConfig())
 

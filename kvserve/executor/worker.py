@@ -62,7 +62,8 @@ class WorkerSpec:
     # The KV manager's groups (kv_cache_groups; global layer indices): one block table per
     # group in every step. Empty: one full group of every layer.
     kv_groups: tuple[KVCacheGroup, ...] = ()
-    kernel_config: KernelConfig = KernelConfig()  # EngineArgs.kernel_config, as the engine resolved it
+    # EngineArgs.kernel_config as the user gave it: each worker resolves it against its own CPU.
+    kernel_config: KernelConfig = KernelConfig()
 
     @property
     def driver_rank(self) -> int:
