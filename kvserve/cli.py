@@ -39,10 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "full group with the others, as before KV cache groups)")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    g.add_argument("--quantization", default=None, choices=["none", "bf16", "int8", "int4"],
+    g.add_argument("--quantization", default=None, choices=["none", "gguf", "bf16", "int8", "int4"],
                    help="weight format of the linear layers (activations stay in --dtype); "
-                        "int4 reuses GGUF Q4_1 blocks; default with --dtype auto on a CPU with "
-                        "AVX512-BF16: bf16")
+                        "gguf: a GGUF's own blocks, no float copy (the default for a quantized GGUF "
+                        "with --dtype auto on a CPU); int4 also reads GGUF blocks and adds prefill copies; "
+                        "default for other models with --dtype auto on a CPU with fast bf16: bf16")
     g.add_argument("--int4-prefill", default=EngineArgs.int4_prefill, choices=INT4_PREFILL_MODES,
                    help="int4 mode's prompt tokens: through bf16 copies of the weights (bf16), "
                         "through the 4-bit blocks (blocks), per layer the faster of those two on this "

@@ -28,7 +28,7 @@ from kvserve.executor.step import StepInput, StepOutput
 from kvserve.executor.multiproc import MultiprocExecutor
 from kvserve.executor.uniproc import UniProcExecutor
 from kvserve.executor.worker import WorkerSpec
-from kvserve.loader import load_config, load_model, return_freed_heap
+from kvserve.loader import load_config, load_model, return_freed_heap, source_has_blocks
 from kvserve.loader.resolve import resolve_model
 from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
@@ -65,14 +65,18 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_precision(dtype: str, quantization: Optional[str],
-                      device: torch.device) -> tuple[torch.dtype, Optional[str]]:
-    """(activation dtype, linear weight format). ``auto`` on a CPU with fast bf16 keeps fp32
-    activations and stores the linear weights in bf16: bf16 speed, near-fp32 accuracy."""
+                      device: torch.device, stored_blocks: bool = False) -> tuple[torch.dtype, Optional[str]]:
+    """(activation dtype, linear weight format). ``auto`` on a CPU keeps fp32 activations and
+    reads a quantized GGUF's own blocks (``stored_blocks``: the file has some), "gguf"; other
+    models' linear weights go to bf16 where the CPU has fast bf16: bf16 speed, near-fp32 accuracy."""
+    explicit_none = quantization == "none"
     quantization = None if quantization in (None, "none") else quantization
     if dtype != "auto":
         return _DTYPES[dtype], quantization
     if device.type == "cuda":
         return (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16), quantization
+    if quantization is None and stored_blocks and not explicit_none:
+        return torch.float32, "gguf"
     if quantization is None and cpu_has_fast_bf16():
         quantization = "bf16"
     return torch.float32, quantization
@@ -159,7 +163,9 @@ class LLMEngine:
         self.device = torch.device(args.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked for but torch sees no CUDA device")
-        self.dtype, self.weight_format = resolve_precision(args.dtype, args.quantization, self.device)
+        self.source = resolve_model(args.model)
+        self.dtype, self.weight_format = resolve_precision(args.dtype, args.quantization, self.device,
+                                                           stored_blocks=source_has_blocks(self.source))
         if args.kv_cache_dtype != "auto":
             kv_dtype: Union[str, torch.dtype] = args.kv_cache_dtype
         else:
@@ -167,7 +173,6 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         with _cyclic_gc_paused():
-            self.source = resolve_model(args.model)
             self.parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
             if self.parallel:
                 # The weights live in the worker processes; the engine needs only the shape.

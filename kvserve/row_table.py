@@ -71,7 +71,41 @@ class Q8Table(nn.Module):
         return self.dequantized(input_ids)
 
 
-RowSource = Union[torch.Tensor, Q8Table]
+class GGUFRows(nn.Module):
+    """A GGUF matrix read a row at a time from its blocks as the file stores them, in place:
+    ``raw`` uint8 ``[rows, row bytes]`` (a view of the file's mapped pages: no copy, and only the
+    pages of rows read are ever resident), ``ggml_type`` the GGUF type, ``in_features`` K. The
+    kernels dequantize each row as they read it (csrc/ggml_rows.h), with the values
+    kvserve.block_formats gives. Called with token ids it is the embedding lookup."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, in_features: int) -> None:
+        super().__init__()
+        self.raw = raw  # (not a buffer: a mapped file is not state to save or move)
+        self.ggml_type, self.in_features = int(ggml_type), int(in_features)
+        self.format = torch.tensor([self.ggml_type, self.in_features], dtype=torch.int64)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.raw.shape[0], self.in_features))
+
+    def dequantized(self, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows ``ids`` (any shape; all rows without) in fp32: ``[*ids.shape, K]``."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        raw = self.raw if ids is None else self.raw.index_select(0, ids.reshape(-1))
+        values = dequantize(raw.numpy(), GGMLQuantizationType(self.ggml_type)).astype("float32", copy=False)
+        values = torch.from_numpy(values.reshape(raw.shape[0], self.in_features))
+        return values if ids is None else values.view(*ids.shape, -1)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if ops.kernels_on(self.raw):  # the decoder's own lookup (row_table.h)
+            rows = ops.load_extension().table_rows(self.raw, self.format, input_ids.reshape(-1).contiguous())
+            return rows.view(*input_ids.shape, self.in_features)
+        return self.dequantized(input_ids)
+
+
+RowSource = Union[torch.Tensor, Q8Table, GGUFRows]
 
 
 def table_args(table: Union[nn.Module, RowSource]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -79,6 +113,8 @@ def table_args(table: Union[nn.Module, RowSource]) -> tuple[torch.Tensor, Option
     (Q8_0 values, scales). ``table``: an fp32 tensor, a Q8Table, or an embedding module (its weight)."""
     if isinstance(table, Q8Table):
         return table.qs, table.d
+    if isinstance(table, GGUFRows):
+        return table.raw, table.format
     if isinstance(table, nn.Module):
         return table.weight, None
     return table, None

@@ -159,8 +159,8 @@ class EngineArgs:
             raise ConfigError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
-        if self.quantization not in (None, "none", "bf16", "int8", "int4"):
-            raise ConfigError(f"unknown quantization {self.quantization!r}; use bf16, int8 or int4")
+        if self.quantization not in (None, "none", "gguf", "bf16", "int8", "int4"):
+            raise ConfigError(f"unknown quantization {self.quantization!r}; use gguf, bf16, int8 or int4")
         if self.int4_prefill not in INT4_PREFILL_MODES:
             raise ConfigError(f"unknown int4_prefill {self.int4_prefill!r}; use one of {', '.join(INT4_PREFILL_MODES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

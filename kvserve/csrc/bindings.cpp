@@ -6,6 +6,7 @@
 #include "decoder.h"
 #include "step_team.h"
 #include "amx_linear.h"
+#include "block_repack.h"
 #include "dense_linear.h"
 #include "quant_linear.h"
 #include "screen_linear.h"
@@ -36,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear);
   m.def("q8_linear_out", &q8_linear_out);
   m.def("q8_0_quantize", &q8_0_quantize);
+  m.def("gguf_nibble_tiles", &gguf_nibble_tiles);
+  m.def("gguf_byte_blocks", &gguf_byte_blocks);
   m.def("q8_0_reproduces", &q8_0_reproduces);
   // Step teams (step_team.h).
   m.def("set_step_teams", &kvserve::set_step_teams,
@@ -59,6 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_out", &bf16_linear_out);
   m.def("pack_bf16_weight", &pack_bf16_weight);
   m.def("fp32_linear", &fp32_linear);
+  m.def("table_rows", &table_rows, pybind11::arg("w"), pybind11::arg("w_scales"), pybind11::arg("ids"));
   m.def("gathered_rows_dot", &gathered_rows_dot, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("idx"),
         pybind11::arg("w_scales") = pybind11::none());
   m.def("set_portable_dense_kernels", &set_portable_dense_kernels);

@@ -837,6 +837,23 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return out;
 }
 
+torch::Tensor table_rows(torch::Tensor w, c10::optional<torch::Tensor> w_scales, torch::Tensor ids) {
+  const RowTable table(w, w_scales, "w");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(), "ids must be int64 [n]");
+  const int64_t n = ids.size(0), K = table.width(), V = table.rows();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "id ", ip[i], " out of range");
+  auto out = torch::empty({n, K}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  kvserve::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* row = table.row(ip[i], o + i * K);
+      if (row != o + i * K) std::memcpy(o + i * K, row, K * sizeof(float));
+    }
+  });
+  return out;
+}
+
 torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor idx,
                                 c10::optional<torch::Tensor> w_scales) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,

@@ -21,6 +21,8 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 // out[s, j] = x[s] . w[idx[s, j]] (fp32), the LM head's rescoring of its top candidates, each
 // dot product in the order fp32_linear uses; w an fp32 table, or its Q8_0 blocks with w_scales
 // (row_table.h: the same rows, so the same sums).
+// Rows ids of the table (w, w_scales) (row_table.h) as fp32 [n, K]: the embedding lookup.
+torch::Tensor table_rows(torch::Tensor w, c10::optional<torch::Tensor> w_scales, torch::Tensor ids);
 torch::Tensor gathered_rows_dot(torch::Tensor x, torch::Tensor w, torch::Tensor idx,
                                 c10::optional<torch::Tensor> w_scales = c10::nullopt);
 

@@ -289,6 +289,86 @@ struct Q5Tiles {
 #endif
 };
 
+// Q4_K in its own bits: 4.625 per weight against the file's 4.5 (the fp32-scale tiles above
+// take 6). Per tile of 16 rows and super-block of 256 inputs: its 8 groups, each 256 bytes of
+// nibbles then the rows' 6-bit scales sc (16 bytes) and mins mn (16 bytes), then the rows' d
+// and dmin (fp16, 32 bytes each): 2368 bytes. The kernels form each group's d * sc and
+// -(dmin * mn) in fp32, exact, the very values the fp32-scale tiles store: the same outputs,
+// bit for bit, from 0.77x the bytes.
+struct Q4KTiles {
+  static constexpr bool kOffset = true;
+  static constexpr int kMaxValue = 15;
+  static constexpr int64_t kGroupBytes = kTileNibbleBytes + 2 * kTileRows;  // a group's nibbles, sc and mn
+  static constexpr int64_t kSuperBytes = 8 * kGroupBytes + 2 * kTileRows * 2;
+  const uint8_t* packed;
+  int64_t groups, chunks;
+
+  const uint8_t* super_block(int64_t tile, int64_t g) const { return packed + (tile * (groups / 8) + g / 8) * kSuperBytes; }
+  const uint8_t* group(int64_t tile, int64_t g) const { return super_block(tile, g) + (g % 8) * kGroupBytes; }
+  // Row r's d (half 0) or dmin (half 1) of the super-block holding group g.
+  float super_scale(int64_t tile, int64_t g, int64_t r, int half) const {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(super_block(tile, g) + 8 * kGroupBytes) + half * kTileRows;
+    return fp16_bits_to_float(h[r]);
+  }
+  float portable_scale(int64_t n, int64_t c, int half) const {
+    const int64_t t = n / kTileRows, r = n % kTileRows, g = 2 * c + half;
+    return super_scale(t, g, r, 0) * static_cast<float>(group(t, g)[kTileNibbleBytes + r]);
+  }
+  float portable_offset(int64_t n, int64_t c, int half) const {
+    const int64_t t = n / kTileRows, r = n % kTileRows, g = 2 * c + half;
+    return -(super_scale(t, g, r, 1) * static_cast<float>(group(t, g)[kTileNibbleBytes + kTileRows + r]));
+  }
+  std::pair<int, int> portable_values(int64_t n, int64_t c, int half, int j) const {
+    const uint8_t byte = tile_byte(group(n / kTileRows, 2 * c + half), n % kTileRows, j);
+    return {byte & 15, byte >> 4};
+  }
+#ifdef KVSERVE_Q4_AVX512
+  static void values(const uint8_t*, __m512i (&)[4], __m512i (&)[4]) {}
+  void scales(const uint8_t* p, int64_t t, int64_t g, __m512& d, __m512& m) const {
+    const uint8_t* s = super_block(t, g) + 8 * kGroupBytes;
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes))));
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 16))));
+    d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))), sc);
+    const __m512 dmin_mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))), mn);
+    m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin_mn), _mm512_set1_epi32(INT32_MIN)));
+    // The products stand as computed: the extension's -fassociative-math would otherwise fold
+    // d * sc into the kernel's later d * s (a different rounding than the stored fp32 scales').
+    asm("" : "+v"(d), "+v"(m));
+  }
+#endif
+#ifdef KVSERVE_QUANT_AVX2
+  static void values(const uint8_t*, int, __m256i (&)[4], __m256i (&)[4]) {}
+  void scales(const uint8_t* p, int64_t t, int64_t g, int h, __m256& d, __m256& m) const {
+    const uint8_t* s = super_block(t, g) + 8 * kGroupBytes;
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 8 * h))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 16 + 8 * h))));
+    d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * h))), sc);
+    const __m256 dmin_mn = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32 + 16 * h))), mn);
+    m = _mm256_xor_ps(dmin_mn, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN)));
+    asm("" : "+x"(d), "+x"(m));  // (as the AVX512 scales: no reassociation past this point)
+  }
+#endif
+};
+
+// The tile group's rows' scales and offsets: per group's own bytes (Q4Tiles, Q5Tiles), or with
+// its super-block's (Q4KTiles).
+#ifdef KVSERVE_Q4_AVX512
+template <typename Tiles>
+inline void tile_scales(const Tiles&, const uint8_t* p, int64_t, int64_t, __m512& d, __m512& m) { Tiles::scales(p, d, m); }
+inline void tile_scales(const Q4KTiles& w, const uint8_t* p, int64_t t, int64_t g, __m512& d, __m512& m) {
+  w.scales(p, t, g, d, m);
+}
+#endif
+#ifdef KVSERVE_QUANT_AVX2
+template <typename Tiles>
+inline void tile_scales(const Tiles&, const uint8_t* p, int64_t, int64_t, int h, __m256& d, __m256& m) {
+  Tiles::scales(p, h, d, m);
+}
+inline void tile_scales(const Q4KTiles& w, const uint8_t* p, int64_t t, int64_t g, int h, __m256& d, __m256& m) {
+  w.scales(p, t, g, h, d, m);
+}
+#endif
+
 #ifdef KVSERVE_Q4_AVX512
 template <>
 inline void Q4Tiles<uint16_t>::scales(const uint8_t* p, __m512& d, __m512& m) {
@@ -438,7 +518,7 @@ void nibble_tiles_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N, cons
       load_tile_nibbles(p, Tiles::kGroupBytes, low, high);
       Tiles::values(p, low, high);
       __m512 d, m;
-      Tiles::scales(p, d, m);
+      tile_scales(w, p, t, g, d, m);
       for (int r = 0; r < MR; ++r) {
         const int64_t ag = (r0 + r) * groups + g;
         const int8_t* x = act.bytes + ag * 64;
@@ -493,7 +573,7 @@ void nibble_tiles_avx2(const Tiles& w, int64_t t0, int64_t t1, int64_t N, const 
         load_tile_half_nibbles(p, h, low, high);
         Tiles::values(p, h, low, high);
         __m256 d, m;
-        Tiles::scales(p, h, d, m);
+        tile_scales(w, p, t, g, h, d, m);
         for (int r = 0; r < MR; ++r) {
           const int64_t ag = (r0 + r) * groups + g;
           const int8_t* x = act.bytes + ag * 64;
@@ -692,13 +772,15 @@ torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, tor
 void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                              c10::optional<torch::Tensor> bias) {
   const int64_t group_bytes = packed.dim() == 3 ? packed.size(2) : 0;
-  const bool q5 = group_bytes == Q5Tiles::kGroupBytes;
+  const bool q5 = group_bytes == Q5Tiles::kGroupBytes, q4_k = group_bytes == Q4KTiles::kSuperBytes;
   // kvserve profile's labels, every caller
   RECORD_FUNCTION(q5 ? "kvserve::q5_linear" : "kvserve::q4_linear", std::vector<c10::IValue>());
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-                  (q5 || group_bytes == Q4Tiles<uint16_t>::kGroupBytes || group_bytes == Q4Tiles<float>::kGroupBytes),
-              "packed must be uint8 [ceil(N / 16), Kp / 32, 320 | 384 | 352] (kvserve.quant.tile_nibbles)");
-  const int64_t N = out.size(1), groups = packed.size(1), Kp = groups * kGroup, K = x.size(1);
+                  (q5 || q4_k || group_bytes == Q4Tiles<uint16_t>::kGroupBytes ||
+                   group_bytes == Q4Tiles<float>::kGroupBytes),
+              "packed must be uint8 [ceil(N / 16), Kp / 32, 320 | 384 | 352] (kvserve.quant.tile_nibbles) "
+              "or [ceil(N / 16), K / 256, 2368] (Q4_K's own tiles)");
+  const int64_t N = out.size(1), groups = packed.size(1) * (q4_k ? 8 : 1), Kp = groups * kGroup, K = x.size(1);
   check_linear_rows(x, out, N);
   TORCH_CHECK(packed.size(0) == (N + kTileRows - 1) / kTileRows, "packed holds ", packed.size(0) * kTileRows,
               " rows, out ", N);
@@ -707,6 +789,8 @@ void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor p
   const int64_t chunks = Kp / kChunk;
   if (q5) {
     nibble_tiles_out(Q5Tiles{p, groups, chunks}, out, x, N, bias);
+  } else if (q4_k) {
+    nibble_tiles_out(Q4KTiles{p, groups, chunks}, out, x, N, bias);
   } else if (group_bytes == Q4Tiles<float>::kGroupBytes) {
     nibble_tiles_out(Q4Tiles<float>{p, groups, chunks}, out, x, N, bias);
   } else {

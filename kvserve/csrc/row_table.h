@@ -3,7 +3,9 @@
 // (kvserve.row_table.Q8Table: int8 values q [rows, K], the fp16 bits of a scale d per 32 values
 // [rows, K / 32]). GGUF files store both models' embeddings as Q8_0: each value d * q is a
 // product exact in fp32, so a row read from the blocks has the bits of the fp32 table's row,
-// in 0.27x its bytes (Gemma 3: 178 MB against 671 MB).
+// in 0.27x its bytes (Gemma 3: 178 MB against 671 MB). Or a GGUF tensor's blocks as the file
+// stores them, in place (the file's mapped pages): each row dequantized as it is read
+// (ggml_rows.h), with the values kvserve.block_formats gives.
 #pragma once
 
 #include <torch/extension.h>
@@ -11,6 +13,7 @@
 #include <cstdint>
 
 #include "fp16.h"
+#include "ggml_rows.h"
 
 class RowTable {
  public:
@@ -30,6 +33,17 @@ class RowTable {
       return;
     }
     const torch::Tensor& d = *scales;
+    if (d.scalar_type() == torch::kInt64) {  // GGUF blocks as stored (kvserve.row_table.GGUFRows)
+      TORCH_CHECK(values.scalar_type() == torch::kUInt8 && d.numel() == 2, name,
+                  ": GGUF rows are uint8 [rows, row bytes] with the int64 (GGML type, K)");
+      const int64_t* format = d.data_ptr<int64_t>();
+      ggml_type_ = format[0];
+      K_ = format[1];
+      TORCH_CHECK(ggml_row_bytes(ggml_type_, K_) == values.size(1), name, ": GGML type ", ggml_type_,
+                  " with K = ", K_, " does not have rows of ", values.size(1), " bytes");
+      raw_ = values.data_ptr<uint8_t>();
+      return;
+    }
     TORCH_CHECK(values.scalar_type() == torch::kInt8 && K_ % kGroup == 0 && values.is_contiguous(), name,
                 "'s Q8_0 values must be a contiguous int8 [rows, K], K a multiple of 32");
     TORCH_CHECK(d.scalar_type() == torch::kInt16 && d.is_contiguous() && d.dim() == 2 && d.size(0) == rows_ &&
@@ -46,6 +60,10 @@ class RowTable {
   // Row r as fp32: the table's own memory, or `buf` (K floats) filled with d * q.
   const float* row(int64_t r, float* buf) const {
     if (f32_ != nullptr) return f32_ + r * stride_;
+    if (raw_ != nullptr) {
+      ggml_dequantize_row(ggml_type_, raw_ + r * stride_, K_, buf);
+      return buf;
+    }
     const int8_t* q = q_ + r * K_;
     const uint16_t* d = d_ + r * (K_ / kGroup);
     for (int64_t g = 0; g < K_ / kGroup; ++g) {
@@ -62,6 +80,7 @@ class RowTable {
       for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line);
     };
     if (f32_ != nullptr) return fetch(f32_ + r * stride_, K_ * static_cast<int64_t>(sizeof(float)));
+    if (raw_ != nullptr) return fetch(raw_ + r * stride_, ggml_row_bytes(ggml_type_, K_));
     fetch(q_ + r * K_, K_);
     fetch(d_ + r * (K_ / kGroup), K_ / kGroup * static_cast<int64_t>(sizeof(uint16_t)));
   }
@@ -71,4 +90,6 @@ class RowTable {
   const float* f32_ = nullptr;
   const int8_t* q_ = nullptr;
   const uint16_t* d_ = nullptr;
+  const uint8_t* raw_ = nullptr;
+  int64_t ggml_type_ = -1;
 };

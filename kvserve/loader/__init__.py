@@ -15,7 +15,13 @@ from kvserve.loader.resolve import ModelSource, resolve_model
 from kvserve.loader.safetensors import config_from_hf, iter_safetensors_weights, read_hf_config
 from kvserve.models.registry import get_model_class
 
-__all__ = ["ModelSource", "resolve_model", "load_model", "load_config", "build_model"]
+__all__ = ["ModelSource", "resolve_model", "load_model", "load_config", "build_model", "source_has_blocks"]
+
+
+def source_has_blocks(source: ModelSource) -> bool:
+    """Whether the model is a GGUF file that stores some matrix in a block format."""
+    from kvserve.loader.gguf_blocks import has_quantized_matrices
+    return source.kind == "gguf" and has_quantized_matrices(open_gguf(source.path))
 
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
@@ -83,11 +89,31 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                pp: Optional[PipelineStage] = None,
                int4_prefill: str = "auto") -> tuple[nn.Module, ModelConfig]:
     """Build the model (this rank's shard with ``tp``, its stage's layers with ``pp``);
-    ``quantization`` ("bf16" | "int8" | "int4") stores the linear layers' weights in that format (activations stay in ``dtype``),
+    ``quantization`` "gguf": a GGUF's linear layers on the file's own blocks, no float copy
+    (kvserve.loader.gguf_blocks; shards, stages and CUDA take "int4" instead); ("bf16" | "int8" | "int4") stores the linear layers' weights in that format (activations stay in ``dtype``),
     reusing the GGUF's Q4_1 blocks for int4 where there are any; ``int4_prefill``: which int4
     layers also hold a copy of their weights (bf16 or int8) for prompt tokens
     (kvserve.quant.convert_linear_layers)."""
     sharded = tp is not None and tp.world_size > 1
+    if quantization == "gguf" and source.kind != "gguf":
+        quantization = None  # (a draft model from safetensors: its own format, float)
+    if quantization == "gguf":
+        if sharded or pp is not None or torch.device(device).type != "cpu" or dtype != torch.float32:
+            # Shards and stages are cut from float weights; the 4-bit mode reads the file's
+            # blocks where it can.
+            quantization, int4_prefill = "int4", "blocks"
+        else:
+            from kvserve.loader.gguf_blocks import build_gguf_model
+            from kvserve.models.fused import attach_fused_layers
+
+            gf = open_gguf(source.path)
+            config = config_from_gguf(gf)
+            config.name = source.name
+            model, counts = build_gguf_model(gf, config)
+            model.weight_format_counts = counts
+            attach_fused_layers(model)
+            return_freed_heap()
+            return model, config
     model, config = _load_float_model(source, dtype, device, tp if sharded else None, pp)
     if quantization:
         from kvserve.quant import convert_linear_layers

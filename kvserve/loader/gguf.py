@@ -205,6 +205,19 @@ def gguf_to_hf_name(gguf_arch: str, gguf_name: str) -> Optional[str]:
     return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
 
 
+def hf_to_gguf_names(gf: GGUFFile, config: ModelConfig) -> dict[str, str]:
+    """HF parameter name -> the file's tensor name, for every model weight in the file."""
+    out = {}
+    for gguf_name in gf.tensors:
+        if gguf_name == ROPE_FREQS_TENSOR:
+            continue  # folded into config.rope_scaling
+        hf_name = gguf_to_hf_name(gf.architecture, gguf_name)
+        if hf_name is None:
+            raise ConfigError(f"{gf.path}: unexpected tensor '{gguf_name}' for architecture '{gf.architecture}'")
+        out[hf_name] = gguf_name
+    return out
+
+
 def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
     """Row order that undoes llama.cpp's q/k permutation: ``hf = gguf[rows]``.
 
@@ -214,7 +227,8 @@ def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
     return np.arange(n_rows).reshape(n_heads, half, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _row_order(gguf_arch: str, gguf_name: str, config: ModelConfig, n_rows: int) -> Optional[np.ndarray]:
+def row_order_of(gguf_arch: str, gguf_name: str, config: ModelConfig, n_rows: int) -> Optional[np.ndarray]:
+    """The row order that gives the HF layout of tensor ``gguf_name`` (None: as stored)."""
     if not GGUF_ARCHITECTURES[gguf_arch][2]:
         return None
     if ".attn_q." in gguf_name:
@@ -258,7 +272,7 @@ def iter_gguf_weights(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, 
         if hf_name is None:
             raise ConfigError(f"{gf.path}: unexpected tensor '{gguf_name}' for architecture '{arch}'")
         values = dequantize_tensor(gf.raw(gguf_name), info.quant_type, tuple(info.shape))
-        rows = _row_order(arch, gguf_name, config, info.shape[0])
+        rows = row_order_of(arch, gguf_name, config, info.shape[0])
         if rows is not None:
             values = values[rows]
         if arch == "gemma3" and gguf_name.endswith("norm.weight"):
@@ -277,6 +291,6 @@ def quantized_weights(gf: GGUFFile, config: ModelConfig) -> dict[str, QuantizedT
         if hf_name is None or info.quant_type in (Q.F32, Q.F16, Q.BF16):
             continue
         data = gf.raw(gguf_name)
-        rows = _row_order(arch, gguf_name, config, info.shape[0])
+        rows = row_order_of(arch, gguf_name, config, info.shape[0])
         out[hf_name] = QuantizedTensor(info.quant_type, data[rows] if rows is not None else data, info.shape)
     return out

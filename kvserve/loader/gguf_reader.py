@@ -208,6 +208,17 @@ class GGUFFile:
             raise ConfigError(f"{self.path}: GGUF has no general.architecture")
         return arch
 
+    def release(self, name: str) -> None:
+        """Hand back this process's mapping of the tensor's pages (they stay in the page cache;
+        a later read maps them again): what was read once to build a layer in another layout
+        need not count in the process's resident memory."""
+        info = self.tensors[name]
+        start = info.offset - info.offset % mmap.PAGESIZE
+        end = info.offset + info.nbytes
+        end -= end % mmap.PAGESIZE  # (whole pages only: a neighbour may be in use)
+        if end > start and hasattr(self._mmap, "madvise"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored, zero-copy: unquantized types as a typed array of
         ``info.shape``; quantized types as uint8 ``[..., row_bytes]`` (one row per output)."""

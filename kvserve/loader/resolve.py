@@ -16,6 +16,8 @@ from kvserve import environment
 from kvserve.config import DEFAULT_MODEL, ConfigError
 from kvserve.loader.gguf import open_gguf
 from kvserve.loader.gguf_reader import GGUF_MAGIC
+from kvserve.loader.synthetic import parse_spec as parse_synthetic_spec
+from kvserve.loader.synthetic import synthetic_path
 from kvserve.loader.safetensors import config_from_hf, read_hf_config, safetensors_files
 from kvserve.models.testing import TINY_HEADS_PATTERN, TINY_MODELS
 
@@ -84,6 +86,11 @@ def _hf_dir_source(path: Path) -> ModelSource:
 def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Optional[Path] = None) -> ModelSource:
     if spec in TINY_MODELS or TINY_HEADS_PATTERN.match(spec):
         return ModelSource(kind="tiny", path=None, name=spec)
+    synthetic = parse_synthetic_spec(spec)
+    if synthetic is not None:
+        cache = Path(cache_dir) if cache_dir else default_cache_dir()
+        tokenizer = _smollm2_path(cache)  # the tokenizer every synthetic file carries
+        return _gguf_source(synthetic_path(*synthetic, tokenizer, cache), spec)
     if spec in KNOWN_MODELS:
         path = KNOWN_MODELS[spec](Path(cache_dir) if cache_dir else default_cache_dir())
         if not path.is_file():
@@ -97,4 +104,5 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Optional[Path] = None) -
     if spec.endswith(".gguf") or os.sep in spec:
         raise ConfigError(f"model file not found: {spec}")
     known = ", ".join([*KNOWN_MODELS, *TINY_MODELS])
-    raise ConfigError(f"unknown model '{spec}' (known: {known}; or a .gguf file or an HF model directory)")
+    raise ConfigError(f"unknown model '{spec}' (known: {known}; a .gguf file, an HF model directory, or "
+                      "synthetic:<shape>:<format>, e.g. synthetic:llama-1b:Q4_K_M)")

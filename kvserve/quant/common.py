@@ -2,8 +2,10 @@
 the bias and forward helpers around kvserve's kernels, buffer sizes."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -58,3 +60,11 @@ def _block_quantized_forward_into(layer: nn.Module, x: torch.Tensor, buffer: Cal
 
 def _buffer_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def read_only_tensor(array: np.ndarray) -> torch.Tensor:
+    """A torch view of a numpy array that may be read-only (a mapped file's bytes), for kernels
+    that only read it: torch warns that writing it would be undefined; nothing here writes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(array))

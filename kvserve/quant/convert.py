@@ -36,7 +36,8 @@ def _gguf_block_linear(quant_type: str, data: np.ndarray, shape: tuple[int, ...]
     fmt = gguf_format(quant_type)
     if fmt is None:
         return None
-    return fmt.from_gguf(block_formats.unpack(quant_type, data, shape), shape, bias)
+    layer = fmt.from_gguf_raw(data, quant_type, shape, bias) if fmt.from_gguf_raw is not None else None
+    return layer if layer is not None else fmt.from_gguf(block_formats.unpack(quant_type, data, shape), shape, bias)
 
 
 def gguf_linear(raw_parts: list, bias: Optional[torch.Tensor]) -> Optional[DecodeFormatLinear]:
@@ -62,7 +63,8 @@ def gguf_linear(raw_parts: list, bias: Optional[torch.Tensor]) -> Optional[Decod
     return layers[0] if len(layers) == 1 else SegmentedLinear(layers)
 
 
-def _format_name(raw_parts: list) -> str:
+def format_name(raw_parts: list) -> str:
+    """How the start-up line names a layer read on these GGUF parts' own blocks."""
     types = "+".join(dict.fromkeys(p.quant_type.name for p in raw_parts))
     return f"{types} (as stored)"
 
@@ -105,7 +107,7 @@ def convert_linear_layers(model: nn.Module, weight_format: str,
             new, kind = Bf16Linear(module.weight, module.bias), "bf16"
         elif (weight_format == "int4" and all(r is not None for r in raw)
               and (blocks := gguf_linear(raw, module.bias)) is not None):
-            new, kind = blocks, _format_name(raw)
+            new, kind = blocks, format_name(raw)
         elif (weight_format == "int4" and module.in_features % INT4_GROUP_SIZE == 0
               and all(r is None for r in raw)):
             # Float checkpoints (safetensors, test models): quantize afresh.

@@ -55,9 +55,30 @@ def tile_nibbles(values: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor
     return torch.cat(parts, dim=-1).contiguous()
 
 
+Q4_K_SUPER_BYTES = 8 * (256 + 32) + 64  # csrc/quant_linear.cpp Q4KTiles::kSuperBytes
+
+
+def _untile_q4_k(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K's own tiles (block_repack.cpp) as (values, d * sc, -(dmin * mn)) per group of 32."""
+    tiles, supers, _ = packed.shape
+    rows = NIBBLE_TILE_ROWS
+    groups = packed[:, :, :8 * 288].reshape(tiles, supers * 8, 288)  # the tile groups, in order
+    values, _, _ = untile_nibbles(torch.cat([groups[..., :256], torch.zeros(tiles, supers * 8, 128, dtype=torch.uint8)],
+                                            dim=-1), n)
+    sc = groups[..., 256:272].float().permute(0, 2, 1)  # (tile, row, group)
+    mn = groups[..., 272:288].float().permute(0, 2, 1)
+    halves = packed[:, :, 8 * 288:].contiguous().view(torch.float16).float().view(tiles, supers, 2, rows)
+    d = halves[:, :, 0].permute(0, 2, 1).repeat_interleave(8, dim=-1)  # (tile, row, group)
+    dmin = halves[:, :, 1].permute(0, 2, 1).repeat_interleave(8, dim=-1)
+    flat = lambda t: t.reshape(tiles * rows, supers * 8)[:n]  # noqa: E731
+    return values, flat(d * sc), flat(-(dmin * mn))
+
+
 def untile_nibbles(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``tile_nibbles``' inverse: (values int32 ``[N, groups * 32]``, d, m fp32 ``[N, groups]``;
-    m None for Q5_0)."""
+    """``tile_nibbles``' inverse (and Q4_K's own tiles'): (values int32 ``[N, groups * 32]``, d, m
+    fp32 ``[N, groups]``; m None for Q5_0)."""
+    if packed.shape[-1] == Q4_K_SUPER_BYTES:
+        return _untile_q4_k(packed, n)
     tiles, groups, group_bytes = packed.shape
     rows, q5 = NIBBLE_TILE_ROWS, group_bytes == 352
     nib = packed[:, :, :256].reshape(tiles, groups, 4, rows, 4)  # (tile, group, i, row, c)

@@ -6,9 +6,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvserve import block_formats
+from gguf import GGMLQuantizationType
+
+from kvserve import block_formats, ops
 from kvserve.quant.bf16 import widened_bf16_kernel
-from kvserve.quant.common import INT4_GROUP_SIZE, _block_quantized_forward, _fp32_bias
+from kvserve.quant.common import INT4_GROUP_SIZE, _block_quantized_forward, _fp32_bias, read_only_tensor
 from kvserve.quant.decode_format import DecodeFormatLinear
 from kvserve.quant.nibbles import quantize_min_max, tile_nibbles, tiled_nibble_kernels, untile_nibbles
 
@@ -97,6 +99,26 @@ class Int4Linear(DecodeFormatLinear):
         scales[0, :, :k // 32], scales[1, :, :k // 32] = d, m
         dm = scales.view(2, n, kp // 64, 2).permute(1, 2, 0, 3).reshape(n, kp // 64, 4)
         return cls(qs, dm.float() if fp32_scales else dm.to(torch.float16).view(torch.int16), k, bias)
+
+    @classmethod
+    def from_gguf_raw(cls, data: np.ndarray, type_name: str, shape: tuple[int, ...],
+                      bias: Optional[torch.Tensor]) -> Optional["Int4Linear"]:
+        """The layer straight from a Q4_K or Q4_1 tensor's bytes (``[N, row bytes]``) into the
+        tiles, natively (block_repack.cpp: the values ``from_nibble_blocks`` gives, without its
+        temporaries); None where the kernels read rows or the extension is absent."""
+        ext = ops.load_extension()
+        if ext is None or not tiled_nibble_kernels() or type_name not in ("Q4_K", "Q4_1"):
+            return None
+        packed = ext.gguf_nibble_tiles(read_only_tensor(data), int(GGMLQuantizationType[type_name]), shape[-1])
+        layer = cls.__new__(cls)
+        DecodeFormatLinear.__init__(layer)
+        layer.out_features, layer.in_features = shape[0], shape[-1]
+        layer.fp32_scales = type_name == "Q4_K"
+        layer.register_buffer("bias", _fp32_bias(bias))
+        layer.register_buffer("packed", packed)
+        layer.register_buffer("qs", None)
+        layer.register_buffer("dm", None)
+        return layer
 
     @classmethod
     def from_nibble_blocks(cls, blocks: block_formats.NibbleBlocks, bias: Optional[torch.Tensor]) -> "Int4Linear":

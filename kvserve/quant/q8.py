@@ -6,10 +6,12 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from kvserve import block_formats
+from gguf import GGMLQuantizationType
+
+from kvserve import block_formats, ops
 from kvserve.config import ConfigError
 from kvserve.quant.common import (INT4_GROUP_SIZE, _block_quantized_forward, _block_quantized_forward_into, _fp32_bias,
-                                  _packed_by_kernel)
+                                  _packed_by_kernel, read_only_tensor)
 from kvserve.quant.decode_format import DecodeFormatLinear
 
 
@@ -44,6 +46,17 @@ class Q8Linear(DecodeFormatLinear):
         # Requantizing a dequantized Q8_0 tensor this way gives back its blocks exactly.
         q = torch.round(w / d.float().clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
         return q.view(n, k), d.view(torch.int16)
+
+    @classmethod
+    def from_gguf_raw(cls, data: np.ndarray, type_name: str, shape: tuple[int, ...],
+                      bias: Optional[torch.Tensor]) -> Optional["Q8Linear"]:
+        """The layer straight from a Q8_0 or Q6_K tensor's bytes, natively (block_repack.cpp:
+        ``from_byte_blocks``' values without its temporaries); None without the extension."""
+        ext = ops.load_extension()
+        if ext is None or type_name not in ("Q8_0", "Q6_K"):
+            return None
+        qs, d = ext.gguf_byte_blocks(read_only_tensor(data), int(GGMLQuantizationType[type_name]), shape[-1])
+        return cls(qs, d, bias)
 
     @classmethod
     def from_byte_blocks(cls, blocks: block_formats.ByteBlocks, bias: Optional[torch.Tensor]) -> "Q8Linear":

@@ -51,6 +51,8 @@ class WeightFormat:
     from_float: Optional[Callable[..., nn.Module]] = None
     gguf_types: tuple[str, ...] = ()
     from_gguf: Optional[Callable[[Any, tuple[int, ...], Optional[torch.Tensor]], nn.Module]] = None
+    # The layer from the tensor's bytes natively, where that applies (None: use from_gguf).
+    from_gguf_raw: Optional[Callable[[Any, str, tuple[int, ...], Optional[torch.Tensor]], Optional[nn.Module]]] = None
     streamed: tuple[str, ...] = ()
 
 
@@ -119,12 +121,14 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("w8a8", W8A8Linear, _w8a8_args, from_float=W8A8Linear.from_float),
     WeightFormat("q4", Int4Linear, _int4_args, from_float=Int4Linear.from_float, gguf_types=("Q4_1", "Q4_K"),
                  from_gguf=lambda blocks, shape, bias: Int4Linear.from_nibble_blocks(blocks, bias),
+                 from_gguf_raw=Int4Linear.from_gguf_raw,
                  streamed=("packed", "qs", "dm")),
     WeightFormat("q5", Q5Linear, _q5_args, gguf_types=("Q5_0",),
                  from_gguf=lambda blocks, shape, bias: Q5Linear(blocks, shape[-1], bias),
                  streamed=("packed", "qs", "qh", "d")),
     WeightFormat("q8", Q8Linear, _q8_args, from_float=Q8Linear.from_float, gguf_types=("Q8_0", "Q6_K"),
                  from_gguf=lambda blocks, shape, bias: Q8Linear.from_byte_blocks(blocks, bias),
+                 from_gguf_raw=Q8Linear.from_gguf_raw,
                  streamed=("qs", "d")),
     WeightFormat("segments", SegmentedLinear, _segments_args),
     # Ranks the LM head's vocabulary (RescoredLMHead calls it; the decoder does not).

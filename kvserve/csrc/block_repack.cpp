@@ -1,0 +1,143 @@
+// See block_repack.h. Values as kvserve.block_formats unpacks them (the tests compare the two).
+#include "block_repack.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "fp16.h"
+#include "ggml_rows.h"
+
+namespace {
+
+constexpr int64_t kTileRows = 16;
+
+void check_raw(const torch::Tensor& raw, int64_t type, int64_t K) {
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.stride(1) == 1,
+              "raw must be a CPU uint8 [rows, row bytes] tensor with contiguous rows");
+  TORCH_CHECK(ggml_row_bytes(type, K) == raw.size(1), "GGML type ", type, " with K = ", K, " does not have rows of ",
+              raw.size(1), " bytes");
+}
+
+// Group g's 32 values (0..15) of a Q4_1 row.
+void q4_1_group(const uint8_t* row, int64_t g, uint8_t* values) {
+  const uint8_t* block = row + g * 20;
+  for (int l = 0; l < 16; ++l) {
+    values[l] = block[4 + l] & 0xF;
+    values[l + 16] = block[4 + l] >> 4;
+  }
+}
+
+}  // namespace
+
+// Q4_K's own tiles (quant_linear.cpp's Q4KTiles): per tile and super-block, 8 groups of
+// [256 bytes of nibbles, sc[16], mn[16]], then d[16] and dmin[16] as stored (fp16).
+static torch::Tensor q4_k_tiles(const torch::Tensor& raw, int64_t K) {
+  constexpr int64_t kGroupBytes = 256 + 32, kSuperBytes = 8 * kGroupBytes + 64;
+  const int64_t N = raw.size(0), tiles = (N + kTileRows - 1) / kTileRows, supers = K / 256;
+  auto packed = torch::zeros({tiles, supers, kSuperBytes}, torch::kUInt8);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  const int64_t in_stride = raw.stride(0);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
+        const uint8_t* row = in + (t * kTileRows + r) * in_stride;
+        for (int64_t b = 0; b < supers; ++b) {
+          const uint8_t* block = row + 144 * b;
+          uint8_t* super = out + (t * supers + b) * kSuperBytes;
+          for (int j = 0; j < 8; ++j) {
+            int sc, mn;
+            ggml_rows_detail::scale_min_k4(j, block + 4, sc, mn);
+            const uint8_t* qs = block + 16 + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            uint8_t* p = super + j * kGroupBytes;
+            for (int i = 0; i < 4; ++i)
+              for (int c = 0; c < 4; ++c)
+                p[64 * i + 4 * r + c] = ((qs[4 * i + c] >> shift) & 0xF) | (((qs[16 + 4 * i + c] >> shift) & 0xF) << 4);
+            p[256 + r] = static_cast<uint8_t>(sc);
+            p[256 + 16 + r] = static_cast<uint8_t>(mn);
+          }
+          std::memcpy(super + 8 * kGroupBytes + 2 * r, block, 2);       // d
+          std::memcpy(super + 8 * kGroupBytes + 32 + 2 * r, block + 2, 2);  // dmin
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+torch::Tensor gguf_nibble_tiles(torch::Tensor raw, int64_t type, int64_t K) {
+  TORCH_CHECK(type == kGgmlQ4_K || type == kGgmlQ4_1, "gguf_nibble_tiles reads Q4_K and Q4_1");
+  check_raw(raw, type, K);
+  if (type == kGgmlQ4_K) return q4_k_tiles(raw, K);
+  const int64_t N = raw.size(0), tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t groups = (K + 63) / 64 * 2, stored_groups = K / 32;
+  const int64_t group_bytes = 256 + 2 * kTileRows * 2;  // the nibbles, the rows' fp16 d and m
+  auto packed = torch::zeros({tiles, groups, group_bytes}, torch::kUInt8);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  const int64_t in_stride = raw.stride(0);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    uint8_t values[32];
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
+        const uint8_t* row = in + (t * kTileRows + r) * in_stride;
+        for (int64_t g = 0; g < stored_groups; ++g) {
+          q4_1_group(row, g, values);
+          uint8_t* p = out + (t * groups + g) * group_bytes;
+          for (int i = 0; i < 4; ++i)
+            for (int c = 0; c < 4; ++c) p[64 * i + 4 * r + c] = values[4 * i + c] | (values[16 + 4 * i + c] << 4);
+          const uint8_t* block = row + g * 20;  // Q4_1's own fp16 d and m
+          std::memcpy(p + 256 + 2 * r, block, 2);
+          std::memcpy(p + 256 + 32 + 2 * r, block + 2, 2);
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+std::vector<torch::Tensor> gguf_byte_blocks(torch::Tensor raw, int64_t type, int64_t K) {
+  TORCH_CHECK(type == kGgmlQ8_0 || type == kGgmlQ6_K, "gguf_byte_blocks reads Q8_0 and Q6_K");
+  check_raw(raw, type, K);
+  const int64_t N = raw.size(0), in_stride = raw.stride(0);
+  const bool q6 = type == kGgmlQ6_K;
+  auto qs = torch::empty({N, K}, torch::kInt8);
+  auto d = q6 ? torch::empty({N, K / 16}, torch::kFloat32) : torch::empty({N, K / 32}, torch::kInt16);
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  int8_t* q = qs.data_ptr<int8_t>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = in + n * in_stride;
+      int8_t* qrow = q + n * K;
+      if (!q6) {
+        int16_t* drow = d.data_ptr<int16_t>() + n * (K / 32);
+        for (int64_t b = 0; b < K / 32; ++b) {
+          std::memcpy(drow + b, row + 34 * b, 2);
+          std::memcpy(qrow + 32 * b, row + 34 * b + 2, 32);
+        }
+        continue;
+      }
+      float* drow = d.data_ptr<float>() + n * (K / 16);
+      for (int64_t b = 0; b < K / 256; ++b) {
+        const uint8_t* block = row + 210 * b;
+        const uint8_t* ql = block;
+        const uint8_t* qh = block + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+        const float super = fp16_bits_to_float(static_cast<uint16_t>(block[208] | block[209] << 8));
+        for (int s = 0; s < 16; ++s) drow[16 * b + s] = super * static_cast<float>(sc[s]);
+        int8_t* y = qrow + 256 * b;
+        for (int half = 0; half < 2; ++half, ql += 64, qh += 32, y += 128) {
+          for (int l = 0; l < 32; ++l) {
+            y[l] = static_cast<int8_t>(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+            y[l + 32] = static_cast<int8_t>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+            y[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+            y[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+          }
+        }
+      }
+    }
+  });
+  return {qs, d};
+}

@@ -1,0 +1,19 @@
+// GGUF tensors' blocks, as the file stores them, into the layouts kvserve's kernels read, in one
+// pass per tensor (the numpy unpacking of a Llama-3.2-1B-sized file took ~30 s and 4 GB of
+// temporaries for its 128k-row Q6_K embedding alone).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+// Q4_K or Q4_1 rows (uint8 [N, row bytes], GGML type `type`, K weights a row) as the nibble
+// kernels' tiles: Q4_K in its own bits ([ceil(N / 16), K / 256, 2368], quant_linear.cpp's
+// Q4KTiles), Q4_1 in kvserve.quant.nibbles.tile_nibbles' layout ([ceil(N / 16), Kp / 32, 320]
+// with its fp16 d and m; Kp = K rounded up to 64, the groups past K zeros).
+torch::Tensor gguf_nibble_tiles(torch::Tensor raw, int64_t type, int64_t K);
+
+// Q8_0 or Q6_K rows as the 8-bit kernels' codes and scales (kvserve.quant.q8.Q8Linear): qs
+// int8 [N, K]; d the fp16 bits (int16) [N, K / 32] of Q8_0's scales, or Q6_K's d * sc in fp32
+// [N, K / 16] with the codes q - 32.
+std::vector<torch::Tensor> gguf_byte_blocks(torch::Tensor raw, int64_t type, int64_t K);
