@@ -127,3 +127,21 @@ def test_bad_embedding_requests_get_a_400(server, body, param, fragment):
     error = resp.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
     assert httpx.post(thread.url + "/v1/embeddings", json={"input": "ok"}).status_code == 200
+
+
+def test_embed_matches_hf_transformers_hidden_states(llm_factory):
+    """On the real default model in the parity mode (fp32), chunked by a small step budget: the
+    mean of transformers' last hidden states (after its final norm), to fp32 rounding."""
+    from hf_reference import hf_model_from_gguf
+    from kvserve.loader.resolve import resolve_model
+
+    name = "smollm2-135m-instruct"
+    llm = llm_factory(model=name, dtype="float32", quantization="none", max_num_batched_tokens=64)
+    token_ids = llm.tokenizer.encode("Quarterly revenue grew five percent, " * 16)
+    assert len(token_ids) > 64
+    (output,) = llm.embed([token_ids])
+    hf = hf_model_from_gguf(resolve_model(name).path)
+    with torch.inference_mode():
+        hidden = hf(torch.tensor([token_ids]), output_hidden_states=True).hidden_states[-1][0]
+    mean = hidden.double().mean(dim=0).numpy()
+    np.testing.assert_allclose(output.embedding, mean / np.linalg.norm(mean), atol=1e-5)
