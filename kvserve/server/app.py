@@ -283,8 +283,9 @@ def run_server(eargs, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     if template is not None:
         engine.tokenizer.hf.chat_template = template
     if not engine.tokenizer.has_chat_template:
-        logger.warning("%s has no chat template: /v1/chat/completions will answer 400 (serve "
-                       "it with --chat-template FILE|STRING); /v1/completions works",
+        logger.warning("%s has no chat template: /v1/chat/completions and /v1/responses will "
+                       "answer 400 (serve it with --chat-template FILE|STRING); /v1/completions "
+                       "and /v1/embeddings work, and the page at / sends plain prompts",
                        eargs.model)
     # What the load made lives as long as the server: out of the cyclic collector's way, a full
     # collection while serving walks only what serving made (Gemma 3's ~370k startup objects
