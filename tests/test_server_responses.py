@@ -4,7 +4,9 @@ each compared with what /v1/chat/completions gives for the same conversation (a 
 a chat completion underneath)."""
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -14,7 +16,13 @@ from conftest import track_engine
 from kvserve.async_engine import AsyncLLMEngine
 from kvserve.config import EngineArgs
 from kvserve.engine import LLMEngine
+from kvserve.request import CompletionOutput, RequestOutput, SamplingParams
+from kvserve.server import tools
 from kvserve.server.app import create_app
+from kvserve.server.chat import PreparedChat
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.responses import _ResponseWriter, chat_request
+from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.response_store import ResponseStore, StoredResponse
 from test_server import MAX_LEN, MODEL, TINY_ARGS, ServerThread, openai_client
 
@@ -182,3 +190,48 @@ def test_bad_responses_requests_get_a_clear_error(server, body, status, param, f
     error = resp.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
     assert client.responses.create(model=MODEL, input="ok", max_output_tokens=2).status in ("completed", "incomplete")
+
+
+def test_auto_tool_calls_come_as_function_call_items_streamed_or_not():
+    """tool_choice auto: the text before a ``<tool_call>`` block streams as output_text (a tail
+    that may open a block held back), the block becomes a function_call item, and the answer
+    not streamed has the same items. A scripted output: the tiny random model writes no calls."""
+    pieces = ["Let me check.", " <tool", '_call>{"name": "get_weather", ',
+              '"arguments": {"city": "Paris", "unit": "c"}}</tool_call>']
+    outputs, text = [], ""
+    for k, piece in enumerate(pieces):
+        text += piece
+        last = k == len(pieces) - 1
+        outputs.append(RequestOutput("resp_x", None, [1, 2, 3], [CompletionOutput(
+            0, text, list(range(k + 1)), finish_reason="stop" if last else None, delta_text=piece)], last))
+
+    class Scripted:
+        async def __aiter__(self):
+            for output in outputs:
+                yield 0, output
+
+    body = ResponsesRequest.model_validate({"input": "Weather?", "tools": [WEATHER]})
+    turns = [{"role": "user", "content": "Weather?"}]
+    chat = PreparedChat([1, 2, 3], SamplingParams(max_tokens=50), tools.plan_tools(chat_request(body, turns)))
+    assert chat.plan.mode == "auto"
+    ctx = SimpleNamespace(metrics=ServerMetrics(lambda: {}), model_name=MODEL)
+
+    async def run():
+        streamed = [e async for e in _ResponseWriter(ctx, ResponseStore(), body, chat, "resp_s", turns).events(Scripted())]
+        whole = await _ResponseWriter(ctx, ResponseStore(), body, chat, "resp_w", turns).collect(Scripted())
+        return streamed, json.loads(whole.body)
+
+    streamed, whole = asyncio.run(run())
+    events = [json.loads(e.split("data: ", 1)[1]) for e in streamed]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == "Let me check. "
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    for response in (final, whole):
+        message, call = response["output"]
+        assert message["content"][0]["text"] == "Let me check. "
+        assert call["type"] == "function_call" and call["name"] == "get_weather"
+        assert json.loads(call["arguments"]) == {"city": "Paris", "unit": "c"}
+        assert response["usage"]["output_tokens"] == len(pieces)
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.output_item.done") < kinds.index("response.function_call_arguments.done")
