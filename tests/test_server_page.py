@@ -128,3 +128,38 @@ def test_page_streams_a_chat_reply_and_shows_the_engine(server, browser):
     assert second["messages"][1]["content"] == reply
     wait_for(lambda: not browser.find_element(By.ID, "stop").is_enabled(), what="the second reply's end")
     assert "error" not in browser.find_element(By.ID, "messages").text
+    # Tools: the example tool goes out with the request (tool_choice auto).
+    browser.find_element(By.ID, "json_mode").click()
+    browser.find_element(By.ID, "tools_on").click()
+    assert browser.find_element(By.ID, "tools").is_displayed()
+    browser.find_element(By.ID, "prompt").send_keys("Weather in Paris?\n")
+    wait_for(lambda: len(browser.execute_script("return window.sentBodies")) == 3, what="the third request")
+    _, third = browser.execute_script("return window.sentBodies")[2]
+    assert third["tools"][0]["function"]["name"] == "get_weather" and "response_format" not in third
+    wait_for(lambda: not browser.find_element(By.ID, "stop").is_enabled(), what="the third reply's end")
+    assert "error" not in browser.find_element(By.ID, "messages").text
+    # Tools that are not JSON: said in the page, nothing sent.
+    browser.find_element(By.ID, "tools").send_keys("{")
+    browser.find_element(By.ID, "prompt").send_keys("Again\n")
+    wait_for(lambda: "tools:" in browser.find_element(By.ID, "messages").text, what="the tools' error")
+    assert len(browser.execute_script("return window.sentBodies")) == 3
+    # A call the model makes is shown in the reply (the request made to call, by the test).
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}}}
+    browser.execute_script("document.getElementById('tools').value = arguments[0]", json.dumps([tool]))
+    browser.execute_script("""
+        const fetch1 = window.fetch;
+        window.fetch = (url, init) => {
+            if (init && init.body) {
+                const body = JSON.parse(init.body);
+                body.tool_choice = {type: "function", function: {name: "pick"}};
+                init = {...init, body: JSON.stringify(body)};
+            }
+            return fetch1(url, init);
+        };
+    """)
+    browser.find_element(By.ID, "prompt").send_keys("Pick a colour\n")
+    wait_for(lambda: "→ pick(" in browser.find_element(By.ID, "messages").text, what="the call in the reply")
+    wait_for(lambda: not browser.find_element(By.ID, "stop").is_enabled(), what="the fourth reply's end")
+    call_text = browser.find_elements(By.CSS_SELECTOR, ".message .call")[-1].text
+    assert json.loads(call_text.removeprefix("→ pick(").removesuffix(")"))["colour"] in ("red", "blue")

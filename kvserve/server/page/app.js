@@ -95,6 +95,8 @@ function requestBody() {
                  temperature: numberInput("temperature"), top_p: numberInput("top_p"),
                  max_tokens: numberInput("max_tokens") };
   if ($("json_mode").checked) body.response_format = { type: "json_object" };
+  // Tools: the model may answer with calls (tool_choice "auto"); they are shown, not run.
+  if ($("tools_on").checked) body.tools = JSON.parse($("tools").value);
   if (state.chatTemplate) return ["/v1/chat/completions", { ...body, messages }];
   return ["/v1/completions", { ...body, prompt: plainPrompt(messages) }];
 }
@@ -108,12 +110,21 @@ async function send(text) {
   state.history.push({ role: "user", content: text });
   addMessage("user", text);
   const bubble = addMessage("assistant streaming", "");
-  const [url, body] = requestBody();
+  let url, body;
+  try {
+    [url, body] = requestBody();
+  } catch (e) {  // the tools are not JSON
+    bubble.className = "message error";
+    bubble.textContent = "tools: " + e.message;
+    state.history.pop();
+    return;
+  }
   const controller = new AbortController();
   state.controller = controller;
   setBusy(true);
   const started = performance.now();
   let firstAt = null, reply = "", usage = null, finish = null;
+  const calls = [];
   try {
     const resp = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body),
                                     signal: controller.signal });
@@ -131,6 +142,13 @@ async function send(text) {
         reply += delta;
         bubble.textContent = reply;
         bubble.scrollIntoView({ block: "end" });
+      }
+      for (const call of (choice.delta && choice.delta.tool_calls) || []) {
+        calls.push(call);  // (kvserve sends each call whole, in one delta)
+        const line = document.createElement("span");
+        line.className = "call";
+        line.textContent = `→ ${call.function.name}(${call.function.arguments})`;
+        bubble.appendChild(line);
       }
       if (choice.finish_reason) finish = choice.finish_reason;
     }
@@ -155,7 +173,9 @@ async function send(text) {
   } finally {
     bubble.classList.remove("streaming");
     // What the model said stays in the conversation, also when it was stopped.
-    state.history.push({ role: "assistant", content: reply });
+    const turn = { role: "assistant", content: reply };
+    if (calls.length) turn.tool_calls = calls.map((c) => ({ id: c.id, type: "function", function: c.function }));
+    state.history.push(turn);
     state.controller = null;
     setBusy(false);
   }
@@ -181,6 +201,7 @@ $("clear").addEventListener("click", () => {
   $("messages").textContent = "";
   $("last-stats").textContent = "";
 });
+$("tools_on").addEventListener("change", () => { $("tools").hidden = !$("tools_on").checked; });
 $("api_key").addEventListener("change", () => {
   sessionStorage.setItem("kvserve-api-key", $("api_key").value);
   loadModel();
