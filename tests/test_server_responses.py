@@ -111,6 +111,28 @@ def test_json_schema_text_format(server):
         assert isinstance(json.loads(anything.output_text), dict)
 
 
+def test_the_sdks_parse_and_stream_helpers(server):
+    """openai's responses.parse (a pydantic text_format) and responses.stream, whose state
+    machine checks the events' order and assembles the final response from them."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        confidence: Literal[1, 2, 3]
+
+    thread, client = server
+    parsed = client.responses.parse(model=MODEL, input="Is it?", text_format=Verdict, temperature=0,
+                                    max_output_tokens=50)
+    assert isinstance(parsed.output_parsed, Verdict)
+    with client.responses.stream(model=MODEL, input="Is it?", text_format=Verdict, temperature=0,
+                                 max_output_tokens=50) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.output_parsed == parsed.output_parsed and deltas == final.output_text == parsed.output_text
+
+
 def test_function_tools_and_their_results(server):
     thread, client = server
     # (one call: the tiny random model would otherwise go on adding calls to the array)
