@@ -4,7 +4,8 @@ there is work; each request has its own asyncio queue of outputs.
 The engine itself is single-threaded, and a step can take long (a prefill, a real model).
 So the event loop never waits for it: adds and aborts are queued (a thread-safe queue) and
 the engine thread applies them at the next step boundary, where an abort frees the request's
-blocks (a closed stream runs at most the one step in flight). What the server reads while
+blocks (a closed stream runs at most the one step in flight); an embedding is computed there
+too, so the model only ever runs on the engine thread. What the server reads while
 the engine steps (/metrics, the admission gate) is a snapshot of ``engine.stats()`` the engine
 thread takes after applying commands and after each step. The lock serialises the engine
 thread with ``call`` (tokenizing from worker threads), never with the event loop.
