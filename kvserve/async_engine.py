@@ -4,7 +4,8 @@ there is work; each request has its own asyncio queue of outputs.
 The engine itself is single-threaded, and a step can take long (a prefill, a real model).
 So the event loop never waits for it: adds and aborts are queued (a thread-safe queue) and
 the engine thread applies them at the next step boundary, where an abort frees the request's
-blocks (a closed stream runs at most the one step in flight). What the server reads while
+blocks (a closed stream runs at most the one step in flight); an embedding is computed there
+too, so the model only ever runs on the engine thread. What the server reads while
 the engine steps (/metrics, the admission gate) is a snapshot of ``engine.stats()`` the engine
 thread takes after applying commands and after each step. The lock serialises the engine
 thread with ``call`` (tokenizing from worker threads), never with the event loop.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Union
 
 from kvserve.engine import LLMEngine
+from kvserve.pooling import EmbeddingOutput
 from kvserve.executor.base import ExecutorError
 from kvserve.request import RequestOutput, SamplingParams
 
@@ -34,6 +36,13 @@ class _Add:
     request_id: str
     prompt: Union[str, list[int]]
     params: SamplingParams
+
+
+@dataclass
+class _Embed:
+    prompt: Union[str, list[int]]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 @dataclass
@@ -56,7 +65,7 @@ class AsyncLLMEngine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         # Commands from the event loop, applied by the engine thread between steps.
-        self._commands: "queue_module.SimpleQueue[Union[_Add, _Abort]]" = queue_module.SimpleQueue()
+        self._commands: "queue_module.SimpleQueue[Union[_Add, _Abort, _Embed]]" = queue_module.SimpleQueue()
         # Sequences queued to be added: the admission gate counts them as waiting until a
         # snapshot that includes them is taken.
         self._pending_sequences = 0
@@ -129,6 +138,9 @@ class AsyncLLMEngine:
                     self.engine.abort_request(command.request_id)
                     flush |= command.flush
                     continue
+                if isinstance(command, _Embed):
+                    self._embed(command)
+                    continue
                 added += command.params.n
                 try:
                     self.engine.add_request(command.request_id, command.prompt, command.params)
@@ -140,6 +152,26 @@ class AsyncLLMEngine:
             self._pending_sequences -= added
         if flush:  # the aborted outputs come out of the next step
             self._step()
+
+    def _embed(self, command: _Embed) -> None:
+        """Compute an embedding here, on the engine thread between steps (the model runs on
+        one thread), and resolve the caller's future with it or with the refusal."""
+        try:
+            result: Union[EmbeddingOutput, Exception] = self.engine.embed(command.prompt)
+        except Exception as exc:  # RequestRejected: the caller's 400; anything else its 500
+            result = exc
+
+        def resolve() -> None:
+            if command.future.done():  # the caller went away
+                return
+            if isinstance(result, Exception):
+                command.future.set_exception(result)
+            else:
+                command.future.set_result(result)
+        try:
+            command.loop.call_soon_threadsafe(resolve)
+        except RuntimeError:  # the caller's loop is gone
+            pass
 
     def _deliver(self, request_id: str, item: Union[RequestOutput, Exception]) -> None:
         entry = self._queues.get(request_id)
@@ -196,6 +228,18 @@ class AsyncLLMEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def embed(self, prompt: Union[str, list[int]]) -> EmbeddingOutput:
+        """The prompt's embedding (``LLMEngine.embed``), computed by the engine thread at its
+        next step boundary: the event loop never waits for the model. Raises RequestRejected
+        for a prompt the model cannot take."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine stopped: {self.dead_reason}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(_Embed(prompt, loop, future))
+        self._wakeup.set()
+        return await future
 
     def abort(self, request_id: str, flush: bool = False) -> None:
         """Queue an abort; the engine thread applies it (and frees the blocks) at the next

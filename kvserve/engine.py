@@ -32,6 +32,7 @@ from kvserve.loader import load_config, load_model, return_freed_heap, source_ha
 from kvserve.loader.resolve import resolve_model
 from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
+from kvserve.pooling import EmbeddingOutput, mean_pool
 from kvserve.quant import has_prefill_copies, prefill_copy_bytes, prefill_copy_format
 from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected, RequestStatus,
                              SamplingParams)
@@ -392,6 +393,27 @@ class LLMEngine:
         self.output_processor.add_group(request_id, prompt_text, prompt_ids, children)
         self.counters.prompt_tokens += len(prompt_ids)
         return request_id
+
+    def embed(self, prompt: Union[str, list[int]], normalize: bool = True) -> EmbeddingOutput:
+        """The prompt's embedding: its final-norm hidden states mean-pooled over its positions
+        and, with ``normalize``, L2-normalised (kvserve/pooling.py). Runs the model's forward
+        over the prompt now, outside any step (call it between steps, from the thread that
+        steps), in a KV cache of its own (executor/hidden_states.py): the scheduler, the pool
+        and the prefix cache see nothing of it. Raises RequestRejected for a prompt the model
+        cannot take (empty, too long, a token id outside the vocabulary) or a parallel engine."""
+        _, token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:  # a tokenizer without byte fallback can drop every character
+            raise RequestRejected("the input has no tokens: the tokenizer keeps nothing of its text")
+        if len(token_ids) > self.max_model_len:
+            raise RequestRejected(f"the input has {len(token_ids)} tokens, more than this model's "
+                                  f"context of {self.max_model_len} tokens")
+        if self.parallel:
+            raise RequestRejected("embeddings are not served with tensor or pipeline parallelism "
+                                  "(the model's hidden states are split over its worker processes)")
+        apply_kernel_config(self.kernel_config)  # (another engine in this process may differ)
+        with label("embed"):
+            hidden = self.executor.prompt_hidden_states(token_ids, self.args.max_num_batched_tokens)
+        return EmbeddingOutput(token_ids, mean_pool(hidden, normalize).tolist())
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         """Abort now: blocks of every child are freed before this returns."""

@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from kvserve.config import DEFAULT_MODEL, EngineArgs
 from kvserve.engine import LLMEngine
+from kvserve.pooling import EmbeddingOutput
 from kvserve.request import RequestOutput, SamplingParams
 
 Prompt = Union[str, list[int], dict]
@@ -62,6 +63,13 @@ class LLM:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         # The template already carries BOS where the model wants one.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def embed(self, prompts: Union[Prompt, Sequence[Prompt]], normalize: bool = True) -> list[EmbeddingOutput]:
+        """Each prompt's embedding (mean-pooled final-norm hidden states, unit length unless
+        ``normalize`` is False; ``LLMEngine.embed``), in prompt order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [self.engine.embed(_prompt_input(p), normalize) for p in prompts]
 
     def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
                request_id: Optional[str] = None) -> Iterator[RequestOutput]:

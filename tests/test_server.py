@@ -631,6 +631,11 @@ def test_chat_to_a_model_without_chat_template():
             assert card["chat_template"] is False
             ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert ok.status_code == 200
+            # The Responses API is chat underneath; embeddings need no template.
+            resp = httpx.post(server.url + "/v1/responses", json={"input": "hi"})
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "no_chat_template"
+            assert resp.json()["error"]["param"] == "input"
+            assert httpx.post(server.url + "/v1/embeddings", json={"input": "hi"}).status_code == 200
     finally:
         async_engine.shutdown()
 

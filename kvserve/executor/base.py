@@ -1,7 +1,10 @@
 """What the engine needs of an executor."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 from kvserve.executor.step import StepInput, StepOutput
 
@@ -23,6 +26,12 @@ class Executor(Protocol):
 
     def collect(self) -> StepOutput:
         """The oldest submitted step's result, waiting for it."""
+        ...
+
+    def prompt_hidden_states(self, token_ids: list[int], chunk_size: int) -> torch.Tensor:
+        """A prompt's final-norm hidden states [tokens, hidden] (executor/hidden_states.py),
+        computed between steps without touching the KV pool; NotImplementedError where the
+        model is split over processes."""
         ...
 
     def shutdown(self) -> None:

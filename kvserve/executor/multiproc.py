@@ -173,6 +173,12 @@ class MultiprocExecutor:
         self.shutdown()
         raise ExecutorError(reason)
 
+    def prompt_hidden_states(self, token_ids: list[int], chunk_size: int):
+        # Each rank holds a slice of every hidden state (or a stage's layers only): pooling
+        # would need a gather the workers do not offer yet.
+        raise NotImplementedError("hidden states (embeddings) need the model in one process: "
+                                  "not served with tensor or pipeline parallelism")
+
     def shutdown(self) -> None:
         self._finalizer()
 

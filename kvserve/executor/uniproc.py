@@ -6,6 +6,7 @@ from collections import deque
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.executor.hidden_states import prompt_hidden_states
 from kvserve.executor.step import StepInput, StepOutput
 from kvserve.kv_cache import KVCacheSpec
 from kvserve.executor.runner import ModelRunner
@@ -26,6 +27,11 @@ class UniProcExecutor:
 
     def collect(self) -> StepOutput:
         return self._done.popleft()
+
+    def prompt_hidden_states(self, token_ids: list[int], chunk_size: int) -> torch.Tensor:
+        runner = self.runner
+        return prompt_hidden_states(runner.model, runner.kv_cache.spec, token_ids, runner.device,
+                                    chunk_size, runner.wants_token_roles)
 
     def shutdown(self) -> None:
         pass

@@ -97,6 +97,24 @@ class PagedCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [T] int64: one sequence's tokens (a chunk of its prompt)
+        positions: torch.Tensor,  # [T] int64
+        attn_metadata: AttentionMetadata,
+        kv_caches: KVCache,
+        token_roles: Optional[TokenRoles] = None,
+    ) -> torch.Tensor:
+        """[T, hidden] final-norm hidden states of every row: what the LM head would read, for
+        pooling (embeddings). The same decoder call as ``forward``, with every row kept through
+        the last layer (no logits rows to select) and no head. A single process only: a
+        parallel model's hidden states are split over its ranks or stages."""
+        if self.tp is not None or self.pp is not None:
+            raise NotImplementedError("hidden states of a tensor- or pipeline-parallel model")
+        with use_token_roles(token_roles):
+            hidden = self.model(input_ids, positions, attn_metadata, kv_caches, None)
+        return self.model.norm(hidden)
+
     def decode_round(self, num_steps: int, input_ids: torch.Tensor, positions: torch.Tensor,
                      attn_metadata: AttentionMetadata, kv_caches: KVCache, block_size: int) -> Optional[torch.Tensor]:
         """``num_steps`` greedy, argmax-only decode steps in one native call

@@ -18,19 +18,25 @@ from fastapi_offline import FastAPIOffline
 from kvserve.config import ConfigError
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
+from kvserve.server.embeddings import create_embeddings
 from kvserve.server.errors import bad_request, error_body, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                      CompletionRequest, CompletionResponse, DetokenizeRequest,
-                                     DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
+                                     DetokenizeResponse, EmbeddingRequest, EmbeddingResponse,
+                                     ErrorResponse, ModelCard, ModelList,
                                      MAX_TOKENS_MARK, TOKEN_ID_MARK, TOKEN_KEY_MARK, TokenizeRequest, TokenizeResponse)
+from kvserve.server.response_store import DEFAULT_CAPACITY, ResponseStore
+from kvserve.server.responses import create_response, get_response
+from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.serving import ServingContext, check_text
 from kvserve.server.shutdown import DrainingServer, DrainMiddleware, DrainState
 from kvserve.server.streams import AdmissionGate
+from kvserve.server.webpage import install_page
 
 logger = logging.getLogger("kvserve")
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500)}
 # A streamed answer: server-sent events whose data is one JSON chunk (or "[DONE]").
 _SSE = {"text/event-stream": {"schema": {
@@ -63,17 +69,21 @@ class APIKeyMiddleware:
 
 def create_app(async_engine, served_model_name: str, api_key: Optional[str] = None,
                max_waiting_requests: Optional[int] = None,
-               allowed_origins: Optional[list[str]] = None):
+               allowed_origins: Optional[list[str]] = None,
+               response_store_size: int = DEFAULT_CAPACITY):
     """The ASGI app serving ``async_engine`` (an AsyncLLMEngine) under ``served_model_name``.
     The engine loop is started with the app; stopping it is the caller's business, since
     several apps may share one engine. ``allowed_origins``: the browser origins allowed to
-    call it (CORS; "*" for any). ``app.state.drain`` is what graceful shutdown drains."""
+    call it (CORS; "*" for any). ``response_store_size``: how many /v1/responses results are
+    kept in memory for ``previous_response_id`` (least recently used first out).
+    ``app.state.drain`` is what graceful shutdown drains."""
     metrics = ServerMetrics(async_engine.stats)
     gate = None
     if max_waiting_requests is not None:
         gate = AdmissionGate(max_waiting_requests,
                              engine_waiting=lambda: async_engine.num_waiting)
     ctx = ServingContext(async_engine, served_model_name, metrics, gate)
+    response_store = ResponseStore(response_store_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -131,6 +141,19 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
         return await create_chat_completion(ctx, body, raw_request)
 
+    @app.post("/v1/responses", responses={**_ERRORS, 200: {"content": {
+        "application/json": {"schema": {"type": "object"}}, **_SSE}}})
+    async def responses(body: ResponsesRequest, raw_request: Request):
+        return await create_response(ctx, response_store, body, raw_request)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(await get_response(response_store, response_id))
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def embeddings(body: EmbeddingRequest) -> EmbeddingResponse:
+        return await create_embeddings(ctx, body)
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
@@ -148,6 +171,8 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
         return DetokenizeResponse(prompt=await ctx.decode(body.tokens))
+
+    install_page(app)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -258,8 +283,9 @@ def run_server(eargs, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     if template is not None:
         engine.tokenizer.hf.chat_template = template
     if not engine.tokenizer.has_chat_template:
-        logger.warning("%s has no chat template: /v1/chat/completions will answer 400 (serve "
-                       "it with --chat-template FILE|STRING); /v1/completions works",
+        logger.warning("%s has no chat template: /v1/chat/completions and /v1/responses will "
+                       "answer 400 (serve it with --chat-template FILE|STRING); /v1/completions "
+                       "and /v1/embeddings work, and the page at / sends plain prompts",
                        eargs.model)
     # What the load made lives as long as the server: out of the cyclic collector's way, a full
     # collection while serving walks only what serving made (Gemma 3's ~370k startup objects

@@ -23,8 +23,19 @@ from kvserve.server.serving import SSE_DONE, OutputObserver, ServingContext, sse
 from kvserve.server.streams import EngineJob, EngineStreams, respond
 
 
-async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest,
-                                 raw_request: Request) -> Response | ChatCompletionResponse:
+@dataclass
+class PreparedChat:
+    """A chat request checked and rendered: what the engine runs, and how tools are served."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    plan: tools.ToolPlan
+
+
+async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedChat:
+    """Every check a chat request gets before it is queued (400s), its grammar compiled, its
+    conversation rendered by the chat template (with the tools where they are shown) and its
+    max_tokens fitted to the context. /v1/responses serves through this too."""
     ctx.check_model(body.model)
     ctx.check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
@@ -47,11 +58,34 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     max_tokens_param = ("max_completion_tokens" if body.max_completion_tokens is not None
                         else "max_tokens" if body.max_tokens is not None else None)
     params = ctx.fit_to_context(params, len(prompt_ids), "messages", max_tokens_param)
+    return PreparedChat(prompt_ids, params, plan)
+
+
+def finished_message(plan: tools.ToolPlan, text: str, finish_reason: Optional[str]
+                     ) -> tuple[Optional[str], list[ToolCall], Optional[str]]:
+    """(content, tool calls, finish reason) of one finished choice: forced calls parsed from
+    the constrained output, auto calls from the ``<tool_call>`` blocks in the text."""
+    calls: list[ToolCall] = []
+    content: Optional[str] = text
+    if plan.forced:
+        calls = tools.forced_calls(text, plan, truncated=finish_reason == "length") or []
+        if calls:
+            content = None
+    elif plan.mode == "auto":
+        content, calls = tools.parse_auto(text, plan)
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return content, calls, finish_reason
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest,
+                                 raw_request: Request) -> Response | ChatCompletionResponse:
+    chat = await prepare_chat(ctx, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = EngineStreams(ctx.async_engine, [EngineJob(prompt_ids, params, request_id)],
+    streams = EngineStreams(ctx.async_engine, [EngineJob(chat.prompt_ids, chat.params, request_id)],
                             raw_request, ctx.gate)
-    return await respond(streams, _ChatWriter(ctx, body, params, request_id, len(prompt_ids), plan),
-                         bool(body.stream))
+    writer = _ChatWriter(ctx, body, chat.params, request_id, len(chat.prompt_ids), chat.plan)
+    return await respond(streams, writer, bool(body.stream))
 
 
 @dataclass
@@ -67,17 +101,7 @@ class _ChatWriter:
     def _message(self, text: str, finish_reason: Optional[str]
                  ) -> tuple[Optional[str], list[ToolCall], Optional[str]]:
         """(content, tool calls, finish reason) of one finished choice."""
-        calls: list[ToolCall] = []
-        content: Optional[str] = text
-        if self.plan.forced:
-            calls = tools.forced_calls(text, self.plan, truncated=finish_reason == "length") or []
-            if calls:
-                content = None
-        elif self.plan.mode == "auto":
-            content, calls = tools.parse_auto(text, self.plan)
-        if calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return content, calls, finish_reason
+        return finished_message(self.plan, text, finish_reason)
 
     def _usage(self, final: Optional[RequestOutput]) -> UsageInfo:
         completion = sum(len(c.token_ids) for c in final.outputs) if final else 0

@@ -308,6 +308,42 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+# OpenAI's limit on inputs per embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(RequestModel):
+    """/v1/embeddings: one input or a batch, as text or token ids (OpenAI's shapes)."""
+
+    model: Optional[str] = None
+    input: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)],
+                 TokenIds, Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]]
+    # The openai client asks for base64 unless told otherwise (little-endian float32 bytes).
+    encoding_format: Optional[Literal["float", "base64"]] = "float"
+    # Only the model's own width: the vectors are pooled hidden states, not truncatable
+    # Matryoshka embeddings (any other value is a 400 naming the width).
+    dimensions: Optional[Integer] = Field(None, ge=1)
+    user: Optional[str] = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 # ---------------------------------------------------------------------- responses
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
