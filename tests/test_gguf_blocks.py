@@ -167,3 +167,32 @@ def test_real_models_on_their_blocks_match_the_converted_path():
             kv_cache_memory=64 << 20)
     prompt = ["Write a haiku about the sea."]
     assert a.generate(prompt, params)[0].outputs[0].token_ids == b.generate(prompt, params)[0].outputs[0].token_ids
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [256, 768])
+def test_q6_k_in_its_own_bits(k):
+    """Q6_K's own tiles: the file's values exactly, 6.5625 bits a weight, the kernel within fp32
+    rounding of x @ W^T and the same bits for any number of rows; the portable loop too."""
+    from kvserve.quant import Q6KLinear
+    n = 37
+    raw = _raw(T.Q6_K, n, k, seed=5)
+    layer = Q6KLinear.from_gguf_raw(raw, "Q6_K", (n, k), torch.randn(n))
+    if layer is None:
+        pytest.skip("this CPU's kernels keep Q6_K as 8-bit codes (no AVX512-VNNI)")
+    assert layer.packed.numel() == -(-n // 16) * 16 * k * 6.5625 / 8
+    w = torch.from_numpy(dequantize(raw, T.Q6_K).reshape(n, k).astype(np.float32))
+    assert torch.equal(layer.dequantized(), w)
+    x = torch.randn(9, k)
+    reference = x @ w.T + layer.bias
+    full = layer(x)
+    assert torch.allclose(full, reference, rtol=1e-3, atol=1e-3 * float(reference.abs().max()))
+    for rows in (1, 3, 4, 5):
+        assert torch.equal(layer(x[:rows]), full[:rows])
+    ext = ops.load_extension()
+    ext.set_portable_quant_kernels(True)
+    try:
+        portable = layer(x)
+    finally:
+        ext.set_portable_quant_kernels(False)
+    assert torch.allclose(portable, reference, rtol=1e-2, atol=1e-2 * float(reference.abs().max()))

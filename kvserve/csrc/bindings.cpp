@@ -39,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_quantize", &q8_0_quantize);
   m.def("gguf_nibble_tiles", &gguf_nibble_tiles);
   m.def("gguf_byte_blocks", &gguf_byte_blocks);
+  m.def("gguf_q6_k_tiles", &gguf_q6_k_tiles);
   m.def("q8_0_reproduces", &q8_0_reproduces);
   // Step teams (step_team.h).
   m.def("set_step_teams", &kvserve::set_step_teams,

@@ -98,6 +98,57 @@ torch::Tensor gguf_nibble_tiles(torch::Tensor raw, int64_t type, int64_t K) {
   return packed;
 }
 
+torch::Tensor gguf_q6_k_tiles(torch::Tensor raw, int64_t K) {
+  check_raw(raw, kGgmlQ6_K, K);
+  constexpr int64_t kGroupBytes = 256 + 128 + 32, kSuperBytes = 8 * kGroupBytes + 32;
+  const int64_t N = raw.size(0), tiles = (N + kTileRows - 1) / kTileRows, supers = K / 256;
+  auto packed = torch::zeros({tiles, supers, kSuperBytes}, torch::kUInt8);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  const int64_t in_stride = raw.stride(0);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    uint8_t v[256];
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
+        const uint8_t* row = in + (t * kTileRows + r) * in_stride;
+        for (int64_t b = 0; b < supers; ++b) {
+          const uint8_t* block = row + 210 * b;
+          const uint8_t* ql = block;
+          const uint8_t* qh = block + 128;
+          for (int half = 0; half < 2; ++half, ql += 64, qh += 32) {  // the block's values, 0..63
+            uint8_t* y = v + 128 * half;
+            for (int l = 0; l < 32; ++l) {
+              y[l] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
+              y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+              y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+              y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+            }
+          }
+          uint8_t* super = out + (t * supers + b) * kSuperBytes;
+          for (int j = 0; j < 8; ++j) {
+            const uint8_t* g = v + 32 * j;
+            uint8_t* p = super + j * kGroupBytes;
+            for (int i = 0; i < 4; ++i)
+              for (int c = 0; c < 4; ++c) {
+                const int lo = g[4 * i + c], hi = g[16 + 4 * i + c], bit = static_cast<int>(4 * r + c);
+                p[64 * i + 4 * r + c] = (lo & 15) | ((hi & 15) << 4);
+                // masks i (low nibbles' values) and 4 + i (high): fifth bits, then sixth
+                p[256 + 8 * i + bit / 8] |= ((lo >> 4) & 1) << (bit % 8);
+                p[256 + 8 * (4 + i) + bit / 8] |= ((hi >> 4) & 1) << (bit % 8);
+                p[320 + 8 * i + bit / 8] |= ((lo >> 5) & 1) << (bit % 8);
+                p[320 + 8 * (4 + i) + bit / 8] |= ((hi >> 5) & 1) << (bit % 8);
+              }
+            p[384 + r] = block[192 + 2 * j];      // the sub-scale of inputs 0-15
+            p[400 + r] = block[192 + 2 * j + 1];  // and of 16-31
+          }
+          std::memcpy(super + 8 * kGroupBytes + 2 * r, block + 208, 2);  // d
+        }
+      }
+    }
+  });
+  return packed;
+}
+
 std::vector<torch::Tensor> gguf_byte_blocks(torch::Tensor raw, int64_t type, int64_t K) {
   TORCH_CHECK(type == kGgmlQ8_0 || type == kGgmlQ6_K, "gguf_byte_blocks reads Q8_0 and Q6_K");
   check_raw(raw, type, K);

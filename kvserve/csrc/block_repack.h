@@ -17,3 +17,6 @@ torch::Tensor gguf_nibble_tiles(torch::Tensor raw, int64_t type, int64_t K);
 // int8 [N, K]; d the fp16 bits (int16) [N, K / 32] of Q8_0's scales, or Q6_K's d * sc in fp32
 // [N, K / 16] with the codes q - 32.
 std::vector<torch::Tensor> gguf_byte_blocks(torch::Tensor raw, int64_t type, int64_t K);
+
+// Q6_K rows as its own tiles ([ceil(N / 16), K / 256, 3360], quant_linear.cpp's Q6KTiles).
+torch::Tensor gguf_q6_k_tiles(torch::Tensor raw, int64_t K);

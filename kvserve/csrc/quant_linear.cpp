@@ -20,7 +20,7 @@
 //     fine-grained fp32 scales.
 //
 // Every output row is computed in the same order whatever the number of activation rows, so
-// results do not depend on batch composition. Without AVX512-BF16, CPUs with AVX2 and FMA
+// results do not depend on batch composition. Without AVX512-VNNI, CPUs with AVX2 and FMA
 // (Zen 2/3) widen the 8-bit values to fp32 in 8-lane vectors (the same products, an fp32 FMA
 // chain per lane); a portable loop computes the nibble formats on bf16 activations elsewhere
 // (each path in its own fixed order).
@@ -49,13 +49,15 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && \
-    defined(__BMI2__) && defined(__F16C__)
-// Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4) has VNNI and BMI2.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__BMI2__) && \
+    defined(__F16C__)
+// AVX512 with VNNI: Cascade Lake, Ice Lake, Sapphire Rapids and later, Zen 4. (No bf16 here: the
+// Xeons with VNNI but not AVX512-BF16 took the AVX2 kernel before, ~2x the time of a 256-token
+// prefill of Llama-3.2-1B's Q4_K layers.)
 #include <immintrin.h>
 #define KVSERVE_Q4_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Zen 2/3 and other CPUs without AVX512-BF16: the nibble kernels on the AVX512 kernel's tiles in
+// Zen 2/3 and other CPUs without AVX512-VNNI: the nibble kernels on the AVX512 kernel's tiles in
 // 8-lane halves (vpmaddubsw), the Q8 kernels in 8-lane fp32.
 #include <immintrin.h>
 #define KVSERVE_QUANT_AVX2 1
@@ -78,6 +80,7 @@ constexpr int64_t kPrefetchBytes = 2048;
 // a the group's largest |x|, on AVX2 and AVX512 alike. L = 127 * 256 + 127 rather than 32767,
 // so that q splits into two signed bytes (see SplitInt16Activations).
 constexpr float kActivationLevels = 32639.f;
+constexpr int64_t kActivationScales = 4;  // floats per row and group of SplitInt16Activations
 
 bool g_portable = false;
 
@@ -350,6 +353,63 @@ struct Q4KTiles {
 #endif
 };
 
+// Q6_K in its own bits (6.5625 per weight, as the file; the 8-bit codes and fp32 scales of
+// Q8Linear take 10): per tile of 16 rows and super-block of 256 inputs, its 8 groups, each 256
+// bytes of the values' low nibbles (the nibble tiles' order), 8 masks of their fifth bits and 8
+// of their sixth (uint64, as Q5Tiles'), the rows' int8 sub-scales of inputs 0-15 then 16-31
+// (32 bytes), then the rows' d (fp16, 32 bytes): 3360 bytes. w = d * sc * (v - 32), v in
+// 0..63: each half-group's dot product and its sub-scale d * sc (fp32, exact) apart. AVX512
+// (VNNI) and the portable loop read it; other CPUs keep Q6_K as 8-bit codes.
+struct Q6KTiles {
+  static constexpr int64_t kGroupBytes = kTileNibbleBytes + 128 + 2 * kTileRows;
+  static constexpr int64_t kSuperBytes = 8 * kGroupBytes + 2 * kTileRows;
+  const uint8_t* packed;
+  int64_t groups;
+
+  const uint8_t* super_block(int64_t tile, int64_t g) const { return packed + (tile * (groups / 8) + g / 8) * kSuperBytes; }
+  const uint8_t* group(int64_t tile, int64_t g) const { return super_block(tile, g) + (g % 8) * kGroupBytes; }
+  float d(int64_t tile, int64_t g, int64_t r) const {
+    return fp16_bits_to_float(reinterpret_cast<const uint16_t*>(super_block(tile, g) + 8 * kGroupBytes)[r]);
+  }
+  // Row r's value j (0..31) of group g and its sub-scale d * sc.
+  int value(int64_t tile, int64_t g, int64_t r, int j) const {
+    const uint8_t* p = group(tile, g);
+    const int low = j % 16, high = j / 16;  // (the low nibbles hold values 0-15, the high 16-31)
+    const uint8_t byte = tile_byte(p, r, low);
+    const int bit = 4 * static_cast<int>(r) + low % 4, mask = 4 * high + low / 4;
+    uint64_t fifth, sixth;
+    std::memcpy(&fifth, p + kTileNibbleBytes + 8 * mask, 8);
+    std::memcpy(&sixth, p + kTileNibbleBytes + 64 + 8 * mask, 8);
+    return ((high ? byte >> 4 : byte & 15) | ((fifth >> bit) & 1) << 4 | ((sixth >> bit) & 1) << 5);
+  }
+  float sub_scale(int64_t tile, int64_t g, int64_t r, int half) const {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(group(tile, g) + kTileNibbleBytes + 128);
+    return d(tile, g, r) * static_cast<float>(sc[half * kTileRows + r]);
+  }
+#ifdef KVSERVE_Q4_AVX512
+  // v in 0..63: the fifth and sixth bits add 16 and 32 to the bytes their masks name.
+  static void values(const uint8_t* p, __m512i (&low)[4], __m512i (&high)[4]) {
+    const __m512i sixteen = _mm512_set1_epi8(16), thirty_two = _mm512_set1_epi8(32);
+    const uint64_t* fifth = reinterpret_cast<const uint64_t*>(p + kTileNibbleBytes);
+    const uint64_t* sixth = reinterpret_cast<const uint64_t*>(p + kTileNibbleBytes + 64);
+    for (int i = 0; i < 4; ++i) {
+      low[i] = _mm512_mask_add_epi8(low[i], _cvtu64_mask64(fifth[i]), low[i], sixteen);
+      low[i] = _mm512_mask_add_epi8(low[i], _cvtu64_mask64(sixth[i]), low[i], thirty_two);
+      high[i] = _mm512_mask_add_epi8(high[i], _cvtu64_mask64(fifth[4 + i]), high[i], sixteen);
+      high[i] = _mm512_mask_add_epi8(high[i], _cvtu64_mask64(sixth[4 + i]), high[i], thirty_two);
+    }
+  }
+  // The rows' sub-scales d * sc of inputs 0-15 (s0) and 16-31 (s1).
+  void scales(const uint8_t* p, int64_t t, int64_t g, __m512& s0, __m512& s1) const {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super_block(t, g) + 8 * kGroupBytes)));
+    const __m128i* sc = reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 128);
+    s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc))));
+    s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1))));
+    asm("" : "+v"(s0), "+v"(s1));  // (no reassociation with the activations' scale: see Q4KTiles)
+  }
+#endif
+};
+
 // The tile group's rows' scales and offsets: per group's own bytes (Q4Tiles, Q5Tiles), or with
 // its super-block's (Q4KTiles).
 #ifdef KVSERVE_Q4_AVX512
@@ -415,12 +475,13 @@ inline float activation_inverse(float a) {
 // (h = floor((q + 128) / 256) in -127..127, l in -128..127: L = 32639 keeps h a byte), so that
 // the weights' unsigned bytes multiply each half (vpdpbusd; vpmaddubsw on AVX2) and
 // 256 dot(v, h) + dot(v, l) is the exact integer dot product. Per row and group: 64 bytes, h of
-// the 32 inputs in order then l, and two floats, s and s * sum(q). AVX512 and AVX2 compute the
+// the 32 inputs in order then l, and four floats, s, s * sum(q), and s * the sums of its two
+// halves of 16 (Q6_K's sub-groups). AVX512 and AVX2 compute the
 // same bytes and floats (the same fp32 operations; the maximum and the sum are exact).
 struct SplitInt16Activations {
   int64_t groups;
   int8_t* bytes;   // [M][groups][64]
-  float* scales;   // [M][groups][2]
+  float* scales;   // [M][groups][kActivationScales]
 
   // In the calling thread's scratch memory, reused by its next call: a decode step makes a few
   // hundred calls, and fresh vectors per call (allocation, fill, free) were ~4 % of a SmolLM2
@@ -429,10 +490,10 @@ struct SplitInt16Activations {
     thread_local std::vector<int8_t> bytes_scratch;
     thread_local std::vector<float> scales_scratch;
     bytes = grown(bytes_scratch, M * groups * 64);
-    scales = grown(scales_scratch, M * groups * 2);
+    scales = grown(scales_scratch, M * groups * kActivationScales);
     for (int64_t r = 0; r < M; ++r)
       for (int64_t g = 0; g < groups; ++g) split_group(x + r * x_stride, g, K, bytes + (r * groups + g) * 64,
-                                                       scales + (r * groups + g) * 2);
+                                                       scales + (r * groups + g) * kActivationScales);
   }
 
  private:
@@ -459,7 +520,7 @@ struct SplitInt16Activations {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(h1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm512_cvtsepi32_epi8(l0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtsepi32_epi8(l1));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    const int32_t first = _mm512_reduce_add_epi32(q0), second = _mm512_reduce_add_epi32(q1);
 #else
     float group[kGroup] = {};
     std::memcpy(group, x + k0, n * sizeof(float));
@@ -474,20 +535,22 @@ struct SplitInt16Activations {
     if (_mm256_movemask_ps(unordered)) a = std::numeric_limits<float>::quiet_NaN();  // as on AVX512
     const __m256 inv = _mm256_set1_ps(activation_inverse(a));
     const __m256i bias = _mm256_set1_epi32(128);
-    __m256i high[4], low[4], total = _mm256_setzero_si256();
+    __m256i high[4], low[4], totals[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int i = 0; i < 4; ++i) {
       const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest, ties to even
       high[i] = _mm256_srai_epi32(_mm256_add_epi32(q, bias), 8);
       low[i] = _mm256_sub_epi32(q, _mm256_slli_epi32(high[i], 8));
-      total = _mm256_add_epi32(total, q);
+      totals[i / 2] = _mm256_add_epi32(totals[i / 2], q);
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed_bytes(high));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), packed_bytes(low));
-    const int32_t sum = horizontal_sum(total);
+    const int32_t first = horizontal_sum(totals[0]), second = horizontal_sum(totals[1]);
 #endif
     const float s = a / kActivationLevels;
     scale[0] = s;
-    scale[1] = s * static_cast<float>(sum);
+    scale[1] = s * static_cast<float>(first + second);
+    scale[2] = s * static_cast<float>(first);  // (Q6_K's sub-scales: per 16 inputs)
+    scale[3] = s * static_cast<float>(second);
   }
 };
 #endif
@@ -534,7 +597,7 @@ void nibble_tiles_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N, cons
         }
         const __m512i dot =
             _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(hl, hh), 8), _mm512_add_epi32(ll, lh));
-        const float* s = act.scales + ag * 2;
+        const float* s = act.scales + ag * kActivationScales;
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[1]), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[0])), acc[r]);
       }
@@ -579,7 +642,7 @@ void nibble_tiles_avx2(const Tiles& w, int64_t t0, int64_t t1, int64_t N, const 
           const int8_t* x = act.bytes + ag * 64;
           const __m256i dot = _mm256_add_epi32(dot_bytes<Tiles::kMaxValue>(low, high, x, times_256),
                                                dot_bytes<Tiles::kMaxValue>(low, high, x + 32, ones));
-          const float* s = act.scales + ag * 2;
+          const float* s = act.scales + ag * kActivationScales;
           acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(s[1]), acc[r][h]);
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s[0])), acc[r][h]);
         }
@@ -617,6 +680,77 @@ void nibble_rows_portable(const Format& f, int64_t n_begin, int64_t n_end, const
           }
           acc += f.portable_scale(n, c, half) * dot;
           if (Format::kOffset) acc += f.portable_offset(n, c, half) * sums[half * 8] * 8.f;
+        }
+      }
+      out[r * out_stride + n] = acc + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+#ifdef KVSERVE_Q4_AVX512
+// Tiles [t0, t1) of a Q6KTiles matrix for MR activation rows from r0: per tile-group and row,
+// the two half-groups' exact integer dot products (values 0..63 against the split activations),
+// then, in this order, acc += -32 s0 * (s sum(q 0-15)), -32 s1 * (s sum(q 16-31)),
+// dot0 * (s0 s), dot1 * (s1 s): every output the same operations whatever MR.
+template <int MR>
+void q6_tiles_avx512(const Q6KTiles& w, int64_t t0, int64_t t1, int64_t N, const SplitInt16Activations& act,
+                     int64_t r0, float* out, int64_t out_stride, const float* bias) {
+  const int64_t groups = act.groups;
+  const __m512 minus_32 = _mm512_set1_ps(-32.f);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = w.group(t, g);
+      __m512i low[4], high[4];
+      load_tile_nibbles(p, Q6KTiles::kGroupBytes, low, high);
+      Q6KTiles::values(p, low, high);
+      __m512 s0, s1;
+      w.scales(p, t, g, s0, s1);
+      const __m512 m0 = _mm512_mul_ps(minus_32, s0), m1 = _mm512_mul_ps(minus_32, s1);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t ag = (r0 + r) * groups + g;
+        const int8_t* x = act.bytes + ag * 64;
+        __m512i hl = _mm512_setzero_si512(), hh = hl, ll = hl, lh = hl;
+        for (int i = 0; i < 4; ++i) {
+          hl = _mm512_dpbusd_epi32(hl, low[i], broadcast_word(x, i));
+          hh = _mm512_dpbusd_epi32(hh, high[i], broadcast_word(x, 4 + i));
+          ll = _mm512_dpbusd_epi32(ll, low[i], broadcast_word(x, 8 + i));
+          lh = _mm512_dpbusd_epi32(lh, high[i], broadcast_word(x, 12 + i));
+        }
+        const __m512i dot0 = _mm512_add_epi32(_mm512_slli_epi32(hl, 8), ll);
+        const __m512i dot1 = _mm512_add_epi32(_mm512_slli_epi32(hh, 8), lh);
+        const float* s = act.scales + ag * kActivationScales;
+        const __m512 scale = _mm512_set1_ps(s[0]);
+        acc[r] = _mm512_fmadd_ps(m0, _mm512_set1_ps(s[2]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(s[3]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(s0, scale), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(s1, scale), acc[r]);
+      }
+    }
+    const int64_t n0 = t * kTileRows;
+    const __mmask16 keep = n0 + kTileRows <= N ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * out_stride + n0, keep, _mm512_add_ps(acc[r], b));
+  }
+}
+#endif
+
+// The portable loop for Q6KTiles: per row, w = d sc (v - 32) in fp32 (exact) against the bf16
+// activations, in input order.
+void q6_tiles_portable(const Q6KTiles& w, int64_t N, const Q4Activations& act, int64_t M, float* out,
+                       int64_t out_stride, const float* bias) {
+  const int64_t chunks = act.chunks;
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t t = n / kTileRows, row = n % kTileRows;
+      float acc = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const uint16_t* x = act.xb.data() + (r * chunks + g / 2) * kChunk;  // (per chunk: low halves, then high)
+        for (int j = 0; j < 32; ++j) {
+          const int half = j / 16, jj = j % 16;
+          const float weight = w.sub_scale(t, g, row, half) * static_cast<float>(w.value(t, g, row, j) - 32);
+          acc += weight * bf16_to_float(x[(j < 16 ? 0 : 32) + (g % 2) * 16 + jj]);
         }
       }
       out[r * out_stride + n] = acc + (bias ? bias[n] : 0.f);
@@ -692,6 +826,37 @@ void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x
   over_row_blocks(N, M, M * N * Kp, [&](int64_t n0, int64_t n1, int64_t r0, int64_t rows) {
     nibble_rows_portable(w, n0, n1, act, r0, rows, o, o_stride, b);
   });
+}
+
+// y = x @ W^T + bias for Q6KTiles: the AVX512 kernel over tiles spread on the threads, or the
+// portable loop.
+void q6_tiles_out(const Q6KTiles& w, torch::Tensor& out, const torch::Tensor& x, int64_t N,
+                  const c10::optional<torch::Tensor>& bias) {
+  const int64_t Kp = w.groups * kGroup, M = x.size(0), K = x.size(1);
+  if (M == 0) return;
+  float* o = out.data_ptr<float>();
+  const int64_t o_stride = out.stride(0);
+  const float* b = optional_bias(bias, N);
+#ifdef KVSERVE_Q4_AVX512
+  if (!g_portable) {
+    const SplitInt16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+    const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+    const int64_t grain = M * N * Kp < (1 << 18) ? tiles : 1;
+    const auto kernel = [&](int64_t t0, int64_t t1, int64_t r0, int64_t rows) {
+      dispatch_rows<kInputRowBlock>(rows, [&](auto mr) {
+        q6_tiles_avx512<decltype(mr)::value>(w, t0, t1, N, act, r0, o, o_stride, b);
+      });
+    };
+    kvserve::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      if (M <= kInputRowBlock) return kernel(t0, t1, 0, M);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) kernel(t, t + 1, r0, std::min(kInputRowBlock, M - r0));
+    });
+    return;
+  }
+#endif
+  const Q4Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+  q6_tiles_portable(w, N, act, M, o, o_stride, b);
 }
 
 // x, out and the nibbles of a nibble-format call: qs uint8 [N, ceil(K / 64) * 32].
@@ -772,22 +937,25 @@ torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, tor
 void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                              c10::optional<torch::Tensor> bias) {
   const int64_t group_bytes = packed.dim() == 3 ? packed.size(2) : 0;
-  const bool q5 = group_bytes == Q5Tiles::kGroupBytes, q4_k = group_bytes == Q4KTiles::kSuperBytes;
+  const bool q5 = group_bytes == Q5Tiles::kGroupBytes, q4_k = group_bytes == Q4KTiles::kSuperBytes,
+             q6_k = group_bytes == Q6KTiles::kSuperBytes;
   // kvserve profile's labels, every caller
   RECORD_FUNCTION(q5 ? "kvserve::q5_linear" : "kvserve::q4_linear", std::vector<c10::IValue>());
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-                  (q5 || q4_k || group_bytes == Q4Tiles<uint16_t>::kGroupBytes ||
+                  (q5 || q4_k || q6_k || group_bytes == Q4Tiles<uint16_t>::kGroupBytes ||
                    group_bytes == Q4Tiles<float>::kGroupBytes),
               "packed must be uint8 [ceil(N / 16), Kp / 32, 320 | 384 | 352] (kvserve.quant.tile_nibbles) "
-              "or [ceil(N / 16), K / 256, 2368] (Q4_K's own tiles)");
-  const int64_t N = out.size(1), groups = packed.size(1) * (q4_k ? 8 : 1), Kp = groups * kGroup, K = x.size(1);
+              "or [ceil(N / 16), K / 256, 2368 | 3360] (Q4_K's, Q6_K's own tiles)");
+  const int64_t N = out.size(1), groups = packed.size(1) * (q4_k || q6_k ? 8 : 1), Kp = groups * kGroup, K = x.size(1);
   check_linear_rows(x, out, N);
   TORCH_CHECK(packed.size(0) == (N + kTileRows - 1) / kTileRows, "packed holds ", packed.size(0) * kTileRows,
               " rows, out ", N);
   TORCH_CHECK(Kp % kChunk == 0 && K <= Kp && Kp - K < kChunk, "x has ", K, " features, the weights ", Kp);
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const int64_t chunks = Kp / kChunk;
-  if (q5) {
+  if (q6_k) {
+    q6_tiles_out(Q6KTiles{p, groups}, out, x, N, bias);
+  } else if (q5) {
     nibble_tiles_out(Q5Tiles{p, groups, chunks}, out, x, N, bias);
   } else if (q4_k) {
     nibble_tiles_out(Q4KTiles{p, groups, chunks}, out, x, N, bias);

@@ -11,7 +11,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quant_shape_to_byte_shape
@@ -208,13 +208,15 @@ class GGUFFile:
             raise ConfigError(f"{self.path}: GGUF has no general.architecture")
         return arch
 
-    def release(self, name: str) -> None:
-        """Hand back this process's mapping of the tensor's pages (they stay in the page cache;
-        a later read maps them again): what was read once to build a layer in another layout
-        need not count in the process's resident memory."""
+    def release(self, name: str, start_byte: int = 0, end_byte: Optional[int] = None) -> None:
+        """Hand back this process's mapping of the tensor's pages (bytes ``start_byte`` to
+        ``end_byte`` of it; they stay in the page cache, and a later read maps them again): what
+        was read once to build a layer in another layout need not count in the process's
+        resident memory."""
         info = self.tensors[name]
-        start = info.offset - info.offset % mmap.PAGESIZE
-        end = info.offset + info.nbytes
+        start = info.offset + start_byte
+        start -= start % mmap.PAGESIZE
+        end = info.offset + (info.nbytes if end_byte is None else end_byte)
         end -= end % mmap.PAGESIZE  # (whole pages only: a neighbour may be in use)
         if end > start and hasattr(self._mmap, "madvise"):
             self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -21,6 +21,7 @@ from kvserve.quant.int8 import Int8Linear
 from kvserve.quant.lm_head import Q4Screen
 from kvserve.quant.q4 import Int4Linear
 from kvserve.quant.q5 import Q5Linear
+from kvserve.quant.q6 import Q6KLinear
 from kvserve.quant.q8 import Q8Linear
 from kvserve.quant.segmented import SegmentedLinear
 from kvserve.quant.w8a8 import W8A8Linear
@@ -92,6 +93,10 @@ def _q5_args(layer: Q5Linear) -> NativeArgs:
     return "q5", layer.qs, layer.d, layer.bias, None, None, layer.qh, None
 
 
+def _q6_k_args(layer: Q6KLinear) -> NativeArgs:
+    return "tiles", layer.packed, None, layer.bias, layer.out_features, None, None, None
+
+
 def _q8_args(layer: Q8Linear) -> NativeArgs:
     return "q8", layer.qs, layer.d, layer.bias, None, None, None, None
 
@@ -126,10 +131,17 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("q5", Q5Linear, _q5_args, gguf_types=("Q5_0",),
                  from_gguf=lambda blocks, shape, bias: Q5Linear(blocks, shape[-1], bias),
                  streamed=("packed", "qs", "qh", "d")),
-    WeightFormat("q8", Q8Linear, _q8_args, from_float=Q8Linear.from_float, gguf_types=("Q8_0", "Q6_K"),
+    WeightFormat("q8", Q8Linear, _q8_args, from_float=Q8Linear.from_float, gguf_types=("Q8_0",),
                  from_gguf=lambda blocks, shape, bias: Q8Linear.from_byte_blocks(blocks, bias),
                  from_gguf_raw=Q8Linear.from_gguf_raw,
                  streamed=("qs", "d")),
+    # Q6_K in its own bits where the AVX512 kernel reads them; elsewhere as Q8Linear's codes.
+    WeightFormat("q6_k", Q6KLinear, _q6_k_args, gguf_types=("Q6_K",),
+                 from_gguf=lambda blocks, shape, bias: Q8Linear.from_byte_blocks(blocks, bias),
+                 from_gguf_raw=lambda data, type_name, shape, bias: (
+                     Q6KLinear.from_gguf_raw(data, type_name, shape, bias)
+                     or Q8Linear.from_gguf_raw(data, type_name, shape, bias)),
+                 streamed=("packed",)),
     WeightFormat("segments", SegmentedLinear, _segments_args),
     # Ranks the LM head's vocabulary (RescoredLMHead calls it; the decoder does not).
     WeightFormat("screen", Q4Screen, _not_native, from_float=Q4Screen.from_float, streamed=("packed",)),
