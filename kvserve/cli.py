@@ -134,6 +134,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     params = sampling_params_from(ns)
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     print(llm.engine.describe_kv_cache(), file=sys.stderr)
+    print(llm.engine.describe_memory(), file=sys.stderr)
     print(llm.engine.describe_kernels(), file=sys.stderr)
     if ns.input:
         return _generate_batch(llm, ns, params)

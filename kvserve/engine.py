@@ -306,6 +306,26 @@ class LLMEngine:
         """The start-up line's kernel configuration, as resolved on this machine."""
         return self.kernel_config.describe()
 
+    def describe_memory(self) -> str:
+        """The start-up line's memory: the weights this process holds, those it reads in place
+        from the model file (mapped: resident only as far as read), the KV pool, and the linear
+        layers' formats."""
+        if self.model is None:
+            return f"memory: weights in the worker processes; KV pool {self.kv_cache_bytes / 2**20:.0f} MiB per rank"
+        from kvserve.row_table import GGUFRows
+
+        seen, held = set(), 0
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if t.device.type != "meta" and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                held += t.untyped_storage().nbytes()
+        mapped = sum({m.raw.data_ptr(): m.raw.numel() for m in self.model.modules() if isinstance(m, GGUFRows)}.values())
+        formats = getattr(self.model, "weight_format_counts", None)
+        return (f"memory: weights {held / 2**20:.0f} MiB held"
+                + (f" + {mapped / 2**20:.0f} MiB read in place from the file" if mapped else "")
+                + f", KV pool {self.kv_cache_bytes / 2**20:.0f} MiB"
+                + (f"; layers: {', '.join(f'{n} x {k}' for k, n in formats.items())}" if formats else ""))
+
     def describe_kv_cache(self) -> str:
         spec = self.kv_spec
         per_group = f" of a group of {spec.slots_per_group} layers" if spec.num_groups > 1 else ""

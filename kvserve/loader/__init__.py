@@ -129,7 +129,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                        if (part := plan.shard_raw(name, qt)) is not None}
             if pp is not None:
                 raw = dict(_stage_weights(raw.items(), *pp.layer_range))
-        convert_linear_layers(model, quantization, raw, int4_prefill)
+        model.weight_format_counts = convert_linear_layers(model, quantization, raw, int4_prefill)
     elif dtype == torch.float32:
         # fp32 weights through kvserve's batch-invariant kernel rather than MKL's sgemm.
         from kvserve.quant import use_invariant_fp32_linears

@@ -278,8 +278,8 @@ def run_server(eargs, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     logger.setLevel(log_level.upper())
     template = load_chat_template(chat_template) if chat_template is not None else None
     engine = LLMEngine(eargs)
-    logger.info("loaded %s in %.1f s; %s; %s", eargs.model, engine.load_time_s,
-                engine.describe_kv_cache(), engine.describe_kernels())
+    logger.info("loaded %s in %.1f s; %s; %s; %s", eargs.model, engine.load_time_s,
+                engine.describe_kv_cache(), engine.describe_kernels(), engine.describe_memory())
     if template is not None:
         engine.tokenizer.hf.chat_template = template
     if not engine.tokenizer.has_chat_template:
