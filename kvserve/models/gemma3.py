@@ -19,6 +19,7 @@ from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
+from kvserve.models.spec import DecoderLayerSpec
 from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, output_projection, token_embedding
 from kvserve.row_table import table_args
 from kvserve.token_roles import roles_of_rows
@@ -148,6 +149,10 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(PagedCausalLM):
+    layer_spec = DecoderLayerSpec(norm_offset=1.0, qk_norm=True, pre_ffn_norm="pre_feedforward_layernorm",
+                                  post_attn_norm="post_attention_layernorm",
+                                  post_ffn_norm="post_feedforward_layernorm", local_rope=True)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

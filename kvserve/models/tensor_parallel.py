@@ -121,8 +121,32 @@ class TPShardPlan:
             return r * per, (r + 1) * per
         return None
 
+    def fused_parts(self, name: str) -> Optional[list[tuple[str, int, int]]]:
+        """For a checkpoint tensor that holds several projections in its rows (Phi-3's
+        ``qkv_proj`` and ``gate_up_proj``): each part's upstream name as the unfused
+        architectures spell it, and its rows ``[start, end)``; None for any other tensor.
+        Each part is then sharded by its own rule and the rank's pieces stacked again, in
+        the order the model's fused layer holds them (models/base.py's packed layout)."""
+        cfg = self.config
+        if ".qkv_proj." in name:
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        elif ".gate_up_proj." in name:
+            sizes = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+        else:
+            return None
+        fused = ".qkv_proj." if ".qkv_proj." in name else ".gate_up_proj."
+        parts, start = [], 0
+        for part, size in sizes.items():
+            parts.append((name.replace(fused, f".{part}."), start, start + size))
+            start += size
+        return parts
+
     def shard_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the upstream weight ``name`` (replicated ones unchanged)."""
+        parts = self.fused_parts(name)
+        if parts is not None:
+            return torch.cat([self.shard_weight(part, tensor[a:b]) for part, a, b in parts])
         if name.endswith((".o_proj.bias", ".down_proj.bias")):
             # Row-parallel bias: added once, by rank 0, before the all-reduce sums the parts.
             return tensor if self.rank == 0 else torch.zeros_like(tensor)
@@ -144,7 +168,12 @@ class TPShardPlan:
         its float values)."""
         from gguf.constants import GGML_QUANT_SIZES
 
-
+        parts = self.fused_parts(name)
+        if parts is not None:
+            pieces = [self.shard_raw(part, QuantizedTensor(raw.quant_type, raw.data[a:b], (b - a, *raw.shape[1:])))
+                      for part, a, b in parts]
+            data = np.ascontiguousarray(np.concatenate([piece.data for piece in pieces]))
+            return QuantizedTensor(raw.quant_type, data, (sum(piece.shape[0] for piece in pieces), *raw.shape[1:]))
         rows = self.row_range(name)
         if rows is not None:
             return QuantizedTensor(raw.quant_type, raw.data[rows[0]:rows[1]],

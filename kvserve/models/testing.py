@@ -13,21 +13,27 @@ import torch
 from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.models import mistral, phi3, qwen3
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RMSNorm
 from kvserve.models.registry import get_model_class
 
-TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs")
+TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs", "qwen3", "phi3", "mistral-swa")
 
 TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-swa": "gemma3-swa",
-               "tiny-gemma3-pairs": "gemma3-pairs"}
+               "tiny-gemma3-pairs": "gemma3-pairs", "tiny-qwen3": "qwen3", "tiny-phi3": "phi3",
+               "tiny-mistral-swa": "mistral-swa"}
+# The architectures whose module holds its own tiny config (models/<arch>.py's tiny_config).
+_TINY_BY_MODULE = {"qwen3": qwen3.tiny_config, "phi3": phi3.tiny_config, "mistral-swa": mistral.tiny_config}
 # Tiny models with other head counts, for tensor-parallel tests: "tiny-llama-h6kv2" is
 # tiny-llama with 6 query and 2 KV heads, "tiny-llama-h4kv2d32" the same with a head dimension
 # of 32 (models.testing.tiny_config_by_name).
-TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3)-h(\d+)kv(\d+)(?:d(\d+))?$")
+TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3|tiny-qwen3|tiny-phi3)-h(\d+)kv(\d+)(?:d(\d+))?$")
 
 
 def tiny_config(arch: str) -> ModelConfig:
+    if arch in _TINY_BY_MODULE:
+        return _TINY_BY_MODULE[arch]()
     common: dict[str, Any] = dict(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
@@ -144,7 +150,7 @@ def _shard_sizes(parent: nn.Module, fused: str, rows: int, count: int) -> list[i
 
 def to_hf_config(config: ModelConfig) -> Any:
     """An HF transformers config describing the same architecture (for reference models)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -167,6 +173,13 @@ def to_hf_config(config: ModelConfig) -> Any:
         )
     if config.architecture == "qwen2":
         return Qwen2Config(hidden_act=config.hidden_act, **common)
+    if config.architecture == "qwen3":
+        return Qwen3Config(hidden_act=config.hidden_act, attention_bias=config.attention_bias, **common)
+    if config.architecture == "phi3":
+        scaling = config.rope_scaling or {}
+        original = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+        return Phi3Config(hidden_act=config.hidden_act, sliding_window=config.sliding_window, pad_token_id=None,
+                          original_max_position_embeddings=original, **common)
     if config.architecture == "mistral":
         return MistralConfig(hidden_act=config.hidden_act, sliding_window=config.sliding_window, **common)
     return LlamaConfig(hidden_act=config.hidden_act, attention_bias=config.attention_bias,
