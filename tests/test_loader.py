@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvserve import ops
 from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.config import ConfigError
@@ -215,7 +216,8 @@ def _llama3_rope_factors(cfg) -> np.ndarray:
 
 def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool) -> None:
     """Write a kvserve model the way llama.cpp's converter would (names via gguf's own map)."""
-    arch_enum = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+    arch_enum = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
+                 "qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3}
     names = gguf.get_tensor_name_map(arch_enum[gguf_arch], cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_uint32(f"{gguf_arch}.block_count", cfg.num_hidden_layers)
@@ -227,6 +229,7 @@ def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool) -> None
     w.add_uint32(f"{gguf_arch}.attention.key_length", cfg.head_dim)
     w.add_float32(f"{gguf_arch}.rope.freq_base", cfg.rope_theta)
     w.add_float32(f"{gguf_arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32(f"{gguf_arch}.vocab_size", cfg.vocab_size)  # (transformers' GGUF loader reads it)
     w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
     w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_ids[0])
     if gguf_arch == "gemma3":
@@ -264,9 +267,10 @@ def _logits(model, cfg, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("gguf_arch,quantize", [("llama", False), ("llama", True), ("qwen2", False),
-                                                ("gemma3", False), ("llama3-rope", False)])
+                                                ("gemma3", False), ("llama3-rope", False), ("qwen3", False),
+                                                ("phi3", False), ("phi3", True)])
 def test_gguf_written_like_llama_cpp_loads_back(tmp_path, gguf_arch, quantize):
-    cfg = tiny_config("gemma3" if gguf_arch == "gemma3" else "llama")
+    cfg = tiny_config(gguf_arch if gguf_arch in ("gemma3", "qwen3", "phi3") else "llama")
     if gguf_arch == "qwen2":
         cfg.architecture, cfg.attention_bias = "qwen2", True
     if gguf_arch == "llama3-rope":
@@ -289,6 +293,32 @@ def test_gguf_written_like_llama_cpp_loads_back(tmp_path, gguf_arch, quantize):
         assert (got - expected).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("gguf_arch", ["qwen3", "phi3"])
+def test_gguf_of_new_architectures_matches_transformers_gguf_loader(tmp_path, gguf_arch):
+    """Issue 62: a qwen3 / phi3 GGUF written as llama.cpp's converter writes it (phi3: fused
+    attn_qkv and gate+up ffn_up) read by kvserve and by transformers' own GGUF loader."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(gguf_arch)
+    if gguf_arch == "qwen3":
+        # transformers' GGUF loader takes Qwen3's head_dim from its config default (128), not
+        # from attention.key_length: a model of that head dimension reads the same in both.
+        cfg.head_dim = 128
+    original = build_random_model(cfg, seed=7)
+    path = tmp_path / "tiny.gguf"
+    _export_gguf(original, cfg, gguf_arch, path, quantize=False)
+    loaded, loaded_cfg = load_model(resolve_model(str(path)))
+    assert (loaded_cfg.architecture, loaded_cfg.head_dim) == (gguf_arch, cfg.head_dim)
+    assert (loaded.model.fused_layers is not None) == (ops.load_extension() is not None)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    tokens = torch.randint(3, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([tokens])).logits[0].float()
+    got = _logits(loaded, loaded_cfg, tokens)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max() < 1e-3
+
+
 def test_raw_quantized_weights_are_reachable():
     from kvserve.loader.gguf import quantized_weights
 
@@ -309,7 +339,7 @@ def test_raw_quantized_weights_are_reachable():
 # ------------------------------------------------------------------ tiny models
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-phi3", "tiny-mistral-swa"])
 def test_tiny_models_build(name):
     source = resolve_model(name)
     assert source == ModelSource(kind="tiny", path=None, name=name)
