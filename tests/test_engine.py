@@ -45,6 +45,7 @@ MODELS = [
     pytest.param("tiny-qwen3", 200, 4, id="qwen3"),
     pytest.param("tiny-phi3", 200, 4, id="phi3"),
     pytest.param("tiny-mistral-swa", 200, 4, id="mistral-swa"),
+    pytest.param("tiny-qwen3-moe", 200, 4, id="qwen3-moe"),  # routed experts, layer by layer
 ]
 
 

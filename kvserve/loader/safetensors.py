@@ -17,6 +17,7 @@ HF_MODEL_TYPES: dict[str, tuple[str, bool]] = {
     "mistral": ("mistral", False),
     "qwen2": ("qwen2", False),
     "qwen3": ("qwen3", False),
+    "qwen3_moe": ("qwen3_moe", False),
     "phi3": ("phi3", False),
     "gemma3_text": ("gemma3", True),
 }
@@ -73,7 +74,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             period = int(cfg.get("sliding_window_pattern", 6))
             layer_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
     elif not layer_types and window:
-        if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        if arch in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
             first = int(cfg.get("max_window_layers", 0))
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
     if not layer_types or "sliding_attention" not in layer_types:

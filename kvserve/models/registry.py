@@ -8,6 +8,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.mistral import MistralForCausalLM
 from kvserve.models.phi3 import Phi3ForCausalLM
 from kvserve.models.qwen3 import Qwen3ForCausalLM
+from kvserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # One line per architecture: its module (kvserve/models/<arch>.py) owns the rest (HF config
 # mapping, native layer spec, tiny test config, tensor-parallel parts).
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
     "mistral": MistralForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
     "phi3": Phi3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
 }

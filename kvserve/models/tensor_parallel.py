@@ -31,6 +31,10 @@ from kvserve.kv_cache import KVCacheGroup, KVCacheSpec
 def check_tp_shape(config: ModelConfig, tp_size: int) -> None:
     """Raise ConfigError unless the model's heads and widths split over ``tp_size`` ranks."""
     q, kv = config.num_attention_heads, config.num_key_value_heads
+    if config.num_experts and tp_size > 1:
+        # (Each expert's MLP would shard like a dense one; the router and the grouping are
+        # not wired to the ranks yet.)
+        raise ConfigError("tensor parallelism of mixture-of-experts models is not supported yet")
     if q % tp_size:
         raise ConfigError(f"tensor_parallel_size {tp_size} does not divide the {q} attention heads")
     if kv % tp_size and tp_size % kv:

@@ -13,18 +13,19 @@ import torch
 from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
-from kvserve.models import mistral, phi3, qwen3
+from kvserve.models import mistral, phi3, qwen3, qwen3_moe
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RMSNorm
 from kvserve.models.registry import get_model_class
 
-TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs", "qwen3", "phi3", "mistral-swa")
+TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs", "qwen3", "qwen3_moe", "phi3", "mistral-swa")
 
 TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-swa": "gemma3-swa",
-               "tiny-gemma3-pairs": "gemma3-pairs", "tiny-qwen3": "qwen3", "tiny-phi3": "phi3",
+               "tiny-gemma3-pairs": "gemma3-pairs", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe", "tiny-phi3": "phi3",
                "tiny-mistral-swa": "mistral-swa"}
 # The architectures whose module holds its own tiny config (models/<arch>.py's tiny_config).
-_TINY_BY_MODULE = {"qwen3": qwen3.tiny_config, "phi3": phi3.tiny_config, "mistral-swa": mistral.tiny_config}
+_TINY_BY_MODULE = {"qwen3": qwen3.tiny_config, "qwen3_moe": qwen3_moe.tiny_config, "phi3": phi3.tiny_config,
+                   "mistral-swa": mistral.tiny_config}
 # Tiny models with other head counts, for tensor-parallel tests: "tiny-llama-h6kv2" is
 # tiny-llama with 6 query and 2 KV heads, "tiny-llama-h4kv2d32" the same with a head dimension
 # of 32 (models.testing.tiny_config_by_name).
