@@ -452,3 +452,30 @@ def test_fused_checkpoint_tensors_shard_as_their_parts():
         want = torch.cat([plan.shard_weight(layer + "mlp.gate_proj.weight", gate_up[:inter]),
                           plan.shard_weight(layer + "mlp.up_proj.weight", gate_up[inter:])])
         assert torch.equal(plan.shard_weight(layer + "mlp.gate_up_proj.weight", gate_up), want)
+
+
+def test_fused_checkpoint_blocks_shard_as_their_float_values():
+    """A phi3 GGUF's fused attn_qkv / ffn_up as Q8_0 blocks: each rank's cut dequantizes to
+    its cut of the dequantized tensor."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from kvserve.block_formats import QuantizedTensor
+    from kvserve.models.tensor_parallel import TPShardPlan
+    from kvserve.models.testing import tiny_config_by_name
+
+    cfg = tiny_config_by_name("tiny-phi3-h4kv2")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    rows = {"self_attn.qkv_proj": (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim,
+            "mlp.gate_up_proj": 2 * cfg.intermediate_size}
+    for part, n in rows.items():
+        name = f"model.layers.0.{part}.weight"
+        values = np.random.default_rng(0).standard_normal((n, cfg.hidden_size)).astype(np.float32)
+        raw = QuantizedTensor(q8, gguf.quants.quantize(values, q8), (n, cfg.hidden_size))
+        full = torch.from_numpy(gguf.quants.dequantize(raw.data, q8))
+        for rank in range(2):
+            plan = TPShardPlan(cfg, rank, 2)
+            cut = plan.shard_raw(name, raw)
+            assert cut.shape == (n // 2, cfg.hidden_size)
+            assert torch.equal(torch.from_numpy(gguf.quants.dequantize(cut.data, q8)), plan.shard_weight(name, full))
