@@ -26,7 +26,7 @@ class ModelConfig:
     Field names follow HF transformers' config names where one exists.
     """
 
-    architecture: str  # "llama" | "gemma3"
+    architecture: str  # a key of kvserve.models.registry.MODEL_CLASSES ("llama", "qwen3", "gemma3", ...)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
