@@ -73,3 +73,13 @@ def test_tensor_parallel_refuses_moe_models_clearly():
     check_tp_shape(tiny_config("qwen3_moe"), 1)
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         check_tp_shape(tiny_config("qwen3_moe"), 2)
+
+
+def test_flop_count_takes_the_routed_experts_only():
+    from kvserve.bench.machine import ModelFlops
+
+    cfg = tiny_config("qwen3_moe")  # 3 layers, layer 1 dense; 8 experts of width 32, top 2
+    h = cfg.hidden_size
+    attn = 2 * h * cfg.num_attention_heads * cfg.head_dim + 2 * h * cfg.num_key_value_heads * cfg.head_dim
+    moe = h * 8 + 3 * h * 32 * 2
+    assert ModelFlops.from_config(cfg).non_embedding_params == 3 * attn + 2 * moe + 3 * h * cfg.intermediate_size
