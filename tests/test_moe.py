@@ -64,15 +64,17 @@ def test_native_decoder_declines_moe_layers():
     assert model.model.fused_layers is None
 
 
-def test_tensor_parallel_refuses_moe_models_clearly():
+def test_tensor_parallel_checks_the_experts_width():
     import pytest
 
     from kvserve.config import ConfigError
-    from kvserve.models.tensor_parallel import check_tp_shape
+    from kvserve.models.tensor_parallel import check_tp_shape, local_config
 
-    check_tp_shape(tiny_config("qwen3_moe"), 1)
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        check_tp_shape(tiny_config("qwen3_moe"), 2)
+    cfg = tiny_config("qwen3_moe")  # experts 32 wide
+    assert local_config(cfg, 2).moe_intermediate_size == 16
+    cfg.intermediate_size = 192
+    with pytest.raises(ConfigError, match="experts' intermediate size 32"):
+        check_tp_shape(cfg, 3)
 
 
 def test_flop_count_takes_the_routed_experts_only():

@@ -130,6 +130,7 @@ def _run_pair(model: str, tp: int, pp: int = 1, check: Optional[Callable] = None
     ("tiny-gemma3-h4kv1", 2),  # Gemma 3 270M's shape: 4 / 1 heads, KV head replicated
     ("tiny-qwen3-h4kv2", 2),   # QK-norm (per head: replicated), head_dim 32 != hidden / heads
     ("tiny-phi3-h4kv2", 2),    # fused qkv_proj / gate_up_proj checkpoint tensors cut per part
+    ("tiny-qwen3-moe-h4kv2", 2),  # every expert's columns split, the router replicated
 ])
 def test_tensor_parallel_matches_one_process(model, tp):
     _run_pair(model, tp)

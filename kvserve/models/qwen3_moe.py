@@ -10,8 +10,8 @@ in ascending expert order (HF's order). A row's result does not depend on the ot
 (kvserve's fp32 linears reduce each row alone), so batching leaves it unchanged.
 
 The native fused decoder declines MoE layers (``DecoderLayerSpec.mlp == "moe"``): such a model
-runs layer by layer, in the modules below. Tensor parallelism is refused for now
-(models/tensor_parallel.py).
+runs layer by layer, in the modules below. Under tensor parallelism each rank holds a slice
+of every expert's columns (models/tensor_parallel.py says why).
 
 Parameter names are HF's checkpoint names: ``mlp.gate.weight`` (the router) and
 ``mlp.experts.<e>.{gate,up,down}_proj.weight`` (gate and up fused per expert at load).
@@ -19,13 +19,14 @@ Parameter names are HF's checkpoint names: ``mlp.gate.weight`` (the router) and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from kvserve import ops
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.distributed import ParallelGroup
 from kvserve.models.layers import RMSNorm
 from kvserve.models.llama import GatedMLP, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from kvserve.models.qwen3 import Qwen3Attention
@@ -64,6 +65,10 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 
 
 class SparseMoEBlock(nn.Module):
+    # Tensor parallelism: every expert's slice of its intermediate columns on this rank (its
+    # GatedMLP has no group of its own); the summed output is all-reduced once.
+    tp: Optional[ParallelGroup] = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
@@ -87,7 +92,7 @@ class SparseMoEBlock(nn.Module):
             y = self.experts[expert](x.index_select(0, rows)) * pair_weights[start:start + count, None]
             out.index_add_(0, rows, y)
             start += count
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):

@@ -29,7 +29,7 @@ _TINY_BY_MODULE = {"qwen3": qwen3.tiny_config, "qwen3_moe": qwen3_moe.tiny_confi
 # Tiny models with other head counts, for tensor-parallel tests: "tiny-llama-h6kv2" is
 # tiny-llama with 6 query and 2 KV heads, "tiny-llama-h4kv2d32" the same with a head dimension
 # of 32 (models.testing.tiny_config_by_name).
-TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3|tiny-qwen3|tiny-phi3)-h(\d+)kv(\d+)(?:d(\d+))?$")
+TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3|tiny-qwen3|tiny-qwen3-moe|tiny-phi3)-h(\d+)kv(\d+)(?:d(\d+))?$")
 
 
 def tiny_config(arch: str) -> ModelConfig:
