@@ -110,6 +110,30 @@ def test_hf_dir_with_unsupported_model_type(tmp_path):
     _expect_error(str(tmp_path), "unsupported model_type 'bert'")
 
 
+def test_hf_configs_of_phi3_128k_and_qwen3_moe():
+    """Real models' config.json shapes (values from their hub configs, abridged): Phi-3-mini-128k's
+    LongRoPE under its first name ("su") and a window past its context; Phi-4-mini's partial
+    rotary embeddings, refused; Qwen3-30B-A3B's experts."""
+    from kvserve.loader.safetensors import config_from_hf
+
+    phi3 = {"model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "sliding_window": 262144,
+            "rope_scaling": {"type": "su", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
+    cfg = config_from_hf(phi3)
+    assert (cfg.architecture, cfg.head_dim, cfg.sliding_window, cfg.layer_types) == ("phi3", 96, None, None)
+    assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.rope_scaling["original_max_position_embeddings"] == 4096
+    with pytest.raises(ConfigError, match="partial rotary"):
+        config_from_hf(dict(phi3, rope_scaling=None, partial_rotary_factor=0.75))
+    qwen3_moe = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "use_sliding_window": False, "sliding_window": None, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768, "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1}
+    cfg = config_from_hf(qwen3_moe)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (128, 8, 768, True)
+    assert all(cfg.is_moe_layer(i) for i in range(48)) and cfg.layer_types is None
+
+
 def test_hf_dir_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,

@@ -46,6 +46,8 @@ def _rope_settings(cfg: dict[str, Any], layer_kind: Optional[str]) -> tuple[floa
         base = float(cfg.get("rope_theta", 10000.0))
         scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "su":  # the first Phi-3 128k checkpoints' name for LongRoPE (HF reads it so too)
+        kind = "longrope"
     if kind == "default":
         return base, None
     if kind not in ("linear", "llama3", "longrope"):

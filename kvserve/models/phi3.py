@@ -32,8 +32,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         partial = float(params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)))
         if partial != 1.0:
             raise ConfigError(f"phi3: partial rotary embeddings (partial_rotary_factor {partial}) are not supported")
-        # Every layer is windowed when the config names a window (HF's Phi3 masks them all alike).
-        if hf_config.get("sliding_window"):
+        # Every layer is windowed when the config names a window (HF's Phi3 masks them all
+        # alike); the 128k variants name one (262144) past their context: no window at all.
+        window = hf_config.get("sliding_window")
+        if window and window < config.max_position_embeddings:
             config.sliding_window = int(hf_config["sliding_window"])
             config.layer_types = ["sliding_attention"] * config.num_hidden_layers
         scaling = config.rope_scaling
