@@ -3,6 +3,7 @@ expert id, experts that see only their own tokens, a row's result independent of
 and the native decoder declining MoE layers (the model runs layer by layer)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvserve.loader import load_model, resolve_model
@@ -85,3 +86,33 @@ def test_flop_count_takes_the_routed_experts_only():
     attn = 2 * h * cfg.num_attention_heads * cfg.head_dim + 2 * h * cfg.num_key_value_heads * cfg.head_dim
     moe = h * 8 + 3 * h * 32 * 2
     assert ModelFlops.from_config(cfg).non_embedding_params == 3 * attn + 2 * moe + 3 * h * cfg.intermediate_size
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_greedy_and_logprobs_bitwise_alone_or_in_a_batch(quantization):
+    """Issue 15's guarantee on routed experts: a request's tokens and logprobs do not change
+    with what runs beside it. int4 with bf16 prefill copies: an expert's rows keep their
+    token roles (prompt rows through the copy, generated ones through the blocks), so the
+    mixed steps of a batch read each row's own format."""
+    import random
+
+    from kvserve import SamplingParams
+    from kvserve.llm import LLM
+
+    kwargs = {"int4_prefill": "bf16"} if quantization == "int4" else {}
+    # A small token budget: prompt chunks share steps with decodes (steps of mixed roles).
+    llm = LLM(model="tiny-qwen3-moe", dtype="float32", quantization=quantization, kv_cache_memory=8 << 20,
+              max_num_batched_tokens=32, **kwargs)
+    rng = random.Random(3)
+    target = [rng.randrange(100, 40000) for _ in range(70)]
+    others = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 60))] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+
+    def signature(out):
+        c = out.outputs[0]
+        return c.token_ids, [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs]
+
+    alone = signature(llm.generate([target], params)[0])
+    llm.engine.kv_manager.reset_prefix_cache()
+    crowd = llm.generate(others[:4] + [target] + others[4:], params)
+    assert signature(crowd[4]) == alone

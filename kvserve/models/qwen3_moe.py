@@ -33,6 +33,7 @@ from kvserve.models.qwen3 import Qwen3Attention
 from kvserve.models.spec import DecoderLayerSpec
 from kvserve.quant import Fp32Linear
 from kvserve.quant.common import batch_invariant_linears
+from kvserve.token_roles import roles_of_rows
 
 ARCHITECTURE = "qwen3_moe"
 
@@ -88,8 +89,10 @@ class SparseMoEBlock(nn.Module):
         for expert, count in enumerate(counts):
             if count == 0:
                 continue  # an expert no token chose: its weights are never read
-            rows = tokens[start:start + count]
-            y = self.experts[expert](x.index_select(0, rows)) * pair_weights[start:start + count, None]
+            rows = tokens[start:start + count]  # (ascending, distinct: a token takes an expert once)
+            with roles_of_rows(rows):  # each row keeps its token role (its weight format)
+                y = self.experts[expert](x.index_select(0, rows))
+            y = y * pair_weights[start:start + count, None]
             out.index_add_(0, rows, y)
             start += count
         return out if self.tp is None else self.tp.all_reduce(out)
