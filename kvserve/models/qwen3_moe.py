@@ -5,8 +5,8 @@ Router: softmax over the experts' logits (in float32, as HF), the top ``num_expe
 (ties broken by the lower expert index: a stable sort, where ``torch.topk`` leaves ties
 unspecified), optionally renormalised (``norm_topk_prob``). Experts run only on the tokens
 routed to them: the step's (token, expert) pairs are grouped per expert, and each active
-expert runs one gate+up and one down matmul on its rows; the weighted results are added back
-in ascending expert order (HF's order). A row's result does not depend on the other rows
+expert runs one gate+up and one down matmul on its rows; each token's weighted results are
+added in ascending expert order (HF's order). A row's result does not depend on the other rows
 (kvserve's fp32 linears reduce each row alone), so batching leaves it unchanged.
 
 The native fused decoder declines MoE layers (``DecoderLayerSpec.mlp == "moe"``): such a model
@@ -80,21 +80,33 @@ class SparseMoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.normalize)
-        flat = experts.reshape(-1)  # (token, slot) pairs, row-major: pair p is token p // k
+        # Each token's k choices in ascending expert order: the order their outputs are summed
+        # in below (HF's order), whatever their probabilities.
+        experts, order = experts.sort(dim=-1, stable=True)
+        weights = weights.gather(1, order)
+        flat = experts.reshape(-1)  # (token, choice) pairs, row-major: pair p is token p // k
         pairs = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending within one
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         tokens, pair_weights = pairs // self.top_k, weights.reshape(-1)[pairs]
-        out = torch.zeros_like(x)
+        # Every pair's weighted expert output lands in its own row (index_copy_: no
+        # accumulation, and ~1000x faster on the CPU than index_add_, which measured ~5 ms a
+        # call here), then each token's k rows are added in order: row by row, so a row's
+        # result does not depend on the others.
+        per_pair = x.new_empty(flat.shape[0], x.shape[1])
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue  # an expert no token chose: its weights are never read
-            rows = tokens[start:start + count]  # (ascending, distinct: a token takes an expert once)
+            segment = slice(start, start + count)
+            rows = tokens[segment]  # (ascending, distinct: a token takes an expert once)
             with roles_of_rows(rows):  # each row keeps its token role (its weight format)
                 y = self.experts[expert](x.index_select(0, rows))
-            y = y * pair_weights[start:start + count, None]
-            out.index_add_(0, rows, y)
+            per_pair.index_copy_(0, pairs[segment], y * pair_weights[segment, None])
             start += count
+        per_pair = per_pair.view(x.shape[0], self.top_k, x.shape[1])
+        out = per_pair[:, 0]
+        for choice in range(1, self.top_k):
+            out = out + per_pair[:, choice]
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
