@@ -88,7 +88,7 @@ def test_fused_layers_match_the_python_model_exactly(name, weight_format):
 
 @pytest.mark.parametrize("copies", ["bf16", "int8"])
 @pytest.mark.parametrize("prompt_lens", [[40, 10], [100, 5], [150, 10]])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3"])
 def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prompt_lens, copies):
     """int4 with prefill copies (bf16, or int8 under int8 activations): prompt rows through the
     copies, the others through the Q4_1 blocks, in the native loop as in the Python model.
