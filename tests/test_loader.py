@@ -8,6 +8,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Optional
 
 import gguf
 import numpy as np
@@ -238,7 +239,8 @@ def _llama3_rope_factors(cfg) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool) -> None:
+def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool,
+                 extra_tensors: Optional[dict[str, np.ndarray]] = None) -> None:
     """Write a kvserve model the way llama.cpp's converter would (names via gguf's own map)."""
     arch_enum = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
                  "qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3}
@@ -262,6 +264,8 @@ def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool) -> None
                     [t == "sliding_attention" for t in cfg.layer_types])
     if cfg.rope_scaling:
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
     for hf_name, tensor in unfused_state_dict(model).items():
         array = tensor.float().numpy()
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -341,6 +345,16 @@ def test_gguf_of_new_architectures_matches_transformers_gguf_loader(tmp_path, gg
     got = _logits(loaded, loaded_cfg, tokens)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert (got - want).abs().max() < 1e-3
+
+
+def test_phi3_longrope_gguf_is_refused_clearly(tmp_path):
+    cfg = tiny_config("phi3")
+    path = tmp_path / "longrope.gguf"
+    factors = np.ones(cfg.head_dim // 2, dtype=np.float32)
+    _export_gguf(build_random_model(cfg, seed=7), cfg, "phi3", path, quantize=False,
+                 extra_tensors={"rope_factors_long.weight": factors, "rope_factors_short.weight": factors})
+    with pytest.raises(ConfigError, match="phi3 LongRoPE GGUF files are not supported"):
+        load_model(resolve_model(str(path)))
 
 
 def test_raw_quantized_weights_are_reachable():
