@@ -89,7 +89,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self.attention_class(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = self.build_mlp(config, layer_idx)
+
+    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The layer's MLP (Qwen3-MoE: routed experts on most layers)."""
+        return GatedMLP(config)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_cache: LayerKV, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -113,10 +113,8 @@ class SparseMoEBlock(nn.Module):
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     attention_class = Qwen3Attention
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
-        if config.is_moe_layer(layer_idx):
-            self.mlp = SparseMoEBlock(config)
+    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return SparseMoEBlock(config) if config.is_moe_layer(layer_idx) else GatedMLP(config)
 
 
 class Qwen3MoeModel(LlamaModel):
