@@ -163,3 +163,14 @@ class LlamaForCausalLM(PagedCausalLM):
         self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+
+def tiny_config() -> ModelConfig:
+    """tiny-llama: a random-weight test model on SmolLM2's vocabulary (its tokenizer drives
+    it; bos 1, eos 2)."""
+    return ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=True,
+        bos_token_id=1, eos_token_ids=[2], name="tiny-llama",
+    )
