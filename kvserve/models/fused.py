@@ -10,10 +10,12 @@ the same kernels and torch ops the Python model calls, in the same order, on the
 weights: the results are identical, the Python model stays the reference, and the tests
 hold the two together.
 
-It is attached (``attach_fused_layers``, by the loader) when every linear layer of the
-decoder is one of kvserve's formats or a plain fp32 ``nn.Linear`` (what the decoder passes to
-call each: kvserve.quant.registry), the activations are fp32 on the CPU and the extension is
-built; otherwise the model runs layer by layer.
+It is attached (``attach_fused_layers``, by the loader) when the architecture's declared
+layer (``layer_spec``, models/spec.py: which norms, QK-norm, rope tables, MLP kind) fits the
+native skeleton, every linear layer of the decoder is one of kvserve's formats or a plain
+fp32 ``nn.Linear`` (what the decoder passes to call each: kvserve.quant.registry), the
+activations are fp32 on the CPU and the extension is built; otherwise the model runs layer
+by layer (as MoE models always do).
 """
 from __future__ import annotations
 
