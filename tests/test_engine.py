@@ -39,6 +39,13 @@ MODELS = [
     #  number of short prompts beside it)
     pytest.param("smollm2-135m-instruct", 200, 4, id="smollm2"),
     pytest.param("gemma-3-270m", 600, 2, id="gemma3"),
+    # Issue 62's architectures, random tiny models (SmolLM2's tokenizer): Qwen3 (QK-norm),
+    # Phi-3 (fused checkpoint projections), Mistral with a 24-token window, shorter than the
+    # long prompt (its one sliding group gives blocks back as the window passes).
+    pytest.param("tiny-qwen3", 200, 4, id="qwen3"),
+    pytest.param("tiny-phi3", 200, 4, id="phi3"),
+    pytest.param("tiny-mistral-swa", 200, 4, id="mistral-swa"),
+    pytest.param("tiny-qwen3-moe", 200, 4, id="qwen3-moe"),  # routed experts, layer by layer
 ]
 
 

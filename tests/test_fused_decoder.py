@@ -66,7 +66,7 @@ def test_fused_layers_reject_tokens_and_positions_outside_their_tables():
 
 
 @pytest.mark.parametrize("weight_format", [None, "bf16", "int8", "int4"])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-phi3", "tiny-mistral-swa"])
 def test_fused_layers_match_the_python_model_exactly(name, weight_format):
     model, cfg = load_model(resolve_model(name), quantization=weight_format)
     fused = model.model.fused_layers
@@ -88,7 +88,7 @@ def test_fused_layers_match_the_python_model_exactly(name, weight_format):
 
 @pytest.mark.parametrize("copies", ["bf16", "int8"])
 @pytest.mark.parametrize("prompt_lens", [[40, 10], [100, 5], [150, 10]])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3"])
 def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prompt_lens, copies):
     """int4 with prefill copies (bf16, or int8 under int8 activations): prompt rows through the
     copies, the others through the Q4_1 blocks, in the native loop as in the Python model.
@@ -234,7 +234,7 @@ def test_token_roles_kinds():
 
 
 @pytest.mark.parametrize("weight_format", [None, "int4"])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-phi3"])
 def test_fused_layers_match_the_python_model_exactly_with_int8_kv(name, weight_format):
     """The native loop quantizes and reads an int8 cache through the same kernels."""
     model, cfg = load_model(resolve_model(name), quantization=weight_format)
@@ -315,3 +315,15 @@ def test_sliding_window_groups_match_one_group_exactly(kv_dtype):
         model.model.fused_layers = fused
     assert torch.equal(native, one_group)
     assert torch.equal(layer_by_layer, one_group)
+
+
+@pytest.mark.parametrize("name,spec", [("tiny-llama", dict(norm_offset=0.0, qk_norm=False)),
+                                       ("tiny-qwen3", dict(norm_offset=0.0, qk_norm=True)),
+                                       ("tiny-gemma3", dict(norm_offset=1.0, qk_norm=True))])
+def test_each_architecture_declares_its_native_layer(name, spec):
+    """The native decoder reads the architecture's declared layer spec (models/spec.py), not
+    attribute names: Qwen3's q/k norms are plain x * w, Gemma 3's x * (1 + w)."""
+    model, _ = load_model(resolve_model(name))
+    for key, value in spec.items():
+        assert getattr(model.layer_spec, key) == value
+    assert model.model.fused_layers is not None

@@ -8,12 +8,14 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Optional
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+from kvserve import ops
 from kvserve.attention import build_attention_metadata
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.config import ConfigError
@@ -107,6 +109,30 @@ def test_unsupported_quant_type(tmp_path):
 def test_hf_dir_with_unsupported_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     _expect_error(str(tmp_path), "unsupported model_type 'bert'")
+
+
+def test_hf_configs_of_phi3_128k_and_qwen3_moe():
+    """Real models' config.json shapes (values from their hub configs, abridged): Phi-3-mini-128k's
+    LongRoPE under its first name ("su") and a window past its context; Phi-4-mini's partial
+    rotary embeddings, refused; Qwen3-30B-A3B's experts."""
+    from kvserve.loader.safetensors import config_from_hf
+
+    phi3 = {"model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "sliding_window": 262144,
+            "rope_scaling": {"type": "su", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
+    cfg = config_from_hf(phi3)
+    assert (cfg.architecture, cfg.head_dim, cfg.sliding_window, cfg.layer_types) == ("phi3", 96, None, None)
+    assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.rope_scaling["original_max_position_embeddings"] == 4096
+    with pytest.raises(ConfigError, match="partial rotary"):
+        config_from_hf(dict(phi3, rope_scaling=None, partial_rotary_factor=0.75))
+    qwen3_moe = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "use_sliding_window": False, "sliding_window": None, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768, "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1}
+    cfg = config_from_hf(qwen3_moe)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (128, 8, 768, True)
+    assert all(cfg.is_moe_layer(i) for i in range(48)) and cfg.layer_types is None
 
 
 def test_hf_dir_without_weights(tmp_path):
@@ -213,9 +239,11 @@ def _llama3_rope_factors(cfg) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool) -> None:
+def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool,
+                 extra_tensors: Optional[dict[str, np.ndarray]] = None) -> None:
     """Write a kvserve model the way llama.cpp's converter would (names via gguf's own map)."""
-    arch_enum = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+    arch_enum = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
+                 "qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3}
     names = gguf.get_tensor_name_map(arch_enum[gguf_arch], cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_uint32(f"{gguf_arch}.block_count", cfg.num_hidden_layers)
@@ -227,6 +255,7 @@ def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool) -> None
     w.add_uint32(f"{gguf_arch}.attention.key_length", cfg.head_dim)
     w.add_float32(f"{gguf_arch}.rope.freq_base", cfg.rope_theta)
     w.add_float32(f"{gguf_arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32(f"{gguf_arch}.vocab_size", cfg.vocab_size)  # (transformers' GGUF loader reads it)
     w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
     w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_ids[0])
     if gguf_arch == "gemma3":
@@ -235,6 +264,8 @@ def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool) -> None
                     [t == "sliding_attention" for t in cfg.layer_types])
     if cfg.rope_scaling:
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
     for hf_name, tensor in unfused_state_dict(model).items():
         array = tensor.float().numpy()
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -264,9 +295,10 @@ def _logits(model, cfg, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("gguf_arch,quantize", [("llama", False), ("llama", True), ("qwen2", False),
-                                                ("gemma3", False), ("llama3-rope", False)])
+                                                ("gemma3", False), ("llama3-rope", False), ("qwen3", False),
+                                                ("phi3", False), ("phi3", True)])
 def test_gguf_written_like_llama_cpp_loads_back(tmp_path, gguf_arch, quantize):
-    cfg = tiny_config("gemma3" if gguf_arch == "gemma3" else "llama")
+    cfg = tiny_config(gguf_arch if gguf_arch in ("gemma3", "qwen3", "phi3") else "llama")
     if gguf_arch == "qwen2":
         cfg.architecture, cfg.attention_bias = "qwen2", True
     if gguf_arch == "llama3-rope":
@@ -289,6 +321,42 @@ def test_gguf_written_like_llama_cpp_loads_back(tmp_path, gguf_arch, quantize):
         assert (got - expected).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("gguf_arch", ["qwen3", "phi3"])
+def test_gguf_of_new_architectures_matches_transformers_gguf_loader(tmp_path, gguf_arch):
+    """Issue 62: a qwen3 / phi3 GGUF written as llama.cpp's converter writes it (phi3: fused
+    attn_qkv and gate+up ffn_up) read by kvserve and by transformers' own GGUF loader."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(gguf_arch)
+    if gguf_arch == "qwen3":
+        # transformers' GGUF loader takes Qwen3's head_dim from its config default (128), not
+        # from attention.key_length: a model of that head dimension reads the same in both.
+        cfg.head_dim = 128
+    original = build_random_model(cfg, seed=7)
+    path = tmp_path / "tiny.gguf"
+    _export_gguf(original, cfg, gguf_arch, path, quantize=False)
+    loaded, loaded_cfg = load_model(resolve_model(str(path)))
+    assert (loaded_cfg.architecture, loaded_cfg.head_dim) == (gguf_arch, cfg.head_dim)
+    assert (loaded.model.fused_layers is not None) == (ops.load_extension() is not None)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    tokens = torch.randint(3, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([tokens])).logits[0].float()
+    got = _logits(loaded, loaded_cfg, tokens)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max() < 1e-3
+
+
+def test_phi3_longrope_gguf_is_refused_clearly(tmp_path):
+    cfg = tiny_config("phi3")
+    path = tmp_path / "longrope.gguf"
+    factors = np.ones(cfg.head_dim // 2, dtype=np.float32)
+    _export_gguf(build_random_model(cfg, seed=7), cfg, "phi3", path, quantize=False,
+                 extra_tensors={"rope_factors_long.weight": factors, "rope_factors_short.weight": factors})
+    with pytest.raises(ConfigError, match="phi3 LongRoPE GGUF files are not supported"):
+        load_model(resolve_model(str(path)))
+
+
 def test_raw_quantized_weights_are_reachable():
     from kvserve.loader.gguf import quantized_weights
 
@@ -309,7 +377,7 @@ def test_raw_quantized_weights_are_reachable():
 # ------------------------------------------------------------------ tiny models
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-phi3", "tiny-mistral-swa"])
 def test_tiny_models_build(name):
     source = resolve_model(name)
     assert source == ModelSource(kind="tiny", path=None, name=name)

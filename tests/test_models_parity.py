@@ -182,7 +182,7 @@ def _hf_reference(model, config):
     return hf
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3", "phi3", "mistral-swa"])
 def test_tiny_models_match_hf(arch):
     config = tiny_config(arch)
     model = build_random_model(config, seed=3)
@@ -198,7 +198,7 @@ def test_tiny_models_match_hf(arch):
             assert _max_diff(ours_logits[step][s], hf_logits[step]) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3", "phi3", "mistral-swa"])
 def test_chunked_prefill_equals_one_shot(arch):
     config = tiny_config(arch)
     model = build_random_model(config, seed=4)
@@ -243,3 +243,80 @@ def test_hf_safetensors_dir_matches_hf(tmp_path, model_type):
     assert ours_tokens[0] == hf_tokens
     for step in range(7):
         assert _max_diff(ours_logits[step][0], hf_logits[step]) < 1e-4
+
+
+# ------------------------------------------------------------------ issue 62's architectures
+
+
+def _hf_tiny(model_type: str):
+    """A random tiny HF model of ``model_type`` (fp32, eval), its norms and biases perturbed so
+    that they matter. ``phi3-longrope``: Phi-3 with LongRoPE factors and an original context
+    of 32 tokens, so that decoding crosses from the short factors to the long ones;
+    ``mistral``: a 6-token window, shorter than the 20-token prompt."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if model_type == "qwen3":
+        hf_config = Qwen3Config(head_dim=32, tie_word_embeddings=True, **common)  # head_dim != hidden / heads
+    elif model_type == "qwen3_moe":  # 8 experts, top 3 renormalised; layer 1 dense
+        hf_config = Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                   norm_topk_prob=True, mlp_only_layers=[1], **common)
+    elif model_type == "qwen3_moe-unnormalized":  # top 2 of 4, weights as the softmax gives them
+        hf_config = Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   norm_topk_prob=False, **common)
+    elif model_type == "phi3":
+        hf_config = Phi3Config(pad_token_id=None, **common)
+    elif model_type == "phi3-longrope":
+        gen = torch.Generator().manual_seed(9)
+        short, long = (1.0 + 3.0 * torch.rand(8, generator=gen)).tolist(), (1.0 + 30.0 * torch.rand(8, generator=gen)).tolist()
+        hf_config = Phi3Config(pad_token_id=None, original_max_position_embeddings=32, rope_scaling={
+            "rope_type": "longrope", "short_factor": short, "long_factor": long}, **common)
+    else:
+        hf_config = MistralConfig(sliding_window=6, head_dim=16, **common)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return hf
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "phi3", "phi3-longrope", "mistral", "qwen3_moe",
+                                        "qwen3_moe-unnormalized"])
+def test_new_architectures_from_safetensors_match_hf_on_both_paths(tmp_path, model_type):
+    """Issue 62: an HF directory written by transformers' save_pretrained (random tiny
+    weights) loads; the native fused decoder and the layer-by-layer torch path give the same
+    bits; both give HF's greedy tokens, logits within 1e-3. (qwen3_moe: the native decoder
+    declines routed experts, the model runs layer by layer.)"""
+    from kvserve import ops
+
+    hf = _hf_tiny(model_type)
+    hf.save_pretrained(tmp_path)
+    model, config = load_model(ModelSource(kind="hf_dir", path=str(tmp_path), name="tmp"))
+    assert config.architecture == model_type.split("-")[0]
+    if model_type == "qwen3_moe":
+        assert (config.num_experts, config.num_experts_per_tok, config.mlp_only_layers) == (8, 3, [1])
+    if model_type == "mistral":
+        assert config.sliding_window == 6 and config.layer_types == ["sliding_attention"] * 3
+    if model_type == "phi3-longrope":
+        assert config.rope_scaling["rope_type"] == "longrope"
+    prompt = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    steps = 24  # (phi3-longrope: positions 20..43, across its original context of 32)
+    fused = model.model.fused_layers
+    assert (fused is not None) == (ops.load_extension() is not None and not model_type.startswith("qwen3_moe"))
+    native_logits, native_tokens = PagedRunner(model, config, [48]).greedy([prompt], steps)
+    model.model.fused_layers = None
+    try:
+        torch_logits, torch_tokens = PagedRunner(model, config, [48], seed=3).greedy([prompt], steps)
+    finally:
+        model.model.fused_layers = fused
+    assert native_tokens == torch_tokens
+    for a, b in zip(native_logits, torch_logits):
+        assert torch.equal(a, b)
+    hf_logits, hf_tokens = hf_greedy(hf, prompt, steps)
+    assert native_tokens[0] == hf_tokens
+    worst = max(_max_diff(native_logits[step][0], hf_logits[step]) for step in range(steps + 1))
+    print(f"\n{model_type}: max|diff| vs HF {worst:.2e}")
+    assert worst < LOGITS_ATOL

@@ -128,6 +128,9 @@ def _run_pair(model: str, tp: int, pp: int = 1, check: Optional[Callable] = None
     pytest.param("tiny-llama-h6kv3", 3, marks=FULL),  # 2 query heads and 1 KV head per rank
     ("tiny-llama-h6kv1", 3),   # the one KV head replicated on 3 ranks
     ("tiny-gemma3-h4kv1", 2),  # Gemma 3 270M's shape: 4 / 1 heads, KV head replicated
+    ("tiny-qwen3-h4kv2", 2),   # QK-norm (per head: replicated), head_dim 32 != hidden / heads
+    ("tiny-phi3-h4kv2", 2),    # fused qkv_proj / gate_up_proj checkpoint tensors cut per part
+    ("tiny-qwen3-moe-h4kv2", 2),  # every expert's columns split, the router replicated
 ])
 def test_tensor_parallel_matches_one_process(model, tp):
     _run_pair(model, tp)
@@ -426,3 +429,54 @@ def test_q4_1_blocks_shard_like_the_float_weights():
         for rank in range(3):
             plan = TPShardPlan(config, rank, 3)
             assert torch.equal(dequant(plan.shard_raw(name, raw[name])), plan.shard_weight(name, full)), (name, rank)
+
+
+def test_fused_checkpoint_tensors_shard_as_their_parts():
+    """Phi-3's checkpoint holds q/k/v (and gate/up) in one tensor: each rank's shard is its
+    q, k and v shards (gate and up shards) stacked, as the unfused names would give them."""
+    import torch
+
+    from kvserve.models.tensor_parallel import TPShardPlan
+    from kvserve.models.testing import tiny_config_by_name
+
+    cfg = tiny_config_by_name("tiny-phi3-h4kv2")
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    qkv, gate_up = torch.randn(q + 2 * kv, cfg.hidden_size), torch.randn(2 * inter, cfg.hidden_size)
+    for rank in range(2):
+        plan = TPShardPlan(cfg, rank, 2)
+        layer = "model.layers.0."
+        want = torch.cat([plan.shard_weight(layer + "self_attn.q_proj.weight", qkv[:q]),
+                          plan.shard_weight(layer + "self_attn.k_proj.weight", qkv[q:q + kv]),
+                          plan.shard_weight(layer + "self_attn.v_proj.weight", qkv[q + kv:])])
+        assert torch.equal(plan.shard_weight(layer + "self_attn.qkv_proj.weight", qkv), want)
+        assert want.shape[0] == (q + 2 * kv) // 2
+        want = torch.cat([plan.shard_weight(layer + "mlp.gate_proj.weight", gate_up[:inter]),
+                          plan.shard_weight(layer + "mlp.up_proj.weight", gate_up[inter:])])
+        assert torch.equal(plan.shard_weight(layer + "mlp.gate_up_proj.weight", gate_up), want)
+
+
+def test_fused_checkpoint_blocks_shard_as_their_float_values():
+    """A phi3 GGUF's fused attn_qkv / ffn_up as Q8_0 blocks: each rank's cut dequantizes to
+    its cut of the dequantized tensor."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from kvserve.block_formats import QuantizedTensor
+    from kvserve.models.tensor_parallel import TPShardPlan
+    from kvserve.models.testing import tiny_config_by_name
+
+    cfg = tiny_config_by_name("tiny-phi3-h4kv2")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    rows = {"self_attn.qkv_proj": (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim,
+            "mlp.gate_up_proj": 2 * cfg.intermediate_size}
+    for part, n in rows.items():
+        name = f"model.layers.0.{part}.weight"
+        values = np.random.default_rng(0).standard_normal((n, cfg.hidden_size)).astype(np.float32)
+        raw = QuantizedTensor(q8, gguf.quants.quantize(values, q8), (n, cfg.hidden_size))
+        full = torch.from_numpy(gguf.quants.dequantize(raw.data, q8))
+        for rank in range(2):
+            plan = TPShardPlan(cfg, rank, 2)
+            cut = plan.shard_raw(name, raw)
+            assert cut.shape == (n // 2, cfg.hidden_size)
+            assert torch.equal(torch.from_numpy(gguf.quants.dequantize(cut.data, q8)), plan.shard_weight(name, full))

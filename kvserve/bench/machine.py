@@ -92,7 +92,10 @@ class ModelFlops:
         h, hd = cfg.hidden_size, cfg.head_dim
         attn = h * cfg.num_attention_heads * hd * 2 + h * cfg.num_key_value_heads * hd * 2
         mlp = 3 * h * cfg.intermediate_size  # gate, up, down (SwiGLU and GeGLU alike)
-        return cls(cfg.num_hidden_layers * (attn + mlp), cfg.vocab_size * h)
+        # A mixture-of-experts layer: the router and the experts a token is routed to.
+        moe = h * cfg.num_experts + 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+        mlps = sum(moe if cfg.is_moe_layer(i) else mlp for i in range(cfg.num_hidden_layers))
+        return cls(cfg.num_hidden_layers * attn + mlps, cfg.vocab_size * h)
 
     def flops(self, computed_tokens: int, sampled_tokens: int) -> float:
         """2 x weights x tokens (one multiply-add per weight per token); attention scores

@@ -26,7 +26,7 @@ class ModelConfig:
     Field names follow HF transformers' config names where one exists.
     """
 
-    architecture: str  # "llama" | "gemma3"
+    architecture: str  # a key of kvserve.models.registry.MODEL_CLASSES ("llama", "qwen3", "gemma3", ...)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -54,6 +54,20 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+    # Mixture of experts (qwen3_moe; 0 experts: a dense model). HF's names: the routed
+    # experts' MLP width, how many experts each token takes, whether their weights are
+    # renormalised to sum to 1, and which layers keep a dense MLP (``mlp_only_layers``, and
+    # all but every ``decoder_sparse_step``-th).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    mlp_only_layers: list[int] = field(default_factory=list)
+    decoder_sparse_step: int = 1
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     def is_sliding(self, layer_idx: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer_idx] == "sliding_attention"

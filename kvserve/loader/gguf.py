@@ -56,10 +56,29 @@ _BLOCK_NAMES_GEMMA3 = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_BLOCK_NAMES_QWEN3 = {
+    **_BLOCK_NAMES_LLAMA,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Phi-3: llama.cpp keeps the checkpoint's fused tensors, q/k/v rows in ``attn_qkv`` and gate
+# then up rows in ``ffn_up`` (its SwiGLU takes the first half as the gate): kvserve's phi3
+# model holds them fused under HF's names, so they load as they are.
+_BLOCK_NAMES_PHI3 = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 # GGUF architecture -> (kvserve architecture, per-block tensor names, q/k rows permuted?)
+# (qwen3 and phi3 use NEOX-style rope in llama.cpp: their q/k rows are stored as HF's.)
 GGUF_ARCHITECTURES: dict[str, tuple[str, dict[str, str], bool]] = {
     "llama": ("llama", _BLOCK_NAMES_LLAMA, True),
     "qwen2": ("qwen2", _BLOCK_NAMES_LLAMA, False),
+    "qwen3": ("qwen3", _BLOCK_NAMES_QWEN3, False),
+    "phi3": ("phi3", _BLOCK_NAMES_PHI3, False),
     "gemma3": ("gemma3", _BLOCK_NAMES_GEMMA3, False),
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -169,6 +188,13 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     elif window:
         config.sliding_window = int(window)
         config.layer_types = ["sliding_attention"] * n_layers
+    if arch == "phi3":
+        # The 128k variants' LongRoPE factors are tensors (rope_factors_long/short), which
+        # these tables do not map yet: refused here rather than run with the wrong rope.
+        if any(name.startswith("rope_factors_") for name in gf.tensors):
+            raise ConfigError(f"{gf.path}: phi3 LongRoPE GGUF files are not supported yet (load the HF directory)")
+        # (Phi-3's intermediate size is half of ffn_up's rows: the file's feed_forward_length
+        # is the MLP width, as HF's intermediate_size.)
     return config
 
 

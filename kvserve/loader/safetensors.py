@@ -9,12 +9,16 @@ import torch
 from safetensors import safe_open
 
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.models.registry import get_model_class
 
 # HF model_type -> (kvserve architecture, tie_word_embeddings default of that HF config class)
 HF_MODEL_TYPES: dict[str, tuple[str, bool]] = {
     "llama": ("llama", False),
     "mistral": ("mistral", False),
     "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+    "qwen3_moe": ("qwen3_moe", False),
+    "phi3": ("phi3", False),
     "gemma3_text": ("gemma3", True),
 }
 
@@ -42,10 +46,12 @@ def _rope_settings(cfg: dict[str, Any], layer_kind: Optional[str]) -> tuple[floa
         base = float(cfg.get("rope_theta", 10000.0))
         scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "su":  # the first Phi-3 128k checkpoints' name for LongRoPE (HF reads it so too)
+        kind = "longrope"
     if kind == "default":
         return base, None
-    if kind not in ("linear", "llama3"):
-        raise ConfigError(f"unsupported rope scaling '{kind}' (supported: linear, llama3)")
+    if kind not in ("linear", "llama3", "longrope"):
+        raise ConfigError(f"unsupported rope scaling '{kind}' (supported: linear, llama3, longrope)")
     scaling["rope_type"] = kind
     return base, scaling
 
@@ -70,9 +76,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             period = int(cfg.get("sliding_window_pattern", 6))
             layer_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
     elif not layer_types and window:
-        if arch == "mistral":
-            layer_types = ["sliding_attention"] * n_layers
-        elif arch == "qwen2" and cfg.get("use_sliding_window"):
+        if arch in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
             first = int(cfg.get("max_window_layers", 0))
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
     if not layer_types or "sliding_attention" not in layer_types:
@@ -108,6 +112,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         config.query_pre_attn_scalar = float(cfg.get("query_pre_attn_scalar", 256))
         local_base, _ = _rope_settings(cfg, "sliding_attention")
         config.rope_local_base_freq = float(cfg.get("rope_local_base_freq", local_base if "rope_parameters" in cfg else 10000.0))
+    get_model_class(arch).adapt_hf_config(cfg, config)  # the architecture's own part (models/<arch>.py)
     return config
 
 

@@ -6,7 +6,7 @@ hidden states) and ``self.lm_head``, and declare their fused projections in
 """
 from __future__ import annotations
 
-from typing import ClassVar, Iterable, Optional
+from typing import Any, ClassVar, Iterable, Optional
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
+from kvserve.models.spec import LLAMA_LAYER, DecoderLayerSpec
 from kvserve.quant import RescoredLMHead
 from kvserve.token_roles import TokenRoles, use_token_roles
 
@@ -40,6 +41,9 @@ class PagedCausalLM(nn.Module):
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+
+    # The architecture's decoder layer as the native decoder reads it (models/spec.py).
+    layer_spec: ClassVar[DecoderLayerSpec] = LLAMA_LAYER
 
     config: ModelConfig
     model: nn.Module
@@ -135,6 +139,12 @@ class PagedCausalLM(nn.Module):
         fused_inputs = self.model.fused_inputs(attn_metadata.max_seq_len + num_steps, input_ids.device)
         return fused.decode_round(num_steps, input_ids, positions, block_size, fused_inputs,
                                   attn_metadata, kv_caches, norm, screen_call)
+
+    @classmethod
+    def adapt_hf_config(cls, hf_config: dict[str, Any], config: ModelConfig) -> None:
+        """The architecture's part of the HF ``config.json`` -> ``ModelConfig`` mapping, on
+        the fields loader/safetensors.py filled generically (in place; raise ConfigError for
+        what the architecture cannot run)."""
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

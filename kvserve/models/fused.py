@@ -10,10 +10,12 @@ the same kernels and torch ops the Python model calls, in the same order, on the
 weights: the results are identical, the Python model stays the reference, and the tests
 hold the two together.
 
-It is attached (``attach_fused_layers``, by the loader) when every linear layer of the
-decoder is one of kvserve's formats or a plain fp32 ``nn.Linear`` (what the decoder passes to
-call each: kvserve.quant.registry), the activations are fp32 on the CPU and the extension is
-built; otherwise the model runs layer by layer.
+It is attached (``attach_fused_layers``, by the loader) when the architecture's declared
+layer (``layer_spec``, models/spec.py: which norms, QK-norm, rope tables, MLP kind) fits the
+native skeleton, every linear layer of the decoder is one of kvserve's formats or a plain
+fp32 ``nn.Linear`` (what the decoder passes to call each: kvserve.quant.registry), the
+activations are fp32 on the CPU and the extension is built; otherwise the model runs layer
+by layer (as MoE models always do).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from torch import nn
 from kvserve import ops
 from kvserve.attention import AttentionMetadata
 from kvserve.kv_cache import KVCache
+from kvserve.models.spec import DecoderLayerSpec
 from kvserve.quant import native_linear_args
 from kvserve.row_table import kernels_read
 from kvserve.token_roles import ALL_GENERATED, current_token_roles
@@ -33,27 +36,31 @@ from kvserve.token_roles import ALL_GENERATED, current_token_roles
 logger = logging.getLogger(__name__)
 
 
-def _layer_spec(layer: nn.Module) -> Optional[dict[str, Any]]:
-    """What the native loop needs of one decoder layer (LLaMA or Gemma 3 shape), or None."""
+def _layer_spec(layer: nn.Module, spec: DecoderLayerSpec) -> Optional[dict[str, Any]]:
+    """What the native loop needs of one decoder layer, as its architecture declares it
+    (``spec``: which norms it has and where), or None where a linear's format or the
+    activation is not one the native loop calls."""
     attn, mlp = layer.self_attn, layer.mlp
-    gemma = hasattr(layer, "pre_feedforward_layernorm")
     linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
     specs = {name: native_linear_args(module) for name, module in linears.items()}
     if any(spec is None for spec in specs.values()) or mlp.hidden_act not in ops.ACTIVATION_CODES:
         return None
+
+    def norm(name: Optional[str]) -> Optional[torch.Tensor]:
+        return None if name is None else layer.get_submodule(name).weight
+
     return {
         **specs,
         "input_norm": layer.input_layernorm.weight,
-        # LLaMA's "post_attention_layernorm" is the norm before the MLP; Gemma 3 has both.
-        "pre_ffn_norm": layer.pre_feedforward_layernorm.weight if gemma else layer.post_attention_layernorm.weight,
-        "post_attn_norm": layer.post_attention_layernorm.weight if gemma else None,
-        "post_ffn_norm": layer.post_feedforward_layernorm.weight if gemma else None,
-        "q_norm": attn.q_norm.weight if gemma else None,
-        "k_norm": attn.k_norm.weight if gemma else None,
+        "pre_ffn_norm": norm(spec.pre_ffn_norm),
+        "post_attn_norm": norm(spec.post_attn_norm),
+        "post_ffn_norm": norm(spec.post_ffn_norm),
+        "q_norm": attn.q_norm.weight if spec.qk_norm else None,
+        "k_norm": attn.k_norm.weight if spec.qk_norm else None,
         "scale": float(attn.scale),
         "window": int(attn.sliding_window or 0),
-        "softcap": float(getattr(attn, "softcap", None) or 0.0),
-        "local_rope": bool(getattr(attn, "is_sliding", False)),
+        "softcap": float(attn.softcap or 0.0),
+        "local_rope": spec.local_rope and bool(attn.is_sliding),
     }
 
 
@@ -118,13 +125,15 @@ def attach_fused_layers(model: nn.Module) -> Optional[FusedDecoderLayers]:
     params = list(decoder.parameters())
     if ext is None or any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
         return None  # the kernels are fp32-only; pure bf16 models and CUDA run layer by layer
-    specs = [_layer_spec(layer) for layer in decoder.layers]
+    layer_spec: DecoderLayerSpec = model.layer_spec  # the architecture's declaration (models/spec.py)
+    if not layer_spec.native:
+        return None  # e.g. MoE layers: the skeleton has no router; they run layer by layer
+    specs = [_layer_spec(layer, layer_spec) for layer in decoder.layers]
     if any(spec is None for spec in specs):
         return None
     cfg = model.config
-    norm_offset = 1.0 if hasattr(decoder.layers[0], "pre_feedforward_layernorm") else 0.0
     native = ext.FusedDecoderLayers(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                    float(cfg.rms_norm_eps), norm_offset,
+                                    float(cfg.rms_norm_eps), layer_spec.norm_offset,
                                     ops.ACTIVATION_CODES[decoder.layers[0].mlp.hidden_act], specs)
     decoder.fused_layers = FusedDecoderLayers(native)
     logger.info("decoder layers run as one native call per step")

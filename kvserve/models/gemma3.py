@@ -19,6 +19,7 @@ from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
+from kvserve.models.spec import DecoderLayerSpec
 from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, output_projection, token_embedding
 from kvserve.row_table import table_args
 from kvserve.token_roles import roles_of_rows
@@ -148,9 +149,37 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(PagedCausalLM):
+    layer_spec = DecoderLayerSpec(norm_offset=1.0, qk_norm=True, pre_ffn_norm="pre_feedforward_layernorm",
+                                  post_attn_norm="post_attention_layernorm",
+                                  post_ffn_norm="post_feedforward_layernorm", local_rope=True)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = Gemma3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+
+def tiny_config(variant: str = "") -> ModelConfig:
+    """Random-weight test models on SmolLM2's vocabulary (its tokenizer drives them).
+    "": tiny-gemma3, 4 layers, window 8. "swa": Gemma 3's 5 sliding : 1 global pattern with a
+    window of two 16-token blocks and room for thousands of tokens (sliding-window KV groups and
+    their block reclaim). "pairs": 2 sliding : 1 global, twice, window 8: KV cache groups of two
+    layers each (global (2, 5), sliding (0, 1) and (3, 4)), so that a pipeline stage holds some
+    groups whole and the global group in part (layer 5 alone: the stage's slot 0, the model's
+    slot 1)."""
+    shapes = {
+        "": (["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"], 8, 4096),
+        "swa": (["sliding_attention"] * 5 + ["full_attention"], 32, 8192),
+        "pairs": (["sliding_attention", "sliding_attention", "full_attention"] * 2, 8, 4096),
+    }
+    layer_types, window, context = shapes[variant]
+    return ModelConfig(
+        architecture="gemma3", vocab_size=49152, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=context, rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=1e4,
+        hidden_act="gelu_pytorch_tanh", sliding_window=window, layer_types=layer_types,
+        query_pre_attn_scalar=16.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2],
+        name="tiny-gemma3" + (f"-{variant}" if variant else ""),
+    )

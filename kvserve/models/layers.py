@@ -67,7 +67,26 @@ def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict], device: t
         return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32, device=device)
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ConfigError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+    if kind == "longrope":  # the short factors: positions within the original context
+        return longrope_inv_freq(head_dim, base, scaling["short_factor"], device)
+    raise ConfigError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, longrope)")
+
+
+def longrope_inv_freq(head_dim: int, base: float, factors: list[float], device: torch.device | str) -> torch.Tensor:
+    """``1 / (factors * base ** (2i / head_dim))``, in HF's order of operations."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * base ** exponents)
+
+
+def longrope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:
+    """LongRoPE's cos/sin multiplier (HF's ``_compute_longrope_parameters``): the configured
+    ``attention_factor``, else ``sqrt(1 + ln(factor) / ln(original context))`` for a context
+    stretched by ``factor`` (the ratio of the two context lengths when not configured)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -95,8 +114,13 @@ class RopeFrequencies:
     # Positions in the first tables: a short request never grows them.
     MIN_TABLE_POSITIONS = 1024
 
-    def __init__(self, head_dim: int, base: float, scaling: Optional[dict]) -> None:
+    def __init__(self, head_dim: int, base: float, scaling: Optional[dict],
+                 max_position_embeddings: Optional[int] = None) -> None:
         self.head_dim, self.base, self.scaling = head_dim, base, scaling
+        # LongRoPE: its attention factor (the tables' multiplier); None for every other rope.
+        self.longrope: Optional[float] = None
+        if (scaling or {}).get("rope_type") == "longrope":
+            self.longrope = longrope_attention_factor(scaling, max_position_embeddings or 0)
         self._by_device: dict[torch.device, torch.Tensor] = {}
         self._tables_by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         rope_inv_freq(head_dim, base, scaling, "cpu")  # rejects a bad scaling at load time
@@ -117,8 +141,26 @@ class RopeFrequencies:
                 n = max(n, 2 * tables[0].shape[0])
             inv_freq = self(device)
             positions = torch.arange(n, device=device)
-            tables = self._tables_by_device[device] = _cos_sin(positions, torch.cat((inv_freq, inv_freq)), torch.float32)
+            tables = _cos_sin(positions, torch.cat((inv_freq, inv_freq)), torch.float32)
+            if self.longrope is not None:
+                tables = self._longrope_tables(positions, tables)
+            self._tables_by_device[device] = tables
         return tables
+
+    def _longrope_tables(self, positions: torch.Tensor,
+                         short: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """LongRoPE (Phi-3 128k): positions before the original context rotate by the short
+        factors, later ones by the long factors, all scaled by the attention factor. HF
+        switches the whole forward call once its last position passes the original context,
+        which for incremental decoding is this per-position rule; a prompt longer than the
+        original context differs (HF rotates its early positions by the long factors too),
+        but here a token's key depends on its position alone, as the paged and prefix-cached
+        KV needs."""
+        scaling, factor = self.scaling, self.longrope
+        long_inv = longrope_inv_freq(self.head_dim, self.base, scaling["long_factor"], positions.device)
+        long = _cos_sin(positions, torch.cat((long_inv, long_inv)), torch.float32)
+        is_long = (positions >= scaling["original_max_position_embeddings"]).unsqueeze(1)
+        return tuple(torch.where(is_long, lt, st) * factor for st, lt in zip(short, long))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                 num_positions: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,7 @@ class GatedMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     tp: Optional[ParallelGroup] = None  # this rank's heads; o_proj's partial sums all-reduced
+    softcap: Optional[float] = None  # attention logit softcap (none in this family)
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -66,7 +67,7 @@ class LlamaAttention(nn.Module):
         """[T, hidden] -> the attention block's output for ``output_rows`` of them (None: all)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        ops.rope_qk_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.norm_and_rope_(qkv, cos, sin)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -75,14 +76,24 @@ class LlamaAttention(nn.Module):
         y = output_projection(self.o_proj, out.reshape(n, -1), output_rows)
         return y if self.tp is None else self.tp.all_reduce(y)
 
+    def norm_and_rope_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotary embedding of q and k, in place (QK-norm architectures norm them first)."""
+        ops.rope_qk_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: type[LlamaAttention] = LlamaAttention  # (Qwen3: with QK-norm)
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx)
+        self.self_attn = self.attention_class(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = self.build_mlp(config, layer_idx)
+
+    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The layer's MLP (Qwen3-MoE: routed experts on most layers)."""
+        return GatedMLP(config)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_cache: LayerKV, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -96,6 +107,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # (an architecture's own layer)
     # Pipeline parallelism: ``layers`` are this stage's; the hidden states come from the
     # previous stage instead of the embedding, and go to the next one.
     pp: Optional[PipelineStage] = None
@@ -105,10 +117,11 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            self.layer_class(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope_inv_freq = RopeFrequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rope_inv_freq = RopeFrequencies(config.head_dim, config.rope_theta, config.rope_scaling,
+                                             config.max_position_embeddings)
         self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
 
     def fused_inputs(self, num_positions: int, device: torch.device) -> tuple:
@@ -142,9 +155,22 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(PagedCausalLM):
+    model_class: type[LlamaModel] = LlamaModel  # (an architecture's own decoder)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+
+def tiny_config() -> ModelConfig:
+    """tiny-llama: a random-weight test model on SmolLM2's vocabulary (its tokenizer drives
+    it; bos 1, eos 2)."""
+    return ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=True,
+        bos_token_id=1, eos_token_ids=[2], name="tiny-llama",
+    )

@@ -31,6 +31,9 @@ from kvserve.kv_cache import KVCacheGroup, KVCacheSpec
 def check_tp_shape(config: ModelConfig, tp_size: int) -> None:
     """Raise ConfigError unless the model's heads and widths split over ``tp_size`` ranks."""
     q, kv = config.num_attention_heads, config.num_key_value_heads
+    if config.num_experts and config.moe_intermediate_size % tp_size:
+        raise ConfigError(f"tensor_parallel_size {tp_size} does not divide the experts' intermediate size "
+                          f"{config.moe_intermediate_size}")
     if q % tp_size:
         raise ConfigError(f"tensor_parallel_size {tp_size} does not divide the {q} attention heads")
     if kv % tp_size and tp_size % kv:
@@ -53,7 +56,8 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     return dataclasses.replace(
         config, num_attention_heads=config.num_attention_heads // tp_size,
         num_key_value_heads=local_kv_heads(config, tp_size),
-        intermediate_size=config.intermediate_size // tp_size)
+        intermediate_size=config.intermediate_size // tp_size,
+        moe_intermediate_size=config.moe_intermediate_size // tp_size)
 
 
 def rank_kv_spec(config: ModelConfig, tp_size: int, pp_size: int, block_size: int,
@@ -104,7 +108,7 @@ class TPShardPlan:
             h0, h1 = self._kv_head_range()
             return h0 * cfg.head_dim, h1 * cfg.head_dim
         if ".gate_proj." in name or ".up_proj." in name:
-            per = cfg.intermediate_size // t
+            per = self._mlp_width(name) // t
             return r * per, (r + 1) * per
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return r * self.vocab_shard, min(cfg.vocab_size, (r + 1) * self.vocab_shard)
@@ -117,12 +121,46 @@ class TPShardPlan:
             per = cfg.num_attention_heads // t * cfg.head_dim
             return r * per, (r + 1) * per
         if ".down_proj.weight" in name:
-            per = cfg.intermediate_size // t
+            per = self._mlp_width(name) // t
             return r * per, (r + 1) * per
         return None
 
+    def _mlp_width(self, name: str) -> int:
+        """The intermediate width of the MLP holding weight ``name``: a routed expert's
+        (``mlp.experts.<e>.``) or the dense MLP's. Experts are sharded like dense MLPs, each
+        rank a 1/T slice of every expert's columns, rather than whole experts per rank: every
+        rank then does 1/T of each active expert's work whatever the routing, where experts
+        placed per rank would leave a rank idle when its experts are not chosen. The router
+        is replicated (its weight ``mlp.gate.weight`` matches no rule), so every rank routes
+        the same tokens to the same experts, and the block's output is all-reduced once."""
+        return self.config.moe_intermediate_size if ".experts." in name else self.config.intermediate_size
+
+    def fused_parts(self, name: str) -> Optional[list[tuple[str, int, int]]]:
+        """For a checkpoint tensor that holds several projections in its rows (Phi-3's
+        ``qkv_proj`` and ``gate_up_proj``): each part's upstream name as the unfused
+        architectures spell it, and its rows ``[start, end)``; None for any other tensor.
+        Each part is then sharded by its own rule and the rank's pieces stacked again, in
+        the order the model's fused layer holds them (models/base.py's packed layout)."""
+        cfg = self.config
+        if ".qkv_proj." in name:
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        elif ".gate_up_proj." in name:
+            sizes = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+        else:
+            return None
+        fused = ".qkv_proj." if ".qkv_proj." in name else ".gate_up_proj."
+        parts, start = [], 0
+        for part, size in sizes.items():
+            parts.append((name.replace(fused, f".{part}."), start, start + size))
+            start += size
+        return parts
+
     def shard_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the upstream weight ``name`` (replicated ones unchanged)."""
+        parts = self.fused_parts(name)
+        if parts is not None:
+            return torch.cat([self.shard_weight(part, tensor[a:b]) for part, a, b in parts])
         if name.endswith((".o_proj.bias", ".down_proj.bias")):
             # Row-parallel bias: added once, by rank 0, before the all-reduce sums the parts.
             return tensor if self.rank == 0 else torch.zeros_like(tensor)
@@ -144,7 +182,12 @@ class TPShardPlan:
         its float values)."""
         from gguf.constants import GGML_QUANT_SIZES
 
-
+        parts = self.fused_parts(name)
+        if parts is not None:
+            pieces = [self.shard_raw(part, QuantizedTensor(raw.quant_type, raw.data[a:b], (b - a, *raw.shape[1:])))
+                      for part, a, b in parts]
+            data = np.ascontiguousarray(np.concatenate([piece.data for piece in pieces]))
+            return QuantizedTensor(raw.quant_type, data, (sum(piece.shape[0] for piece in pieces), *raw.shape[1:]))
         rows = self.row_range(name)
         if rows is not None:
             return QuantizedTensor(raw.quant_type, raw.data[rows[0]:rows[1]],

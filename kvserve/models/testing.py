@@ -5,65 +5,44 @@ drive them (bos 1, eos 2).
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.models import gemma3, llama, mistral, phi3, qwen3, qwen3_moe
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RMSNorm
 from kvserve.models.registry import get_model_class
 
-TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs")
+TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs", "qwen3", "qwen3_moe", "phi3", "mistral-swa")
 
 TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-swa": "gemma3-swa",
-               "tiny-gemma3-pairs": "gemma3-pairs"}
+               "tiny-gemma3-pairs": "gemma3-pairs", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe", "tiny-phi3": "phi3",
+               "tiny-mistral-swa": "mistral-swa"}
+# Each architecture's module holds its tiny configs (models/<arch>.py's tiny_config).
+_TINY_BY_MODULE: dict[str, Callable[[], ModelConfig]] = {
+    "llama": llama.tiny_config, "gemma3": gemma3.tiny_config,
+    "gemma3-swa": functools.partial(gemma3.tiny_config, "swa"),
+    "gemma3-pairs": functools.partial(gemma3.tiny_config, "pairs"),
+    "qwen3": qwen3.tiny_config, "qwen3_moe": qwen3_moe.tiny_config, "phi3": phi3.tiny_config,
+    "mistral-swa": mistral.tiny_config,
+}
 # Tiny models with other head counts, for tensor-parallel tests: "tiny-llama-h6kv2" is
 # tiny-llama with 6 query and 2 KV heads, "tiny-llama-h4kv2d32" the same with a head dimension
 # of 32 (models.testing.tiny_config_by_name).
-TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3)-h(\d+)kv(\d+)(?:d(\d+))?$")
+TINY_HEADS_PATTERN = re.compile(r"^(tiny-llama|tiny-gemma3|tiny-qwen3|tiny-qwen3-moe|tiny-phi3)-h(\d+)kv(\d+)(?:d(\d+))?$")
 
 
 def tiny_config(arch: str) -> ModelConfig:
-    common: dict[str, Any] = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2],
-    )
-    if arch == "llama":
-        return ModelConfig(architecture="llama", num_hidden_layers=2, rms_norm_eps=1e-5,
-                           rope_theta=10000.0, hidden_act="silu", name="tiny-llama", **common)
-    if arch == "gemma3":
-        return ModelConfig(
-            architecture="gemma3", num_hidden_layers=4, rms_norm_eps=1e-6, rope_theta=1e6,
-            rope_local_base_freq=1e4, hidden_act="gelu_pytorch_tanh", sliding_window=8,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-            query_pre_attn_scalar=16.0, name="tiny-gemma3", **common,
-        )
-    if arch == "gemma3-swa":
-        # Gemma 3's 5 sliding : 1 global pattern with a window of two 16-token blocks and room
-        # for thousands of tokens: sliding-window KV groups and their block reclaim.
-        common["max_position_embeddings"] = 8192
-        return ModelConfig(
-            architecture="gemma3", num_hidden_layers=6, rms_norm_eps=1e-6, rope_theta=1e6,
-            rope_local_base_freq=1e4, hidden_act="gelu_pytorch_tanh", sliding_window=32,
-            layer_types=["sliding_attention"] * 5 + ["full_attention"],
-            query_pre_attn_scalar=16.0, name="tiny-gemma3-swa", **common,
-        )
-    if arch == "gemma3-pairs":
-        # 2 sliding : 1 global, twice, window 8: KV cache groups of two layers each (global
-        # (2, 5), sliding (0, 1) and (3, 4)), so that a pipeline stage holds some groups whole
-        # and the global group in part (layer 5 alone: the stage's slot 0, the model's slot 1).
-        return ModelConfig(
-            architecture="gemma3", num_hidden_layers=6, rms_norm_eps=1e-6, rope_theta=1e6,
-            rope_local_base_freq=1e4, hidden_act="gelu_pytorch_tanh", sliding_window=8,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-            query_pre_attn_scalar=16.0, name="tiny-gemma3-pairs", **common,
-        )
-    raise ConfigError(f"no tiny model for architecture '{arch}' (have: {', '.join(TINY_ARCHITECTURES)})")
+    """The tiny config of ``arch`` (a TINY_ARCHITECTURES entry), from its module."""
+    if arch not in _TINY_BY_MODULE:
+        raise ConfigError(f"no tiny model for architecture '{arch}' (have: {', '.join(TINY_ARCHITECTURES)})")
+    return _TINY_BY_MODULE[arch]()
 
 
 def tiny_config_by_name(name: str) -> ModelConfig:
@@ -144,7 +123,7 @@ def _shard_sizes(parent: nn.Module, fused: str, rows: int, count: int) -> list[i
 
 def to_hf_config(config: ModelConfig) -> Any:
     """An HF transformers config describing the same architecture (for reference models)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -167,6 +146,13 @@ def to_hf_config(config: ModelConfig) -> Any:
         )
     if config.architecture == "qwen2":
         return Qwen2Config(hidden_act=config.hidden_act, **common)
+    if config.architecture == "qwen3":
+        return Qwen3Config(hidden_act=config.hidden_act, attention_bias=config.attention_bias, **common)
+    if config.architecture == "phi3":
+        scaling = config.rope_scaling or {}
+        original = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+        return Phi3Config(hidden_act=config.hidden_act, sliding_window=config.sliding_window, pad_token_id=None,
+                          original_max_position_embeddings=original, **common)
     if config.architecture == "mistral":
         return MistralConfig(hidden_act=config.hidden_act, sliding_window=config.sliding_window, **common)
     return LlamaConfig(hidden_act=config.hidden_act, attention_bias=config.attention_bias,
