@@ -2,6 +2,7 @@
 sample -> update. The scheduler -> runner contract is the explicit ``SchedulerOutput``."""
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import itertools
 import logging
@@ -173,6 +174,11 @@ class LLMEngine:
             kv_dtype = torch.bfloat16 if self.weight_format else self.dtype
 
         t0 = time.perf_counter()
+        # The tokenizer loads beside the weights: its ~2 s (importing transformers, parsing a
+        # vocabulary) is Python, the weights' repacking native code that releases the GIL.
+        tokenizer_loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+        tokenizer_future = tokenizer_loader.submit(load_tokenizer, self.source)
+        tokenizer_loader.shutdown(wait=False)
         with _cyclic_gc_paused():
             self.parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
             if self.parallel:
@@ -196,7 +202,7 @@ class LLMEngine:
                 self.prefill_copies = has_prefill_copies(self.model)
             self.prefill_copy_bytes = 0 if self.model is None else prefill_copy_bytes(self.model)
             self.prefill_copy_format = None if self.model is None else prefill_copy_format(self.model)
-            self.tokenizer = load_tokenizer(self.source)
+            self.tokenizer = tokenizer_future.result()
         self.load_time_s = time.perf_counter() - t0
         cfg: ModelConfig = self.model_config
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings,

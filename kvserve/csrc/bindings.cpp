@@ -37,9 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear);
   m.def("q8_linear_out", &q8_linear_out);
   m.def("q8_0_quantize", &q8_0_quantize);
-  m.def("gguf_nibble_tiles", &gguf_nibble_tiles);
-  m.def("gguf_byte_blocks", &gguf_byte_blocks);
-  m.def("gguf_q6_k_tiles", &gguf_q6_k_tiles);
+  // (the GIL released: the engine loads its tokenizer in Python meanwhile)
+  m.def("gguf_nibble_tiles", &gguf_nibble_tiles, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_byte_blocks", &gguf_byte_blocks, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_q6_k_tiles", &gguf_q6_k_tiles, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_0_reproduces", &q8_0_reproduces);
   // Step teams (step_team.h).
   m.def("set_step_teams", &kvserve::set_step_teams,
