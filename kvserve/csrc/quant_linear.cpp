@@ -563,6 +563,16 @@ inline __m512i broadcast_word(const int8_t* bytes, int i) {
   return _mm512_set1_epi32(word);
 }
 
+// Tile t's 16 outputs (fewer in the last tile) of MR rows, plus the bias, into out's rows.
+template <int MR>
+inline void store_tile_rows(const __m512 (&acc)[MR], int64_t t, int64_t N, const float* bias, float* out,
+                            int64_t out_stride) {
+  const int64_t n0 = t * kTileRows;
+  const __mmask16 keep = n0 + kTileRows <= N ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * out_stride + n0, keep, _mm512_add_ps(acc[r], b));
+}
+
 // Tiles [t0, t1) of N output rows for MR activation rows from r0. Per tile-group and activation
 // row, each of the 16 lanes (output rows) gets its group's exact integer dot product
 // 256 dot(v, h) + dot(v, l) (at most 32 * 31 * 32639 < 2^25: exact in fp32 but for Q5_0's
@@ -602,10 +612,7 @@ void nibble_tiles_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N, cons
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[0])), acc[r]);
       }
     }
-    const int64_t n0 = t * kTileRows;
-    const __mmask16 keep = n0 + kTileRows <= N ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * out_stride + n0, keep, _mm512_add_ps(acc[r], b));
+    store_tile_rows<MR>(acc, t, N, bias, out + r0 * out_stride, out_stride);
   }
 }
 #endif
@@ -728,10 +735,7 @@ void q6_tiles_avx512(const Q6KTiles& w, int64_t t0, int64_t t1, int64_t N, const
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(s1, scale), acc[r]);
       }
     }
-    const int64_t n0 = t * kTileRows;
-    const __mmask16 keep = n0 + kTileRows <= N ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * out_stride + n0, keep, _mm512_add_ps(acc[r], b));
+    store_tile_rows<MR>(acc, t, N, bias, out + r0 * out_stride, out_stride);
   }
 }
 #endif
@@ -771,6 +775,20 @@ void over_row_blocks(int64_t N, int64_t M, int64_t work, const Block& block) {
   });
 }
 
+// The tiles of N output rows spread over the threads (one thread for a call too small to be worth
+// waking the other) and, per tile, every block of input rows while the tile is in cache: calls
+// kernel(first tile, end tile, first input row, input rows <= kInputRowBlock).
+template <typename Kernel>
+void over_tiles(int64_t N, int64_t M, int64_t Kp, const Kernel& kernel) {
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t grain = M * N * Kp < (1 << 18) ? tiles : 1;
+  kvserve::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    if (M <= kInputRowBlock) return kernel(t0, t1, 0, M);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) kernel(t, t + 1, r0, std::min(kInputRowBlock, M - r0));
+  });
+}
+
 // y = x @ W^T + bias for a nibble format in the row layout (the portable loop; the AVX512 and
 // AVX2 kernels read the tiled layout): the activations laid out once, then every block of
 // output rows with every block of input rows.
@@ -803,9 +821,7 @@ void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x
 #if defined(KVSERVE_Q4_AVX512) || defined(KVSERVE_QUANT_AVX2)
   if (!g_portable) {
     const SplitInt16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
-    const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-    const int64_t grain = M * N * Kp < (1 << 18) ? tiles : 1;
-    const auto kernel = [&](int64_t t0, int64_t t1, int64_t r0, int64_t rows) {
+    over_tiles(N, M, Kp, [&](int64_t t0, int64_t t1, int64_t r0, int64_t rows) {
       dispatch_rows<kInputRowBlock>(rows, [&](auto mr) {
 #ifdef KVSERVE_Q4_AVX512
         nibble_tiles_avx512<Tiles, decltype(mr)::value>(w, t0, t1, N, act, r0, o, o_stride, b);
@@ -813,11 +829,6 @@ void nibble_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x
         nibble_tiles_avx2<Tiles, decltype(mr)::value>(w, t0, t1, N, act, r0, o, o_stride, b);
 #endif
       });
-    };
-    kvserve::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      if (M <= kInputRowBlock) return kernel(t0, t1, 0, M);
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) kernel(t, t + 1, r0, std::min(kInputRowBlock, M - r0));
     });
     return;
   }
@@ -840,17 +851,10 @@ void q6_tiles_out(const Q6KTiles& w, torch::Tensor& out, const torch::Tensor& x,
 #ifdef KVSERVE_Q4_AVX512
   if (!g_portable) {
     const SplitInt16Activations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
-    const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-    const int64_t grain = M * N * Kp < (1 << 18) ? tiles : 1;
-    const auto kernel = [&](int64_t t0, int64_t t1, int64_t r0, int64_t rows) {
+    over_tiles(N, M, Kp, [&](int64_t t0, int64_t t1, int64_t r0, int64_t rows) {
       dispatch_rows<kInputRowBlock>(rows, [&](auto mr) {
         q6_tiles_avx512<decltype(mr)::value>(w, t0, t1, N, act, r0, o, o_stride, b);
       });
-    };
-    kvserve::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      if (M <= kInputRowBlock) return kernel(t0, t1, 0, M);
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) kernel(t, t + 1, r0, std::min(kInputRowBlock, M - r0));
     });
     return;
   }
