@@ -214,7 +214,17 @@ def byte_values(blocks: ByteBlocks) -> np.ndarray:
     return (blocks.q.astype(np.float32).reshape(n, -1, blocks.group) * blocks.scales[..., None]).reshape(n, k)
 
 
-UNPACKERS = {"Q4_1": unpack_q4_1, "Q4_K": unpack_q4_k, "Q5_0": unpack_q5_0, "Q8_0": unpack_q8_0, "Q6_K": unpack_q6_k}
+def unpack_q4_0(data: np.ndarray, shape: tuple[int, ...]) -> NibbleBlocks:
+    """Q4_0: ``half d, uint8 qs[16]`` per 32 weights, ``w = d * (q - 8)``: Q4_1's form with
+    ``m = -8 d`` (exact in fp16)."""
+    n, k = shape[0], shape[-1]
+    blocks = _blocks(data, shape, GROUP, 18)
+    q = _nibbles(blocks[..., 2:]).reshape(n, k)
+    d = _fp16(blocks, 0)
+    return NibbleBlocks(q, d, (-8.0 * d).astype(np.float16).astype(np.float32), fp32_scales=False)
+
+
+UNPACKERS = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q4_K": unpack_q4_k, "Q5_0": unpack_q5_0, "Q8_0": unpack_q8_0, "Q6_K": unpack_q6_k}
 
 
 def unpack(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> Optional[object]:

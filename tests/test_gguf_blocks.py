@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 from kvserve import LLM, SamplingParams, ops
 from kvserve.engine import resolve_precision
 from kvserve.loader import load_model, source_has_blocks
-from kvserve.loader.gguf import open_gguf
+from kvserve.loader.gguf import config_from_gguf, open_gguf
 from kvserve.loader.gguf_blocks import build_gguf_model
 from kvserve.loader.resolve import resolve_model
 from kvserve.loader.synthetic import SHAPES, parse_spec, random_blocks, synthetic_path
@@ -56,11 +56,11 @@ def test_rows_in_place_equal_gguf_dequantize(qtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_1, T.Q4_0, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_native_repacking_equals_numpy_unpacking(qtype):
     n, k = 37, 512
     raw = _raw(qtype, n, k, seed=3)
-    cls = Int4Linear if qtype in (T.Q4_K, T.Q4_1) else Q8Linear
+    cls = Int4Linear if qtype in (T.Q4_K, T.Q4_1, T.Q4_0) else Q8Linear
     native = cls.from_gguf_raw(raw, qtype.name, (n, k), None)
     if native is None:
         pytest.skip("this CPU's nibble kernel reads rows, not tiles")
@@ -158,7 +158,6 @@ def test_real_models_on_their_blocks_match_the_converted_path():
     mode on the same blocks."""
     source = resolve_model("smollm2-135m-instruct")
     gf = open_gguf(source.path)
-    from kvserve.loader.gguf import config_from_gguf
     model, counts = build_gguf_model(gf, config_from_gguf(gf))
     assert any("Q4_1" in kind for kind in counts)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -196,3 +195,19 @@ def test_q6_k_in_its_own_bits(k):
     finally:
         ext.set_portable_quant_kernels(False)
     assert torch.allclose(portable, reference, rtol=1e-2, atol=1e-2 * float(reference.abs().max()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q6_K"])
+def test_other_file_types_are_held_in_their_own_formats(fmt, tmp_path):
+    """A Q4_0, Q8_0 or Q6_K file: every projection on its blocks (none in bf16), each layer's
+    weights the file's values exactly."""
+    from pathlib import Path
+    tokenizer = Path(resolve_model("smollm2-135m-instruct").path)
+    path = synthetic_path(SHAPES["tiny"], fmt, tokenizer, cache_dir=tmp_path, use_llama_cpp=False)
+    gf = open_gguf(str(path))
+    model, counts = build_gguf_model(gf, config_from_gguf(gf))
+    assert not any("bf16" in kind for kind in counts), counts
+    info = gf.tensors["blk.0.ffn_down.weight"]
+    expected = dequantize(gf.raw("blk.0.ffn_down.weight"), info.quant_type).reshape(info.shape)
+    assert torch.equal(model.model.layers[0].mlp.down_proj.dequantized(), torch.from_numpy(expected))

@@ -19,13 +19,23 @@ void check_raw(const torch::Tensor& raw, int64_t type, int64_t K) {
               raw.size(1), " bytes");
 }
 
-// Group g's 32 values (0..15) of a Q4_1 row.
-void q4_1_group(const uint8_t* row, int64_t g, uint8_t* values) {
-  const uint8_t* block = row + g * 20;
+// Group g's 32 values (0..15) of a Q4_1 row (blocks of 20 bytes: d, m, qs) or a Q4_0 row (18:
+// d, qs), and the fp16 bits of its d and m: Q4_0's w = d (q - 8) is d q + m with m = -8 d, exact
+// in fp16 (a power of two times d).
+void q4_group(const uint8_t* row, bool q4_0, int64_t g, uint8_t* values, uint16_t& d, uint16_t& m) {
+  const uint8_t* block = row + g * (q4_0 ? 18 : 20);
+  const uint8_t* qs = block + (q4_0 ? 2 : 4);
   for (int l = 0; l < 16; ++l) {
-    values[l] = block[4 + l] & 0xF;
-    values[l + 16] = block[4 + l] >> 4;
+    values[l] = qs[l] & 0xF;
+    values[l + 16] = qs[l] >> 4;
   }
+  std::memcpy(&d, block, 2);
+  if (!q4_0) {
+    std::memcpy(&m, block + 2, 2);
+    return;
+  }
+  const c10::Half offset = fp16_rne(-8.f * fp16_bits_to_float(d));
+  std::memcpy(&m, &offset, 2);
 }
 
 }  // namespace
@@ -68,7 +78,7 @@ static torch::Tensor q4_k_tiles(const torch::Tensor& raw, int64_t K) {
 }
 
 torch::Tensor gguf_nibble_tiles(torch::Tensor raw, int64_t type, int64_t K) {
-  TORCH_CHECK(type == kGgmlQ4_K || type == kGgmlQ4_1, "gguf_nibble_tiles reads Q4_K and Q4_1");
+  TORCH_CHECK(type == kGgmlQ4_K || type == kGgmlQ4_1 || type == kGgmlQ4_0, "gguf_nibble_tiles reads Q4_K, Q4_1 and Q4_0");
   check_raw(raw, type, K);
   if (type == kGgmlQ4_K) return q4_k_tiles(raw, K);
   const int64_t N = raw.size(0), tiles = (N + kTileRows - 1) / kTileRows;
@@ -84,13 +94,13 @@ torch::Tensor gguf_nibble_tiles(torch::Tensor raw, int64_t type, int64_t K) {
       for (int64_t r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
         const uint8_t* row = in + (t * kTileRows + r) * in_stride;
         for (int64_t g = 0; g < stored_groups; ++g) {
-          q4_1_group(row, g, values);
+          uint16_t d, m;
+          q4_group(row, type == kGgmlQ4_0, g, values, d, m);
           uint8_t* p = out + (t * groups + g) * group_bytes;
           for (int i = 0; i < 4; ++i)
             for (int c = 0; c < 4; ++c) p[64 * i + 4 * r + c] = values[4 * i + c] | (values[16 + 4 * i + c] << 4);
-          const uint8_t* block = row + g * 20;  // Q4_1's own fp16 d and m
-          std::memcpy(p + 256 + 2 * r, block, 2);
-          std::memcpy(p + 256 + 32 + 2 * r, block + 2, 2);
+          std::memcpy(p + 256 + 2 * r, &d, 2);  // the rows' fp16 d, then m
+          std::memcpy(p + 256 + 32 + 2 * r, &m, 2);
         }
       }
     }

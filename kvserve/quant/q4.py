@@ -103,11 +103,11 @@ class Int4Linear(DecodeFormatLinear):
     @classmethod
     def from_gguf_raw(cls, data: np.ndarray, type_name: str, shape: tuple[int, ...],
                       bias: Optional[torch.Tensor]) -> Optional["Int4Linear"]:
-        """The layer straight from a Q4_K or Q4_1 tensor's bytes (``[N, row bytes]``) into the
+        """The layer straight from a Q4_K, Q4_1 or Q4_0 tensor's bytes (``[N, row bytes]``) into the
         tiles, natively (block_repack.cpp: the values ``from_nibble_blocks`` gives, without its
         temporaries); None where the kernels read rows or the extension is absent."""
         ext = ops.load_extension()
-        if ext is None or not tiled_nibble_kernels() or type_name not in ("Q4_K", "Q4_1"):
+        if ext is None or not tiled_nibble_kernels() or type_name not in ("Q4_K", "Q4_1", "Q4_0"):
             return None
         packed = ext.gguf_nibble_tiles(read_only_tensor(data), int(GGMLQuantizationType[type_name]), shape[-1])
         layer = cls.__new__(cls)

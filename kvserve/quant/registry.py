@@ -124,7 +124,7 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("bf16", Bf16Linear, _bf16_args, from_float=Bf16Linear),
     WeightFormat("int8", Int8Linear, _int8_args, from_float=Int8Linear),
     WeightFormat("w8a8", W8A8Linear, _w8a8_args, from_float=W8A8Linear.from_float),
-    WeightFormat("q4", Int4Linear, _int4_args, from_float=Int4Linear.from_float, gguf_types=("Q4_1", "Q4_K"),
+    WeightFormat("q4", Int4Linear, _int4_args, from_float=Int4Linear.from_float, gguf_types=("Q4_0", "Q4_1", "Q4_K"),
                  from_gguf=lambda blocks, shape, bias: Int4Linear.from_nibble_blocks(blocks, bias),
                  from_gguf_raw=Int4Linear.from_gguf_raw,
                  streamed=("packed", "qs", "dm")),
