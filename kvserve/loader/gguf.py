@@ -288,35 +288,37 @@ def dequantize_tensor(raw: np.ndarray, quant_type: GGMLQuantizationType, shape: 
     return torch.mul(q, torch.from_numpy(blocks.scales)[..., None]).view(n, k).numpy()
 
 
+def tensor_values(gf: GGUFFile, config: ModelConfig, gguf_name: str) -> torch.Tensor:
+    """A tensor's values as a float32 CPU tensor of its own: dequantized, un-permuted, Gemma's
+    norms without their +1."""
+    info = gf.tensors[gguf_name]
+    values = dequantize_tensor(gf.raw(gguf_name), info.quant_type, tuple(info.shape))
+    rows = row_order_of(gf.architecture, gguf_name, config, info.shape[0])
+    if rows is not None:
+        values = values[rows]
+    if gf.architecture == "gemma3" and gguf_name.endswith("norm.weight"):
+        values = values - 1.0
+    if not values.flags.writeable:  # a zero-copy view of the mapped file (F32 tensors)
+        values = values.copy()
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def quantized_tensor(gf: GGUFFile, config: ModelConfig, gguf_name: str) -> QuantizedTensor:
+    """A block-quantized tensor as stored, its rows in HF order."""
+    info = gf.tensors[gguf_name]
+    data = gf.raw(gguf_name)
+    rows = row_order_of(gf.architecture, gguf_name, config, info.shape[0])
+    return QuantizedTensor(info.quant_type, data[rows] if rows is not None else data, info.shape)
+
+
 def iter_gguf_weights(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 CPU tensor)`` one at a time, dequantized and un-permuted."""
-    arch = gf.architecture
-    for gguf_name, info in gf.tensors.items():
-        if gguf_name == ROPE_FREQS_TENSOR:
-            continue  # folded into config.rope_scaling
-        hf_name = gguf_to_hf_name(arch, gguf_name)
-        if hf_name is None:
-            raise ConfigError(f"{gf.path}: unexpected tensor '{gguf_name}' for architecture '{arch}'")
-        values = dequantize_tensor(gf.raw(gguf_name), info.quant_type, tuple(info.shape))
-        rows = row_order_of(arch, gguf_name, config, info.shape[0])
-        if rows is not None:
-            values = values[rows]
-        if arch == "gemma3" and gguf_name.endswith("norm.weight"):
-            values = values - 1.0
-        if not values.flags.writeable:  # a zero-copy view of the mapped file (F32 tensors)
-            values = values.copy()
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    for hf_name, gguf_name in hf_to_gguf_names(gf, config).items():
+        yield hf_name, tensor_values(gf, config, gguf_name)
 
 
 def quantized_weights(gf: GGUFFile, config: ModelConfig) -> dict[str, QuantizedTensor]:
     """HF name -> raw quantized tensor, for every quantized (non-float) matrix in the file."""
-    arch = gf.architecture
-    out: dict[str, QuantizedTensor] = {}
-    for gguf_name, info in gf.tensors.items():
-        hf_name = gguf_to_hf_name(arch, gguf_name)
-        if hf_name is None or info.quant_type in (Q.F32, Q.F16, Q.BF16):
-            continue
-        data = gf.raw(gguf_name)
-        rows = row_order_of(arch, gguf_name, config, info.shape[0])
-        out[hf_name] = QuantizedTensor(info.quant_type, data[rows] if rows is not None else data, info.shape)
-    return out
+    return {hf_name: quantized_tensor(gf, config, gguf_name)
+            for hf_name, gguf_name in hf_to_gguf_names(gf, config).items()
+            if gf.tensors[gguf_name].quant_type not in (Q.F32, Q.F16, Q.BF16)}

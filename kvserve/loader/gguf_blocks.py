@@ -13,7 +13,6 @@ A matrix whose type no kernel reads (Q5_K, Q2_K, Q3_K, IQ*) is dequantized and h
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import numpy as np
@@ -21,9 +20,8 @@ import torch
 from torch import nn
 
 from kvserve import ops
-from kvserve.block_formats import QuantizedTensor
 from kvserve.config import ModelConfig
-from kvserve.loader.gguf import dequantize_tensor, hf_to_gguf_names, row_order_of
+from kvserve.loader.gguf import hf_to_gguf_names, quantized_tensor, tensor_values
 from kvserve.loader.gguf_reader import GGUFFile
 from kvserve.models.registry import get_model_class
 from kvserve.quant.bf16 import Bf16Linear
@@ -33,8 +31,6 @@ from kvserve.quant.lm_head import SCREEN_GROUP, Q4Screen, RescoredLMHead
 from kvserve.quant.q8 import Q8Linear
 from kvserve.row_table import GGUFRows
 
-logger = logging.getLogger(__name__)
-
 # Rows of the LM head dequantized at a time to build its screen (Llama 3's 128k x 2048: 32 MB).
 _SCREEN_SLICE_ROWS = 4096
 PLAIN_TYPES = ("F32", "F16", "BF16")
@@ -43,25 +39,6 @@ PLAIN_TYPES = ("F32", "F16", "BF16")
 def has_quantized_matrices(gf: GGUFFile) -> bool:
     """Whether the file stores some matrix in a block format (not F32/F16/BF16)."""
     return any(len(info.shape) == 2 and info.quant_type.name not in PLAIN_TYPES for info in gf.tensors.values())
-
-
-def _float(gf: GGUFFile, config: ModelConfig, gguf_name: str) -> torch.Tensor:
-    """A tensor's values as fp32 (un-permuted, Gemma's norms without their +1), a copy."""
-    info = gf.tensors[gguf_name]
-    values = dequantize_tensor(gf.raw(gguf_name), info.quant_type, tuple(info.shape))
-    rows = row_order_of(gf.architecture, gguf_name, config, info.shape[0])
-    if rows is not None:
-        values = values[rows]
-    if gf.architecture == "gemma3" and gguf_name.endswith("norm.weight"):
-        values = values - 1.0
-    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
-
-
-def _quantized(gf: GGUFFile, config: ModelConfig, gguf_name: str) -> QuantizedTensor:
-    info = gf.tensors[gguf_name]
-    data = gf.raw(gguf_name)
-    rows = row_order_of(gf.architecture, gguf_name, config, info.shape[0])
-    return QuantizedTensor(info.quant_type, data[rows] if rows is not None else data, info.shape)
 
 
 def _mapped_rows(gf: GGUFFile, gguf_name: str) -> GGUFRows:
@@ -77,11 +54,11 @@ def _linear(gf: GGUFFile, config: ModelConfig, gguf_names: list[str],
     types = {gf.tensors[n].quant_type.name for n in gguf_names}
     layer = None
     if not types & set(PLAIN_TYPES):
-        parts = [_quantized(gf, config, n) for n in gguf_names]
+        parts = [quantized_tensor(gf, config, n) for n in gguf_names]
         layer = gguf_linear(parts, bias)
         kind = format_name(parts)
     if layer is None:  # plain floats, or a block type no kernel reads
-        weight = torch.cat([_float(gf, config, n) for n in gguf_names])
+        weight = torch.cat([tensor_values(gf, config, n) for n in gguf_names])
         layer = Bf16Linear(weight, bias)
         kind = "bf16" if types <= set(PLAIN_TYPES) else f"bf16 (no kernel for {'+'.join(sorted(types))})"
     for name in gguf_names:
@@ -94,7 +71,7 @@ def _lm_head(gf: GGUFFile, config: ModelConfig) -> tuple[RescoredLMHead, str]:
     place for rescoring and a 4-bit screen for argmax-only steps."""
     name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
     info = gf.tensors[name]
-    exact = _mapped_rows(gf, name) if info.quant_type.name != "F32" else _float(gf, config, name)
+    exact = _mapped_rows(gf, name) if info.quant_type.name != "F32" else tensor_values(gf, config, name)
     fast, kind = _linear(gf, config, [name], None)  # (hands the tensor's pages back)
     screen = None
     # The screen reads 4.5 bits a weight: it pays against a head of 8-bit codes or bf16 (Q8_0,
@@ -139,14 +116,14 @@ def build_gguf_model(gf: GGUFFile, config: ModelConfig, device: torch.device | s
         biases = [hf_names.get(f"{p}.bias") for p in parts]
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([_float(gf, config, b) for b in biases])
+            bias = torch.cat([tensor_values(gf, config, b) for b in biases])
         layer, kind = _linear(gf, config, weights, bias)
         counts[kind] = counts.get(kind, 0) + 1
         setattr(model.get_submodule(parent), leaf, layer)
     decoder = model.model
     embed_name = "token_embd.weight"
     if gf.tensors[embed_name].quant_type.name == "F32":
-        decoder.embed_tokens = nn.Embedding.from_pretrained(_float(gf, config, embed_name), freeze=True)
+        decoder.embed_tokens = nn.Embedding.from_pretrained(tensor_values(gf, config, embed_name), freeze=True)
     else:
         decoder.embed_tokens = _mapped_rows(gf, embed_name)
     model.lm_head, kind = _lm_head(gf, config)
@@ -159,7 +136,7 @@ def build_gguf_model(gf: GGUFFile, config: ModelConfig, device: torch.device | s
         if gguf_name is None:
             raise ValueError(f"the GGUF file has no tensor for '{name}'")
         module_name, attr = name.rsplit(".", 1)
-        setattr(model.get_submodule(module_name), attr, nn.Parameter(_float(gf, config, gguf_name),
+        setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor_values(gf, config, gguf_name),
                                                                        requires_grad=False))
     for name, buf in list(model.named_buffers()):
         if buf.device.type == "meta":
