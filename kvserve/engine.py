@@ -34,7 +34,7 @@ from kvserve.loader.resolve import resolve_model
 from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
 from kvserve.pooling import EmbeddingOutput, mean_pool
-from kvserve.quant import has_prefill_copies, prefill_copy_bytes, prefill_copy_format
+from kvserve.quant import has_prefill_copies, int8_prompt_layers, prefill_copy_bytes, prefill_copy_format
 from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected, RequestStatus,
                              SamplingParams)
 from kvserve.sampler import needs_no_step_state
@@ -197,11 +197,14 @@ class LLMEngine:
             # formats. The workers of a parallel engine hold the layers: assume so for int4 unless
             # told "blocks" (the prefix cache then only shares fewer blocks, never wrong ones).
             if self.model is None:
-                self.prefill_copies = self.weight_format == "int4" and args.int4_prefill != "blocks"
+                self.prefill_copies = ((self.weight_format == "int4" and args.int4_prefill != "blocks")
+                                       or (self.weight_format == "gguf" and args.int4_prefill == "int8"
+                                           and ops.int8_prompt_kernels()))
             else:
                 self.prefill_copies = has_prefill_copies(self.model)
             self.prefill_copy_bytes = 0 if self.model is None else prefill_copy_bytes(self.model)
             self.prefill_copy_format = None if self.model is None else prefill_copy_format(self.model)
+            self.int8_prompt_layers = 0 if self.model is None else int8_prompt_layers(self.model)
             self.tokenizer = tokenizer_future.result()
         self.load_time_s = time.perf_counter() - t0
         cfg: ModelConfig = self.model_config
@@ -354,6 +357,8 @@ class LLMEngine:
                 f"{self.weight_format or str(self.dtype).removeprefix('torch.')}"
                 + (f" (Q4_1 for generated tokens, {self.prefill_copy_format} copies for prompt tokens: "
                    f"+{self.prefill_copy_bytes / 2**20:.1f} MiB)" if self.prefill_copy_bytes else "")
+                + (f" (prompt tokens under int8 activations in {self.int8_prompt_layers} layers)"
+                   if self.int8_prompt_layers else "")
                 + (f"; with the draft model's KV ({self.draft_model.kv_spec.describe_token()}"
                    + (f", {self.num_blocks * self.draft_model.kv_spec.bytes_per_block / 2**20:.1f} MiB in the "
                       "engine's process" if self.parallel else "")

@@ -159,6 +159,13 @@ def cpu_extension() -> Optional[Any]:
     return load_extension() if _kernels_on else None
 
 
+def int8_prompt_kernels() -> bool:
+    """Whether the tile kernels' int8 prompt path (csrc/quant_linear.cpp's PromptActivations) is
+    built here: AVX512 with VNNI; elsewhere prompt rows keep the split 16-bit activations."""
+    ext = load_extension()
+    return ext is not None and ext.int8_prompt_kernels()
+
+
 def nibble_kernel_isa() -> str:
     """Which route the block-format kernels (csrc/quant_linear.cpp) were built with here:
     "avx512" (AVX512-BF16), "avx2" (AVX2 + FMA) or "portable"; "none" without the extension."""

@@ -34,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear);
   m.def("q5_linear", &q5_linear);
   m.def("tiled_nibble_linear", &tiled_nibble_linear);
+  m.def("tiled_nibble_int8_linear", &tiled_nibble_int8_linear);
+  m.def("int8_prompt_kernels", &int8_prompt_kernels);
   m.def("q8_linear", &q8_linear);
   m.def("q8_linear_out", &q8_linear_out);
   m.def("q8_0_quantize", &q8_0_quantize);

@@ -51,7 +51,7 @@ std::pair<int64_t, int64_t> row_run(const torch::Tensor& rows) {
 
 // One linear layer, as kvserve.quant / torch store it (see kvserve/models/fused.py).
 struct Linear {
-  enum class Kind { kQ4, kQ5, kTiles, kQ8, kBf16, kW8A8, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
+  enum class Kind { kQ4, kQ5, kTiles, kTilesInt8, kQ8, kBf16, kW8A8, kFp32, kOneDnnBf16, kInt8, kDense, kSegments };
   Kind kind = Kind::kDense;
   // Q4: qs, dm; Q5: qs, d (+ qh in `extra`); tiles (Q4 / Q5 on AVX512 and AVX2): packed, out_features
   // given; Q8: qs, d; int8: weight, scales; bf16: packed; w8a8: packed codes, affine constants;
@@ -61,8 +61,8 @@ struct Linear {
   std::vector<Linear> segments;
   c10::optional<torch::Tensor> bias;
   int64_t out_features = 0;
-  // A block-quantized layer's copy of its weights for the prompt rows, bf16 or w8a8 (null: every
-  // row uses the above).
+  // A block-quantized layer's copy of its weights for the prompt rows, bf16 or w8a8, or its own
+  // tiles on the int8 prompt path (null: every row uses the above).
   std::shared_ptr<const Linear> prefill;
 
   // The rows of x each with the weights of its role, as TokenRoles.apply does in Python, into
@@ -100,6 +100,7 @@ struct Linear {
       case Kind::kQ4: q4_linear_out(out, x, weight, scales, bias); return;
       case Kind::kQ5: q5_linear_out(out, x, weight, extra, scales, bias); return;
       case Kind::kTiles: tiled_nibble_linear_out(out, x, weight, bias); return;  // Int4Linear / Q5Linear on AVX512 and AVX2
+      case Kind::kTilesInt8: tiled_nibble_int8_linear_out(out, x, weight, bias); return;  // their prompt rows' int8 path
       case Kind::kQ8: q8_linear_out(out, x, weight, scales, bias); return;
       case Kind::kBf16: bf16_linear_out(out, x, weight, bias); return;  // kvserve.quant.Bf16Linear, packed for kvserve's kernel
       case Kind::kW8A8:  // kvserve.quant.W8A8Linear (extra: its panels' largest codes)
@@ -121,7 +122,7 @@ struct Linear {
  private:
   // The kinds whose kernels write into a given output; the others return a tensor of their own.
   bool writes_in_place() const {
-    return kind == Kind::kQ4 || kind == Kind::kQ5 || kind == Kind::kTiles || kind == Kind::kQ8 ||
+    return kind == Kind::kQ4 || kind == Kind::kQ5 || kind == Kind::kTiles || kind == Kind::kTilesInt8 || kind == Kind::kQ8 ||
            kind == Kind::kBf16 || kind == Kind::kW8A8 || kind == Kind::kFp32 || kind == Kind::kSegments;
   }
 
@@ -164,6 +165,7 @@ Linear make_linear(const pybind11::tuple& spec) {
   if (kind == "q4") linear.kind = Linear::Kind::kQ4;
   else if (kind == "q5") linear.kind = Linear::Kind::kQ5;
   else if (kind == "tiles") linear.kind = Linear::Kind::kTiles;
+  else if (kind == "tiles_int8") linear.kind = Linear::Kind::kTilesInt8;
   else if (kind == "segments") linear.kind = Linear::Kind::kSegments;
   else if (kind == "bf16") linear.kind = Linear::Kind::kBf16;
   else if (kind == "w8a8") linear.kind = Linear::Kind::kW8A8;

@@ -465,8 +465,8 @@ inline __m256i packed_bytes(const __m256i (&v)[4]) {
 // L / a, the factor that takes a group's inputs to integers; 0 where that is not a finite number
 // (a group of zeros, past K, non-finite, or so small that L / a overflows: below ~1e-34, all its
 // q = 0), so that no finite input becomes a vcvtps2dq overflow.
-inline float activation_inverse(float a) {
-  const float inverse = kActivationLevels / a;
+inline float activation_inverse(float a, float levels = kActivationLevels) {
+  const float inverse = levels / a;
   return a > 0.f && std::isfinite(a) && std::isfinite(inverse) ? inverse : 0.f;
 }
 
@@ -623,6 +623,199 @@ void nibble_tiles_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N, cons
     store_tile_rows<MR>(acc, t, N, bias, out + r0 * out_stride, out_stride);
   }
 }
+
+// Prompt rows' activations as single signed bytes (the int8 prompt path; decode rows keep the
+// split 16-bit integers above). A prompt of hundreds of tokens makes each linear layer
+// compute-bound, and the split activations cost two vpdpbusd per product: one byte halves the
+// multiplies. Per row and half-group of 16 inputs q = round(x * 127 / a), a the half's largest
+// |x| (a step of a / 127: llama.cpp's Q8_0 activations round per 32, its K-quants' per 256).
+// A half whose a exceeds kWideHalf times the row's RMS holds one of the few "massive" channels
+// LLMs' residual streams carry: rounded against it, its 15 other inputs would lose most of their
+// bits, so its group keeps the split 16-bit integers (and two vpdpbusd per product; ~10 % of the
+// groups of SmolLM2 and Gemma 3). On both models' tolerance text (tests/test_precision.py) the KL
+// divergence from exact activations was 0.00022 / 0.00020 this way (top-1 agreement 99.4 % on
+// both; 98.7 % on both on 600 positions of the long text), 0.0003 with a limit of 6 RMS, 0.0011 /
+// 0.0009 with bytes everywhere (per 16), 0.0018 / 0.0016 per 32, and 0.0005 with each row's 4
+// largest inputs exact (W8A8Linear's way). Opt-in (--int4-prefill int8): the exact path holds
+// 99.7-100 %.
+// Per row and group: 32 bytes q (a wide group's h, its l apart), five floats s_lo,
+// s_hi (the halves' steps), s_lo sum(q_lo) + s_hi sum(q_hi), s_lo sum(q_lo), s_hi sum(q_hi), and
+// whether the group is wide. Every value depends on its own row only (batch invariance).
+constexpr float kInt8ActivationLevels = 127.f;
+constexpr float kWideHalf = 4.f;
+constexpr int64_t kPromptScales = 5;
+
+struct PromptActivations {
+  int64_t groups;
+  int8_t* bytes;      // [M][groups][32]
+  int8_t* low_bytes;  // [M][groups][32], the wide groups' l only (read only for them)
+  float* scales;      // [M][groups][kPromptScales]
+  uint8_t* wide;    // [M][groups]
+
+  // (thread-local scratch as SplitInt16Activations'; the rows are rounded in parallel: a prompt's
+  // hundreds of rows took ~2 % of a 256-token prefill on one thread)
+  PromptActivations(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp) : groups(Kp / kGroup) {
+    thread_local std::vector<int8_t> bytes_scratch;
+    thread_local std::vector<float> scales_scratch;
+    thread_local std::vector<uint8_t> wide_scratch;
+    thread_local std::vector<int8_t> low_scratch;
+    bytes = grown(bytes_scratch, M * groups * kGroup);
+    low_bytes = grown(low_scratch, M * groups * kGroup);
+    scales = grown(scales_scratch, M * groups * kPromptScales);
+    wide = grown(wide_scratch, M * groups);
+    int8_t* const b = bytes;
+    int8_t* const lb = low_bytes;
+    float* const sc = scales;
+    uint8_t* const wd = wide;
+    const int64_t G = groups;
+    kvserve::parallel_for(0, M, M * K < (1 << 16) ? M : 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* row = x + r * x_stride;
+        const float limit = kWideHalf * root_mean_square(row, K);
+        for (int64_t g = 0; g < G; ++g)
+          round_group(row, g, K, limit, b + (r * G + g) * kGroup, lb + (r * G + g) * kGroup,
+                      sc + (r * G + g) * kPromptScales, wd + r * G + g);
+      }
+    });
+  }
+
+ private:
+  // In a fixed order of lanes: the same bits for the row wherever it is.
+  static float root_mean_square(const float* x, int64_t K) {
+    __m512 sum = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m512 v = _mm512_loadu_ps(x + k);
+      sum = _mm512_fmadd_ps(v, v, sum);
+    }
+    const __m512 v = _mm512_maskz_loadu_ps(_cvtu32_mask16((1u << (K - k)) - 1), x + k);
+    sum = _mm512_fmadd_ps(v, v, sum);
+    return std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(K));
+  }
+
+  static void round_group(const float* x, int64_t g, int64_t K, float limit, int8_t* dst, int8_t* low_dst, float* scale,
+                          uint8_t* wide) {
+    const int64_t k0 = g * kGroup, n = std::max<int64_t>(0, std::min(kGroup, K - k0));
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m512 v[2] = {_mm512_maskz_loadu_ps(_cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1), x + k0),
+                         _mm512_maskz_loadu_ps(_cvtu32_mask16(n <= 16 ? 0u : n >= 32 ? 0xFFFFu : (1u << (n - 16)) - 1),
+                                               x + k0 + 16)};
+    float a[2];
+    for (int h = 0; h < 2; ++h) {
+      a[h] = _mm512_reduce_max_ps(_mm512_and_ps(v[h], abs_mask));
+      // (as SplitInt16Activations: a non-finite input leaves the outputs not finite either)
+      if (_mm512_cmp_ps_mask(v[h], v[h], _CMP_UNORD_Q)) a[h] = std::numeric_limits<float>::quiet_NaN();
+    }
+    // (a NaN row's limit is NaN: its groups stay bytes, their scales NaN)
+    *wide = a[0] > limit || a[1] > limit;
+    const float levels = *wide ? kActivationLevels : kInt8ActivationLevels;
+    const __m512i bias = _mm512_set1_epi32(128);
+    int32_t sums[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(activation_inverse(a[h], levels))));
+      if (*wide) {  // SplitInt16Activations' h (in dst) and l (in low_dst)
+        const __m512i high = _mm512_srai_epi32(_mm512_add_epi32(q, bias), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * h), _mm512_cvtsepi32_epi8(high));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(low_dst + 16 * h),
+                         _mm512_cvtsepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(high, 8))));
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * h), _mm512_cvtsepi32_epi8(q));
+      }
+      sums[h] = _mm512_reduce_add_epi32(q);
+    }
+    scale[0] = a[0] / levels;
+    scale[1] = a[1] / levels;
+    scale[3] = scale[0] * static_cast<float>(sums[0]);
+    scale[4] = scale[1] * static_cast<float>(sums[1]);
+    scale[2] = scale[3] + scale[4];
+  }
+};
+
+// Input rows sharing one decode of the weights on the int8 prompt path: a tile-group's unpacking
+// is worth twice as many rows when each row costs half the multiplies.
+constexpr int kInt8RowBlock = 8;
+
+// The tile-group's exact integer products with one row's prompt activations x: lo, the low
+// nibbles' (values 0-15, inputs 0-15) and hi, the high nibbles' (16-31); from the bytes, or a
+// wide group's split integers (256 dot(v, h) + dot(v, l)).
+inline void byte_dots(const __m512i (&low)[4], const __m512i (&high)[4], const int8_t* x, __m512i& lo, __m512i& hi) {
+  __m512i part[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int i = 0; i < 2; ++i) {  // (four chains of two: integer sums, the order does not change them)
+    part[0] = _mm512_dpbusd_epi32(part[0], low[2 * i], broadcast_word(x, 2 * i));
+    part[1] = _mm512_dpbusd_epi32(part[1], low[2 * i + 1], broadcast_word(x, 2 * i + 1));
+    part[2] = _mm512_dpbusd_epi32(part[2], high[2 * i], broadcast_word(x, 4 + 2 * i));
+    part[3] = _mm512_dpbusd_epi32(part[3], high[2 * i + 1], broadcast_word(x, 5 + 2 * i));
+  }
+  lo = _mm512_add_epi32(part[0], part[1]);
+  hi = _mm512_add_epi32(part[2], part[3]);
+}
+
+inline void prompt_dots(const __m512i (&low)[4], const __m512i (&high)[4], const PromptActivations& act, int64_t ag,
+                        __m512i& lo, __m512i& hi) {
+  byte_dots(low, high, act.bytes + ag * kGroup, lo, hi);
+  if (act.wide[ag]) {
+    __m512i lo_l, hi_l;
+    byte_dots(low, high, act.low_bytes + ag * kGroup, lo_l, hi_l);
+    lo = _mm512_add_epi32(_mm512_slli_epi32(lo, 8), lo_l);
+    hi = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), hi_l);
+  }
+}
+
+// Whether any of the MR rows from `first` (a row-group index; rows `groups` apart) is wide
+// there: nearly never, and then the rows' byte products run with no branch between them, so that
+// their chains interleave (a branch per row left each row's eight dependent vpdpbusd alone, and
+// kept the accumulators in memory: no faster than the split activations' sixteen).
+template <int MR>
+inline bool any_wide(const PromptActivations& act, int64_t first, int64_t groups) {
+  bool wide = false;
+  for (int r = 0; r < MR; ++r) wide |= act.wide[first + r * groups];
+  return wide;
+}
+
+// The nibble tiles on prompt activations, per row and group, in this order: acc += m * (s_lo
+// sum(q_lo) + s_hi sum(q_hi)), then acc += (lo * s_lo + hi * s_hi) * d: the same steps for every
+// row whatever MR and whichever tile.
+template <typename Tiles, int MR>
+void nibble_tiles_int8_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N, const PromptActivations& act,
+                              int64_t r0, float* out, int64_t out_stride, const float* bias) {
+  const int64_t groups = act.groups;
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = w.group(t, g);
+      __m512i low[4], high[4];
+      load_tile_nibbles(p, Tiles::kGroupBytes, low, high);
+      Tiles::values(p, low, high);
+      __m512 d, m;
+      tile_scales(w, p, t, g, d, m);
+      const auto accumulate = [&](int r, __m512i lo, __m512i hi) __attribute__((always_inline)) {
+        const float* s = act.scales + ((r0 + r) * groups + g) * kPromptScales;
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[2]), acc[r]);
+        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(s[1]),
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s[0])));
+        acc[r] = _mm512_fmadd_ps(dot, d, acc[r]);
+      };
+      const int64_t first = r0 * groups + g;
+      if (!any_wide<MR>(act, first, groups)) {
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          __m512i lo, hi;
+          byte_dots(low, high, act.bytes + (first + r * groups) * kGroup, lo, hi);
+          accumulate(r, lo, hi);
+        }
+      } else {  // (unrolled too: an accumulator indexed at run time would live in memory)
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          __m512i lo, hi;
+          prompt_dots(low, high, act, first + r * groups, lo, hi);
+          accumulate(r, lo, hi);
+        }
+      }
+    }
+    store_tile_rows<MR>(acc, t, N, bias, out + r0 * out_stride, out_stride);
+  }
+}
 #endif
 
 #ifdef KVSERVE_QUANT_AVX2
@@ -741,6 +934,52 @@ void q6_tiles_avx512(const Q6KTiles& w, int64_t t0, int64_t t1, int64_t N, const
     store_tile_rows<MR>(acc, t, N, bias, out + r0 * out_stride, out_stride);
   }
 }
+
+// Q6KTiles on prompt activations, per row and group in this order: acc += -32 s0 * (s_lo
+// sum(q_lo)), -32 s1 * (s_hi sum(q_hi)), lo * (s0 s_lo), hi * (s1 s_hi).
+template <int MR>
+void q6_tiles_int8_avx512(const Q6KTiles& w, int64_t t0, int64_t t1, int64_t N, const PromptActivations& act,
+                          int64_t r0, float* out, int64_t out_stride, const float* bias) {
+  const int64_t groups = act.groups;
+  const __m512 minus_32 = _mm512_set1_ps(-32.f);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = w.group(t, g);
+      __m512i low[4], high[4];
+      load_tile_nibbles(p, Q6KTiles::kGroupBytes, low, high);
+      Q6KTiles::values(p, low, high);
+      __m512 s0, s1;
+      w.scales(p, t, g, s0, s1);
+      const __m512 m0 = _mm512_mul_ps(minus_32, s0), m1 = _mm512_mul_ps(minus_32, s1);
+      const auto accumulate = [&](int r, __m512i dot0, __m512i dot1) __attribute__((always_inline)) {
+        const float* s = act.scales + ((r0 + r) * groups + g) * kPromptScales;
+        acc[r] = _mm512_fmadd_ps(m0, _mm512_set1_ps(s[3]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(s[4]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(s0, _mm512_set1_ps(s[0])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(s1, _mm512_set1_ps(s[1])), acc[r]);
+      };
+      const int64_t first = r0 * groups + g;
+      if (!any_wide<MR>(act, first, groups)) {
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          __m512i dot0, dot1;
+          byte_dots(low, high, act.bytes + (first + r * groups) * kGroup, dot0, dot1);
+          accumulate(r, dot0, dot1);
+        }
+      } else {  // (unrolled too: an accumulator indexed at run time would live in memory)
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          __m512i dot0, dot1;
+          prompt_dots(low, high, act, first + r * groups, dot0, dot1);
+          accumulate(r, dot0, dot1);
+        }
+      }
+    }
+    store_tile_rows<MR>(acc, t, N, bias, out + r0 * out_stride, out_stride);
+  }
+}
 #endif
 
 // The portable loop for Q6KTiles: per row, w = d sc (v - 32) in fp32 (exact) against the bf16
@@ -781,14 +1020,34 @@ void over_row_blocks(int64_t N, int64_t M, int64_t work, const Block& block) {
 // The tiles of N output rows spread over the threads (one thread for a call too small to be worth
 // waking the other) and, per tile, every block of input rows while the tile is in cache: calls
 // kernel(first tile, end tile, first input row, input rows <= kInputRowBlock).
-template <typename Kernel>
+template <int64_t RowBlock = kInputRowBlock, typename Kernel>
 void over_tiles(int64_t N, int64_t M, int64_t Kp, const Kernel& kernel) {
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t grain = M * N * Kp < (1 << 18) ? tiles : 1;
   kvserve::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    if (M <= kInputRowBlock) return kernel(t0, t1, 0, M);
+    if (M <= RowBlock) return kernel(t0, t1, 0, M);
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t r0 = 0; r0 < M; r0 += kInputRowBlock) kernel(t, t + 1, r0, std::min(kInputRowBlock, M - r0));
+      for (int64_t r0 = 0; r0 < M; r0 += RowBlock) kernel(t, t + 1, r0, std::min(RowBlock, M - r0));
+  });
+}
+
+// over_tiles for prompts of many rows: per thread, blocks of tiles whose weights stay in L2 while
+// chunks of input rows whose activations stay there too go through them (over_tiles streams every
+// row's activations past each tile: for a 256-token prompt a 1.3 MB pass per tile, from L3).
+// Each (tile, row block) is the same kernel call as over_tiles makes: the same results.
+template <int64_t RowBlock, typename Kernel>
+void over_tile_blocks(int64_t N, int64_t M, int64_t tile_bytes, int64_t row_bytes, const Kernel& kernel) {
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  constexpr int64_t kBudget = 256 << 10;  // bytes of each, weights and activations, per block (L2: 1-2 MB)
+  const int64_t tiles_per_block = std::max<int64_t>(1, kBudget / tile_bytes);
+  const int64_t rows_per_chunk = std::max<int64_t>(RowBlock, kBudget / row_bytes / RowBlock * RowBlock);
+  kvserve::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    if (M <= RowBlock) return kernel(t0, t1, 0, M);
+    for (int64_t tb = t0; tb < t1; tb += tiles_per_block)
+      for (int64_t rc = 0; rc < M; rc += rows_per_chunk)
+        for (int64_t t = tb; t < std::min(t1, tb + tiles_per_block); ++t)
+          for (int64_t r0 = rc; r0 < std::min(M, rc + rows_per_chunk); r0 += RowBlock)
+            kernel(t, t + 1, r0, std::min(RowBlock, M - r0));
   });
 }
 
@@ -941,13 +1200,15 @@ torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, tor
   return out;
 }
 
-void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
-                             c10::optional<torch::Tensor> bias) {
+namespace {
+
+// The packed tiles' format by the bytes of its last dimension, checked against out and x, as
+// fn(tiles): Q4Tiles (fp16 or fp32 scales), Q5Tiles, or Q4_K's or Q6_K's own tiles.
+template <typename Fn>
+void visit_tiles(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed, const Fn& fn) {
   const int64_t group_bytes = packed.dim() == 3 ? packed.size(2) : 0;
   const bool q5 = group_bytes == Q5Tiles::kGroupBytes, q4_k = group_bytes == Q4KTiles::kSuperBytes,
              q6_k = group_bytes == Q6KTiles::kSuperBytes;
-  // kvserve profile's labels, every caller
-  RECORD_FUNCTION(q5 ? "kvserve::q5_linear" : "kvserve::q4_linear", std::vector<c10::IValue>());
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                   (q5 || q4_k || q6_k || group_bytes == Q4Tiles<uint16_t>::kGroupBytes ||
                    group_bytes == Q4Tiles<float>::kGroupBytes),
@@ -961,16 +1222,85 @@ void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor p
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const int64_t chunks = Kp / kChunk;
   if (q6_k) {
-    q6_tiles_out(Q6KTiles{p, groups}, out, x, N, bias);
+    fn(Q6KTiles{p, groups});
   } else if (q5) {
-    nibble_tiles_out(Q5Tiles{p, groups, chunks}, out, x, N, bias);
+    fn(Q5Tiles{p, groups, chunks});
   } else if (q4_k) {
-    nibble_tiles_out(Q4KTiles{p, groups, chunks}, out, x, N, bias);
+    fn(Q4KTiles{p, groups, chunks});
   } else if (group_bytes == Q4Tiles<float>::kGroupBytes) {
-    nibble_tiles_out(Q4Tiles<float>{p, groups, chunks}, out, x, N, bias);
+    fn(Q4Tiles<float>{p, groups, chunks});
   } else {
-    nibble_tiles_out(Q4Tiles<uint16_t>{p, groups, chunks}, out, x, N, bias);
+    fn(Q4Tiles<uint16_t>{p, groups, chunks});
   }
+}
+
+// y = x @ W^T + bias on the int8 prompt path: the AVX512-VNNI kernels over tiles spread on the
+// threads, eight input rows per decode of a tile-group.
+template <typename Tiles>
+void int8_tiles_out(const Tiles& w, torch::Tensor& out, const torch::Tensor& x, int64_t N,
+                    const c10::optional<torch::Tensor>& bias) {
+#ifdef KVSERVE_Q4_AVX512
+  const int64_t Kp = w.groups * kGroup, M = x.size(0), K = x.size(1);
+  if (M == 0) return;
+  float* o = out.data_ptr<float>();
+  const int64_t o_stride = out.stride(0);
+  const float* b = optional_bias(bias, N);
+  const PromptActivations act(x.data_ptr<float>(), x.stride(0), M, K, Kp);
+  const int64_t groups = Kp / kGroup;
+  const int64_t tile_bytes = groups * Tiles::kGroupBytes;
+  const int64_t row_bytes = groups * (kGroup + 1 + kPromptScales * sizeof(float));
+  const auto blocks = [&](const auto& kernel) {
+    if (M * N * Kp < (1 << 18)) return over_tiles<kInt8RowBlock>(N, M, Kp, kernel);  // (one thread)
+    over_tile_blocks<kInt8RowBlock>(N, M, tile_bytes, row_bytes, kernel);
+  };
+  blocks([&](int64_t t0, int64_t t1, int64_t r0, int64_t rows) {
+    dispatch_rows<kInt8RowBlock>(rows, [&](auto mr) {
+      if constexpr (std::is_same_v<Tiles, Q6KTiles>)
+        q6_tiles_int8_avx512<decltype(mr)::value>(w, t0, t1, N, act, r0, o, o_stride, b);
+      else
+        nibble_tiles_int8_avx512<Tiles, decltype(mr)::value>(w, t0, t1, N, act, r0, o, o_stride, b);
+    });
+  });
+#else
+  TORCH_CHECK(false, "the int8 prompt kernels need AVX512 with VNNI (kvserve.ops.int8_prompt_kernels())");
+#endif
+}
+
+}  // namespace
+
+void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                             c10::optional<torch::Tensor> bias) {
+  const bool q5 = packed.dim() == 3 && packed.size(2) == Q5Tiles::kGroupBytes;
+  // kvserve profile's labels, every caller
+  RECORD_FUNCTION(q5 ? "kvserve::q5_linear" : "kvserve::q4_linear", std::vector<c10::IValue>());
+  const int64_t N = out.size(1);
+  visit_tiles(out, x, packed, [&](const auto& w) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(w)>, Q6KTiles>)
+      q6_tiles_out(w, out, x, N, bias);
+    else
+      nibble_tiles_out(w, out, x, N, bias);
+  });
+}
+
+void tiled_nibble_int8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                                  c10::optional<torch::Tensor> bias) {
+  RECORD_FUNCTION("kvserve::int8_prompt_linear", std::vector<c10::IValue>());
+  const int64_t N = out.size(1);
+  visit_tiles(out, x, packed, [&](const auto& w) { int8_tiles_out(w, out, x, N, bias); });
+}
+
+torch::Tensor tiled_nibble_int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  auto out = torch::empty({x.size(0), N}, x.options());
+  tiled_nibble_int8_linear_out(out, x, packed, bias);
+  return out;
+}
+
+bool int8_prompt_kernels() {
+#ifdef KVSERVE_Q4_AVX512
+  return true;
+#else
+  return false;
+#endif
 }
 
 torch::Tensor tiled_nibble_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {

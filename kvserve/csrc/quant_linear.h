@@ -27,6 +27,12 @@ torch::Tensor q5_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor qh, tor
 void tiled_nibble_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                              c10::optional<torch::Tensor> bias);
 torch::Tensor tiled_nibble_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+// The same tiles on the int8 prompt path (activations rounded to one byte per row and group of
+// 32; AVX512-VNNI only: int8_prompt_kernels()).
+void tiled_nibble_int8_linear_out(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                                  c10::optional<torch::Tensor> bias);
+torch::Tensor tiled_nibble_int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+bool int8_prompt_kernels();
 
 // y = x @ W^T + bias for 8-bit weights: qs int8 [N, K]; d int16 [N, K / 32] holding fp16 scales
 // (Q8_0) or fp32 [N, K / 16] (Q6_K's d * sc, with q - 32 in qs).

@@ -93,7 +93,9 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     (kvserve.loader.gguf_blocks; shards, stages and CUDA take "int4" instead); ("bf16" | "int8" | "int4") stores the linear layers' weights in that format (activations stay in ``dtype``),
     reusing the GGUF's Q4_1 blocks for int4 where there are any; ``int4_prefill``: which int4
     layers also hold a copy of their weights (bf16 or int8) for prompt tokens
-    (kvserve.quant.convert_linear_layers)."""
+    (kvserve.quant.convert_linear_layers); with "gguf", "int8" computes prompt tokens on the
+    blocks under int8 activations where the kernel reads them (kvserve.quant.use_int8_prompts),
+    the other modes under the decode rows' 16-bit ones."""
     sharded = tp is not None and tp.world_size > 1
     if quantization == "gguf" and source.kind != "gguf":
         quantization = None  # (a draft model from safetensors: its own format, float)
@@ -111,6 +113,9 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
             config.name = source.name
             model, counts = build_gguf_model(gf, config)
             model.weight_format_counts = counts
+            if int4_prefill == "int8":
+                from kvserve.quant import use_int8_prompts
+                use_int8_prompts(model)
             attach_fused_layers(model)
             return_freed_heap()
             return model, config

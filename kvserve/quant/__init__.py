@@ -27,7 +27,7 @@ from kvserve.quant.bf16 import (BF16_PANEL, Bf16Linear, pack_bf16_weight, pack_b
                                 unpack_bf16_weight, widened_bf16_kernel)
 from kvserve.quant.common import INT4_GROUP_SIZE, batch_invariant_linears
 from kvserve.quant.convert import (WEIGHT_FORMATS, convert_linear_layers, gguf_linear, has_prefill_copies,
-                                   prefill_copy_bytes, prefill_copy_format)
+                                   int8_prompt_layers, prefill_copy_bytes, prefill_copy_format, use_int8_prompts)
 from kvserve.quant.decode_format import DecodeFormatLinear
 from kvserve.quant.fp32 import Fp32Linear, use_invariant_fp32_linears
 from kvserve.quant.int8 import Int8Linear
@@ -49,9 +49,10 @@ __all__ = [
     "SCREEN_TOP_K", "W8A8_GROUP", "W8A8_OUTLIERS", "W8A8_PANEL", "WEIGHT_FORMATS", "Bf16Linear", "DecodeFormatLinear",
     "Fp32Linear", "Int4Linear", "Int8Linear", "Q4Screen", "Q5Linear", "Q6KLinear", "Q8Linear", "RescoredLMHead", "SegmentedLinear",
     "W8A8Linear", "WeightFormat", "affine_min_max", "batch_invariant_linears", "convert_linear_layers", "format_of",
-    "gguf_format", "gguf_linear", "has_prefill_copies", "native_linear_args", "pack_bf16_weight",
+    "gguf_format", "gguf_linear", "has_prefill_copies", "int8_prompt_layers", "native_linear_args", "pack_bf16_weight",
     "pack_bf16_weight_reference", "pack_w8a8_weight", "prefill_copy_bytes", "prefill_copy_format", "quantize_min_max",
     "screen_activations", "streamed_buffers", "tile_nibbles", "tiled_nibble_kernels", "unpack_bf16_weight",
-    "unpack_w8a8_affine", "unpack_w8a8_weight", "untile_nibbles", "use_invariant_fp32_linears", "w8a8_activations",
+    "unpack_w8a8_affine", "unpack_w8a8_weight", "untile_nibbles", "use_int8_prompts", "use_invariant_fp32_linears",
+    "w8a8_activations",
     "widened_bf16_kernel",
 ]

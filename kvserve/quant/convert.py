@@ -167,9 +167,23 @@ def prefill_copy_format(model: nn.Module) -> Optional[str]:
     return "+".join(sorted({names[type(copy)] for copy in _prefill_copies(model)})) or None
 
 
+def int8_prompt_layers(model: nn.Module) -> int:
+    """How many block-quantized layers compute prompt rows on the int8 prompt path."""
+    return sum(1 for m in model.modules() if isinstance(m, DecodeFormatLinear) and m.int8_prompts)
+
+
+def use_int8_prompts(model: nn.Module) -> int:
+    """Put every block-quantized layer of the decoder layers that the int8 prompt kernel reads on
+    that path (DecodeFormatLinear.use_int8_prompts); how many took it. The LM head is left as it
+    is: it computes only the last prompt row, and the first token comes from it."""
+    return sum(1 for name, m in model.named_modules()
+               if isinstance(m, DecodeFormatLinear) and ".layers." in f".{name}" and m.use_int8_prompts())
+
+
 def has_prefill_copies(model: nn.Module) -> bool:
-    """Whether some linear layer computes prompt rows in another format than generated ones."""
-    return any(True for _ in _prefill_copies(model))
+    """Whether some linear layer computes prompt rows in another format than generated ones
+    (a prefill copy, or the int8 prompt path)."""
+    return any(True for _ in _prefill_copies(model)) or int8_prompt_layers(model) > 0
 
 
 def _weights_to_huge_pages(model: nn.Module) -> None:

@@ -177,7 +177,21 @@ def native_linear_args(layer: nn.Module) -> Optional[NativeArgs]:
     a block-quantized layer's prefill copy included; None where it cannot call the layer."""
     fmt = format_of(layer)
     args = None if fmt is None else fmt.native_args(layer)
-    if args is None or not isinstance(layer, DecodeFormatLinear) or layer.prefill is None:
+    if args is None or not isinstance(layer, DecodeFormatLinear):
+        return args
+    if layer.int8_prompts:
+        return (*args[:5], _int8_prompt_args(layer, args), *args[6:])
+    if layer.prefill is None:
         return args
     prefill = native_linear_args(layer.prefill)
     return None if prefill is None else (*args[:5], prefill, *args[6:])
+
+
+def _int8_prompt_args(layer: DecodeFormatLinear, args: NativeArgs) -> NativeArgs:
+    """The native arguments of ``layer``'s int8 prompt path (decoder.cpp's "tiles_int8": the same
+    tiles through the int8 kernel) from its block arguments ``args``."""
+    if isinstance(layer, SegmentedLinear):
+        parts = [_int8_prompt_args(segment, part) if segment.int8_prompts else part
+                 for segment, part in zip(layer.segments, args[7])]
+        return (*args[:7], parts)
+    return ("tiles_int8", *args[1:])

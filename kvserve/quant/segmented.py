@@ -37,3 +37,16 @@ class SegmentedLinear(DecodeFormatLinear):
 
     def prefill_copy_pays(self) -> bool:
         return any(s.prefill_copy_pays() for s in self.segments)  # one copy covers every segment
+
+    def reads_int8_prompts(self) -> bool:
+        return any(s.reads_int8_prompts() for s in self.segments)
+
+    def use_int8_prompts(self) -> bool:
+        """Each segment the int8 kernel reads takes the int8 prompt path; the others compute
+        prompt rows as they compute generated ones (Q8_0's codes, say)."""
+        self.int8_prompts = self.prefill is None and any([s.use_int8_prompts() for s in self.segments])
+        return self.int8_prompts
+
+    def forward_int8_prompts(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([s.forward_int8_prompts(x) if s.int8_prompts else s.forward_blocks(x)
+                          for s in self.segments], dim=-1)
