@@ -114,7 +114,13 @@ def _expanded_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: LatentLaye
         # Causal over positions, never a materialised tril(ones).
         q_pos = torch.arange(context, seq_len, device=q_nope.device)[:, None]
         mask = torch.arange(seq_len, device=q_nope.device)[None, :] <= q_pos
+    v_head_dim = values.shape[-1]
+    if v_head_dim != keys.shape[-1]:
+        # Values zero-padded to the keys' width: SDPA's fused CPU kernel takes one head width
+        # (with two it falls back to the math path, which builds the causal mask as a
+        # tril(ones(n, n))); the padding's outputs are zeros, cut off below.
+        values = F.pad(values, (0, keys.shape[-1] - v_head_dim))
     out = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                          values.transpose(0, 1)[None], attn_mask=mask, is_causal=context == 0,
                                          scale=scale)
-    return out[0].transpose(0, 1)
+    return out[0, ..., :v_head_dim].transpose(0, 1)

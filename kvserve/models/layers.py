@@ -92,7 +92,7 @@ def yarn_inv_freq(head_dim: int, base: float, scaling: dict, device: torch.devic
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # (HF's guard against a zero-width ramp)
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, head_dim, 2, device=device).to(torch.float32) / head_dim)
     extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp
