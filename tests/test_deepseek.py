@@ -48,7 +48,7 @@ def _hf_reference(model, config):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_models_match_hf(arch):
     """tiny-deepseek-v2: q_lora_rank None, group_limited_greedy, a shared expert, layer 0
-    dense. tiny-deepseek-v3: q_lora_rank 24, noaux_tc over 4 groups, values wider than the
+    dense. tiny-deepseek-v3: q_lora_rank 48, noaux_tc over 4 groups, values wider than the
     keys' nope part, YaRN. Three prompts as one batch on shuffled blocks, 12 batched decode
     steps (absorbed) after the prefill (expanded), against HF's incremental loop."""
     config = tiny_config(arch)
@@ -301,3 +301,67 @@ def test_yarn_frequencies_and_scale_match_hf():
     config.qk_nope_head_dim, config.qk_rope_head_dim, config.rope_scaling = 128, 64, scaling
     assert mla_softmax_scale(config) == pytest.approx(yarn_apply_mscale(hf_config.rope_parameters, 192 ** -0.5),
                                                       rel=1e-12)
+
+
+# ------------------------------------------------------------------ real configs
+
+
+V2_LITE_CONFIG = {  # DeepSeek-V2-Lite's config.json (hub, abridged), DeepSeek's own key names
+    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 163840,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+    "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "bos_token_id": 100000, "eos_token_id": 100001, "tie_word_embeddings": False,
+}
+V3_CONFIG = {  # DeepSeek-V3's (abridged, its fp8 quantization_config left out)
+    **V2_LITE_CONFIG, "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+    "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+
+
+def test_hf_configs_of_v2_lite_and_v3():
+    from kvserve.config import ConfigError
+    from kvserve.loader.safetensors import config_from_hf
+
+    cfg = config_from_hf(V2_LITE_CONFIG)
+    assert (cfg.architecture, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.head_dim) == ("deepseek_v2", None, 512, 192)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.topk_method) == (64, 6, 2, "greedy")
+    assert cfg.mlp_only_layers == [0] and all(cfg.is_moe_layer(i) for i in range(1, 27))
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["mscale_all_dim"] == 0.707
+    assert KVCacheSpec.for_model(cfg, 16, "bfloat16").bytes_per_token == (512 + 64) * 2 * 27
+    cfg = config_from_hf(V3_CONFIG)
+    assert (cfg.architecture, cfg.q_lora_rank, cfg.topk_method, cfg.n_group, cfg.topk_group) == \
+        ("deepseek_v3", 1536, "noaux_tc", 8, 4)
+    assert cfg.mlp_only_layers == [0, 1, 2] and cfg.norm_topk_prob and cfg.routed_scaling_factor == 2.5
+    with pytest.raises(ConfigError, match="fp8-quantized"):
+        config_from_hf(dict(V3_CONFIG, quantization_config={"quant_method": "fp8"}))
+    with pytest.raises(ConfigError, match="1 groups of 1 experts cannot give 2"):
+        config_from_hf(dict(V2_LITE_CONFIG, n_routed_experts=8, num_experts_per_tok=2,
+                            topk_method="group_limited_greedy", n_group=8, topk_group=1))
+    with pytest.raises(ConfigError, match="topk_method"):
+        config_from_hf(dict(V2_LITE_CONFIG, topk_method="random"))
+
+
+def test_v3_skips_the_multi_token_prediction_layer(tmp_path):
+    """V3 checkpoints carry a multi-token-prediction layer after the decoder's (layer
+    ``num_hidden_layers``): loaded past, as HF does, not refused."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_tiny("v3")
+    hf.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(48, 64)
+    save_file(tensors, path, metadata={"format": "pt"})
+    model, _ = load_model(ModelSource(kind="hf_dir", path=str(tmp_path), name="tmp"))
+    assert len(model.model.layers) == 3

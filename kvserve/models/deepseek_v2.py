@@ -110,6 +110,10 @@ def adapt_mla_config(hf_config: dict[str, Any], config: ModelConfig) -> None:
     rope, what generic code counts per head; HF's config calls that ``qk_head_dim`` and sets its
     ``head_dim`` to the rope part), and every head is its own "KV head" (the latent cache has
     none; tensor parallelism splits heads as MHA's)."""
+    quant = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if quant:  # (V3's own release: fp8 blocks with weight_scale_inv tensors)
+        raise ConfigError(f"{config.architecture}: {quant}-quantized checkpoints are not supported "
+                          f"(load a bf16 or fp32 copy)")
     config.q_lora_rank = int(hf_config["q_lora_rank"]) if hf_config.get("q_lora_rank") else None
     config.kv_lora_rank = int(hf_config["kv_lora_rank"])
     config.qk_nope_head_dim = int(hf_config["qk_nope_head_dim"])

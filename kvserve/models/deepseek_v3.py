@@ -12,6 +12,7 @@ layers) with V3's routing and rope options.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvserve.config import ModelConfig
@@ -20,9 +21,17 @@ from kvserve.models.deepseek_v2 import (
 )
 
 ARCHITECTURE = "deepseek_v3"
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    def is_unused_checkpoint_weight(self, name: str) -> bool:
+        """V3 checkpoints hold ``num_nextn_predict_layers`` multi-token-prediction layers after
+        the decoder's (``model.layers.<num_hidden_layers>.``...), for speculative decoding, which
+        plain decoding never runs (HF skips them too)."""
+        m = _LAYER_INDEX.match(name)
+        return m is not None and int(m.group(1)) >= self.config.num_hidden_layers
+
     @classmethod
     def adapt_hf_config(cls, hf_config: dict[str, Any], config: ModelConfig) -> None:
         adapt_mla_config(hf_config, config)
@@ -34,7 +43,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
 def tiny_config() -> ModelConfig:
     """A random-weight DeepSeek-V3-shaped test model on SmolLM2's vocabulary: a query
-    bottleneck (``q_lora_rank`` 24), a 32-wide latent with a 16-dim rope key, values 24 wide
+    bottleneck (``q_lora_rank`` 48), a 32-wide latent with a 16-dim rope key, values 24 wide
     (not the keys' 16), YaRN rope stretched 4x from a 1024-token original context (its
     lower frequencies interpolated, cos/sin and the softmax scale rescaled), 8 experts in 4 groups of which 2 compete (noaux_tc), top 2
     renormalised and scaled by 2.5, one shared expert, the first of 3 layers dense."""
@@ -47,6 +56,6 @@ def tiny_config() -> ModelConfig:
         tie_word_embeddings=False, bos_token_id=1, eos_token_ids=[2], name="tiny-deepseek-v3",
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
         norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", n_group=4, topk_group=2,
-        routed_scaling_factor=2.5, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=32,
+        routed_scaling_factor=2.5, n_shared_experts=1, q_lora_rank=48, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
     )
