@@ -137,7 +137,7 @@ def build_attention_metadata(
 
 
 @dataclass
-class _DecodePlan:
+class DecodePlan:
     """How the single-token (decode) sequences of a step read the cache, for one window size.
 
     Each sequence gathers only the blocks that hold keys it can see (for a sliding layer, the
@@ -167,7 +167,7 @@ def kernel_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torc
     return md.derived[key]
 
 
-def _decode_plans(md: AttentionMetadata, window: Optional[int]) -> list[_DecodePlan]:
+def decode_plans(md: AttentionMetadata, window: Optional[int]) -> list[DecodePlan]:
     key = ("torch.decode", window)
     if key not in md.derived:
         md.derived[key] = _build_decode_plans(md, window)
@@ -182,7 +182,7 @@ def _visible_blocks(md: AttentionMetadata, seq: int, window: Optional[int]) -> t
     return first_key, -(-n // md.block_size) - first_key // md.block_size
 
 
-def _build_decode_plans(md: AttentionMetadata, window: Optional[int]) -> list[_DecodePlan]:
+def _build_decode_plans(md: AttentionMetadata, window: Optional[int]) -> list[DecodePlan]:
     """Group the decode sequences by how many blocks they read, longest first, so that a few
     long contexts don't make every short one gather (and attend over) padding."""
     seqs = [s for s, n in enumerate(md.query_lens) if n == 1]
@@ -199,7 +199,7 @@ def _build_decode_plans(md: AttentionMetadata, window: Optional[int]) -> list[_D
     return [_build_decode_plan(md, window, g) for g in groups]
 
 
-def _build_decode_plan(md: AttentionMetadata, window: Optional[int], seqs: list[int]) -> _DecodePlan:
+def _build_decode_plan(md: AttentionMetadata, window: Optional[int], seqs: list[int]) -> DecodePlan:
     bs = md.block_size
     device = md.block_tables.device
     seq_lens = [md.seq_lens[s] for s in seqs]
@@ -224,7 +224,7 @@ def _build_decode_plan(md: AttentionMetadata, window: Optional[int], seqs: list[
     # [Sd, 1, L] broadcasts over the [KVH, Sd, G, L] scores.
     key_bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=device).masked_fill_(
         ~key_mask, float("-inf")).view(len(seqs), 1, -1)
-    return _DecodePlan(rows=rows, block_ids=block_ids, num_blocks=nb, key_mask=key_mask, key_bias=key_bias)
+    return DecodePlan(rows=rows, block_ids=block_ids, num_blocks=nb, key_mask=key_mask, key_bias=key_bias)
 
 
 def _attend(
@@ -255,7 +255,7 @@ def _attend(
 
 
 def _decode_attention(
-    q: torch.Tensor, kv: LayerKV, plan: _DecodePlan, scale: float, logit_softcap: Optional[float]
+    q: torch.Tensor, kv: LayerKV, plan: DecodePlan, scale: float, logit_softcap: Optional[float]
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv.num_kv_heads
@@ -360,7 +360,7 @@ def _kernel_attention(q: torch.Tensor, kv: LayerKV, md: AttentionMetadata, scale
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
                      md: AttentionMetadata, scale: float, window: Optional[int],
                      logit_softcap: Optional[float]) -> torch.Tensor:
-    plans = _decode_plans(md, window)
+    plans = decode_plans(md, window)
     if len(plans) == 1 and plans[0].rows is None:
         return _decode_attention(q, kv, plans[0], scale, logit_softcap)
     out = torch.empty_like(q)

@@ -40,6 +40,17 @@ and ``p_t v_t`` takes ``p_t s_t``), so attention applies them per token in regis
 materialises a dequantized block. Cost: 2 bytes per 64 int8 values, so a head of 64 holds 1.94x
 the tokens of bf16 in the same memory.
 
+MLA (DeepSeek's multi-head latent attention, ``KVCacheSpec.latent``): a layer keeps per token
+one entry shared by every head, its compressed latent (``kv_lora_rank`` values, after
+``kv_a_layernorm``) followed by its rope key (``qk_rope_head_dim``), in ``data [num_blocks,
+block_size, kv_lora_rank + qk_rope_head_dim]`` (``LatentLayerKV``): no per-head keys or values
+(attention expands or absorbs them from the latent, kvserve/latent_attention.py). It is paged,
+grouped and prefix-cached as any layer (one full group: DeepSeek has no sliding layers). INT8
+quantizes the latent and the rope key as two vectors, each rotated by its own Hadamard
+transform with scales per 64 dims (``[num_blocks, block_size, groups]``): the two parts are
+powers of two in every DeepSeek shape (512 + 64) where their concatenation is not; attention
+dequantizes what it gathers.
+
 Within a block the int8 elements are paired for the CPU's int16 dot-product instruction (two
 products summed per 32-bit lane): keys ``[head_dim / 2, block_size, 2]`` (dims 2i and 2i+1 of
 a token side by side), values ``[block_size / 2, head_dim, 2]`` (tokens 2j and 2j+1 of a dim
@@ -97,6 +108,35 @@ class KVCacheGroup:
         return self.window is not None
 
 
+@dataclass(frozen=True)
+class LatentKV:
+    """MLA's entry per token and layer: the compressed latent, then the rope key."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    @property
+    def width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def parts(self) -> tuple[int, int]:
+        """The widths quantized apart (each rotated on its own, see the module's note)."""
+        return self.kv_lora_rank, self.qk_rope_head_dim
+
+    def describe(self) -> str:
+        return f"({self.kv_lora_rank} latent + {self.qk_rope_head_dim} rope key)"
+
+
+def model_latent_kv(config: ModelConfig) -> Optional[LatentKV]:
+    """The model's MLA cache entry; None for per-head K/V."""
+    return LatentKV(config.kv_lora_rank, config.qk_rope_head_dim) if config.uses_mla else None
+
+
+def _is_int8_rotatable(dim: int) -> bool:
+    return dim >= 16 and not dim & (dim - 1)
+
+
 def kv_cache_groups(config: ModelConfig, reclaim_sliding_window: bool = True) -> tuple[KVCacheGroup, ...]:
     """Split the layers into groups of equal size, so that a block (one block id of the shared
     pool) holds the same bytes in every group; full groups first.
@@ -143,10 +183,20 @@ class KVCacheSpec:
     dtype: str  # a kv_dtype_name (a torch dtype or an alias is normalised to one)
     groups: tuple[KVCacheGroup, ...] = ()
     first_layer: int = 0
+    # MLA: one latent entry per token (num_kv_heads 1, head_dim its width), no values.
+    latent: Optional[LatentKV] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", kv_dtype_name(self.dtype))
-        if self.is_quantized and (self.block_size % 2 or self.head_dim < 16 or self.head_dim & (self.head_dim - 1)):
+        if self.latent is not None:
+            if self.num_kv_heads != 1 or self.head_dim != self.latent.width:
+                raise ConfigError(f"an MLA cache holds one entry of {self.latent.width} per token, "
+                                  f"not {self.num_kv_heads} heads of {self.head_dim}")
+            if self.is_quantized and not all(_is_int8_rotatable(d) for d in self.latent.parts):
+                raise ConfigError(f"an int8 MLA cache rotates the latent and the rope key apart: both must be "
+                                  f"powers of two >= 16 (got {self.latent.kv_lora_rank} and "
+                                  f"{self.latent.qk_rope_head_dim})")
+        elif self.is_quantized and (self.block_size % 2 or not _is_int8_rotatable(self.head_dim)):
             raise ConfigError(f"an int8 KV cache pairs tokens and rotates heads: it needs an even block size "
                               f"(got {self.block_size}) and a power-of-two head dim >= 16 (got {self.head_dim})")
         if not self.groups:
@@ -161,9 +211,17 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: Union[str, torch.dtype],
-                  reclaim_sliding_window: bool = True) -> "KVCacheSpec":
-        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, dtype,
-                   kv_cache_groups(config, reclaim_sliding_window))
+                  reclaim_sliding_window: bool = True, groups: Optional[tuple[KVCacheGroup, ...]] = None,
+                  num_kv_heads: Optional[int] = None) -> "KVCacheSpec":
+        """The whole model's cache: its groups (``kv_cache_groups`` unless given) and KV heads
+        (``num_kv_heads``: a tensor-parallel rank's share). An MLA model's latent entry is
+        every head's, so a rank holds all of it whatever its heads."""
+        groups = groups if groups is not None else kv_cache_groups(config, reclaim_sliding_window)
+        latent = model_latent_kv(config)
+        if latent is not None:
+            return cls(config.num_hidden_layers, 1, latent.width, block_size, dtype, groups, latent=latent)
+        return cls(config.num_hidden_layers, num_kv_heads or config.num_key_value_heads, config.head_dim,
+                   block_size, dtype, groups)
 
     def restrict(self, start: int, end: int) -> "KVCacheSpec":
         """The part of this whole-model spec that holds layers ``[start, end)`` (a pipeline
@@ -197,8 +255,16 @@ class KVCacheSpec:
 
     @property
     def scale_groups(self) -> int:
-        """Scales per token, KV head and K-or-V: 0 for float caches."""
-        return self.head_dim // int8_group_size(self.head_dim) if self.is_quantized else 0
+        """Scales per token, KV head and K-or-V (MLA: per latent entry): 0 for float caches."""
+        if not self.is_quantized:
+            return 0
+        parts = self.latent.parts if self.latent is not None else (self.head_dim,)
+        return sum(d // int8_group_size(d) for d in parts)
+
+    @property
+    def tensors_per_head(self) -> int:
+        """2 (keys and values), or 1 for MLA's latent entry (keys and values both read it)."""
+        return 1 if self.latent is not None else 2
 
     @property
     def scale_bytes_per_head(self) -> int:
@@ -239,8 +305,10 @@ class KVCacheSpec:
 
     @property
     def bytes_per_layer_token(self) -> int:
-        """One token of one layer: 2 (K and V) x kv heads x (head dim x element bytes + scales)."""
-        return 2 * self.num_kv_heads * (self.head_dim * self.element_bytes + self.scale_bytes_per_head)
+        """One token of one layer: 2 (K and V) x kv heads x (head dim x element bytes + scales);
+        MLA: one entry of (latent + rope key) x element bytes (+ scales)."""
+        return self.tensors_per_head * self.num_kv_heads * (self.head_dim * self.element_bytes
+                                                            + self.scale_bytes_per_head)
 
     @property
     def bytes_per_token(self) -> int:
@@ -259,6 +327,12 @@ class KVCacheSpec:
 
     def describe_token(self) -> str:
         """The bytes-per-token formula with this cache's numbers, for the start-up line."""
+        if self.latent is not None:
+            entry = f"{self.latent.describe()} x {self.element_bytes} bytes"
+            if self.is_quantized:
+                entry = f"({entry} + {self.scale_bytes_per_head} bytes of scale)"
+            return (f"MLA latent: {self.num_layers} layers x {entry} = {self.bytes_per_token} bytes per token, "
+                    f"{self.dtype}")
         per_head = f"{self.head_dim} head dim x {self.element_bytes} bytes"
         if self.is_quantized:
             per_head = f"({per_head} + {self.scale_bytes_per_head} bytes of scale)"
@@ -367,6 +441,49 @@ class LayerKV:
         values.index_copy_(1, slot_mapping, v.transpose(0, 1).to(self.data.dtype))
 
 
+@dataclass
+class LatentLayerKV:
+    """One MLA layer's cache: ``data [NB, BS, kv_lora_rank + qk_rope_head_dim]`` and, for int8,
+    ``scales [NB, BS, groups]`` (the latent's groups, then the rope key's)."""
+
+    data: torch.Tensor
+    latent: LatentKV
+    scales: Optional[torch.Tensor] = None
+    group: int = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.scales is not None
+
+    def write(self, latent: torch.Tensor, rope_key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store this step's ``latent [T, kv_lora_rank]`` and ``rope_key [T, qk_rope_head_dim]``
+        (already rotated) at their flat slots."""
+        slots = self.data.view(-1, self.latent.width)
+        if self.scales is None:
+            slots.index_copy_(0, slot_mapping, torch.cat((latent, rope_key), dim=-1).to(self.data.dtype))
+            return
+        (latent_q, latent_s), (rope_q, rope_s) = quantize_int8(latent), quantize_int8(rope_key)
+        slots.index_copy_(0, slot_mapping, torch.cat((latent_q, rope_q), dim=-1))
+        self.scales.view(-1, self.scales.shape[-1]).index_copy_(0, slot_mapping, torch.cat((latent_s, rope_s), dim=-1))
+
+    def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The entries of these blocks, in order, as ``[len(block_ids) * block_size, width]`` in
+        ``dtype`` (dequantized for int8)."""
+        entries = self.data.index_select(0, block_ids).flatten(0, 1)
+        if self.scales is None:
+            return entries.to(dtype)
+        scales = self.scales.index_select(0, block_ids).flatten(0, 1)
+        rank = self.latent.kv_lora_rank
+        latent_groups = rank // int8_group_size(rank)
+        latent = dequantize_int8(entries[:, :rank], scales[:, :latent_groups])
+        rope_key = dequantize_int8(entries[:, rank:], scales[:, latent_groups:])
+        return torch.cat((latent, rope_key), dim=-1).to(dtype)
+
+
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """``H x`` over the last dim (a power of two), H the normalised Walsh-Hadamard matrix, in the
     butterfly order of the write kernel's (so the two agree bit for bit)."""
@@ -405,7 +522,7 @@ class KVCache:
     ``layers[i]`` is layer ``spec.first_layer + i`` (a pipeline stage indexes its own layers
     from 0, as its model does)."""
 
-    def __init__(self, spec: KVCacheSpec, layers: list[LayerKV]) -> None:
+    def __init__(self, spec: KVCacheSpec, layers: list[Union[LayerKV, LatentLayerKV]]) -> None:
         self.spec = spec
         self.layers = layers
 
@@ -414,6 +531,8 @@ class KVCache:
         """Zero-filled, not ``empty``: padded block-table entries and masked keys are still
         read, and uninitialised memory could hold NaNs, which survive a zero attention weight.
         (The same holds for the null block that stands for a sliding group's released blocks.)"""
+        if spec.latent is not None:
+            return cls(spec, cls._allocate_latent(spec, num_blocks, device))
         shape = (2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
         slots = []
         for _ in range(spec.slots_per_group):
@@ -426,22 +545,37 @@ class KVCache:
         layers = [LayerKV(*slots[spec.slot_of(layer)], group=spec.group_of(layer)) for layer in spec.layer_ids]
         return cls(spec, layers)
 
+    @staticmethod
+    def _allocate_latent(spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> list[LatentLayerKV]:
+        """MLA layers' caches, one tensor per slot as for per-head caches."""
+        shape = (num_blocks, spec.block_size, spec.head_dim)
+        slots = []
+        for _ in range(spec.slots_per_group):
+            data = ops.empty_huge_pages(shape, spec.storage_dtype, device).zero_()
+            scales = (torch.zeros((*shape[:2], spec.scale_groups), dtype=SCALE_DTYPE, device=device)
+                      if spec.is_quantized else None)
+            slots.append((data, scales))
+        return [LatentLayerKV(slots[spec.slot_of(layer)][0], spec.latent, slots[spec.slot_of(layer)][1],
+                              group=spec.group_of(layer)) for layer in spec.layer_ids]
+
     @property
     def num_blocks(self) -> int:
-        return self.layers[0].data.shape[2] if self.layers else 0
+        if not self.layers:
+            return 0
+        return self.layers[0].data.shape[0 if self.spec.latent is not None else 2]
 
     @property
     def num_bytes(self) -> int:
         tensors = {id(t): t for layer in self.layers for t in (layer.data, layer.scales) if t is not None}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
-    def __getitem__(self, layer: int) -> LayerKV:
+    def __getitem__(self, layer: int) -> Union[LayerKV, LatentLayerKV]:
         return self.layers[layer]
 
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __iter__(self) -> Iterator[LayerKV]:
+    def __iter__(self) -> Iterator[Union[LayerKV, LatentLayerKV]]:
         return iter(self.layers)
 
     @functools.cached_property

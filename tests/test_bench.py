@@ -246,6 +246,24 @@ def test_profile_categories_from_labels():
     assert sum(c[k] for k in top) == pytest.approx(wall, rel=0.05)
 
 
+def test_profile_rows_for_router_experts_and_latent_attention(tmp_path, capsys):
+    """DeepSeek's forward pass: latent attention, router and experts measured as their own
+    rows (their labels), their matmuls not counted again as linear layers."""
+    out = tmp_path / "prof.json"
+    rc = kvserve_main(["profile", "--model", "tiny-deepseek-v2", "--no-progress", "--workload", "W1",
+                       "--num-requests", "2", "--prompt-len", "8-40", "--output-len", "4", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    c = _load(out)["categories_s"]
+    for phase in ("prefill", "decode"):
+        for kind in ("latent attention", "router", "experts"):
+            assert c[f"  {kind} ({phase})"] > 0, (kind, phase)
+            assert f"  {kind} ({phase})" in printed
+        assert c[f"  attention ({phase})"] == 0  # no per-head attention in this model
+        parts = sum(c[k] for k in c if k.startswith("  ") and k.endswith(f"({phase})"))
+        assert parts == pytest.approx(c[f"{phase} forward"], rel=1e-6, abs=1e-9)
+
+
 # ------------------------------------------------------------------------ commands, tiny
 def test_bench_throughput_end_to_end(tmp_path, capsys):
     out, plot = tmp_path / "tp.json", tmp_path / "tp.png"

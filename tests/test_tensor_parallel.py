@@ -131,6 +131,7 @@ def _run_pair(model: str, tp: int, pp: int = 1, check: Optional[Callable] = None
     ("tiny-qwen3-h4kv2", 2),   # QK-norm (per head: replicated), head_dim 32 != hidden / heads
     ("tiny-phi3-h4kv2", 2),    # fused qkv_proj / gate_up_proj checkpoint tensors cut per part
     ("tiny-qwen3-moe-h4kv2", 2),  # every expert's columns split, the router replicated
+    ("tiny-deepseek-v3", 2),  # MLA: 2 of 4 heads per rank, the latent cache replicated; shared experts split
 ])
 def test_tensor_parallel_matches_one_process(model, tp):
     _run_pair(model, tp)

@@ -77,6 +77,19 @@ def machine_load() -> Optional[dict]:
     return {"load_1min": load1, "cpu_count": os.cpu_count()}
 
 
+def _mla_params(cfg: ModelConfig) -> int:
+    """An MLA layer's weights per token: the query (through its bottleneck where it has one),
+    the latent and rope key, ``kv_b_proj`` (a prefill token expands its latent through it;
+    a decode token's absorbed query and latent output pass through its two halves instead:
+    the same count), the output projection."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    q_width = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    q = h * q_width if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + q_width)
+    latent = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    up = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + latent + up + heads * cfg.v_head_dim * h
+
+
 @dataclass(frozen=True)
 class ModelFlops:
     """Matmul weights of a decoder: the ones every token multiplies (the non-embedding
@@ -90,10 +103,13 @@ class ModelFlops:
         # Counted from the architecture, not from module parameters, so quantized or fused
         # weight layouts count the same. Norm weights are negligible and left out.
         h, hd = cfg.hidden_size, cfg.head_dim
-        attn = h * cfg.num_attention_heads * hd * 2 + h * cfg.num_key_value_heads * hd * 2
+        attn = _mla_params(cfg) if cfg.uses_mla else (h * cfg.num_attention_heads * hd * 2
+                                                       + h * cfg.num_key_value_heads * hd * 2)
         mlp = 3 * h * cfg.intermediate_size  # gate, up, down (SwiGLU and GeGLU alike)
-        # A mixture-of-experts layer: the router and the experts a token is routed to.
-        moe = h * cfg.num_experts + 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+        # A mixture-of-experts layer: the router, the experts a token is routed to and the
+        # shared experts every token runs (DeepSeek).
+        moe = h * cfg.num_experts + 3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok
+                                                                          + cfg.n_shared_experts)
         mlps = sum(moe if cfg.is_moe_layer(i) else mlp for i in range(cfg.num_hidden_layers))
         return cls(cfg.num_hidden_layers * attn + mlps, cfg.vocab_size * h)
 

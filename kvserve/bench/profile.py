@@ -6,7 +6,11 @@ attention) and from the aten ops inside the forward pass, never from guesses:
     engine.step                     everything the engine does in one step
       model.forward.prefill/decode  the forward pass, split into
         attention                   the ``attention`` label (or an SDPA op outside it)
-        linear layers               aten linear / matmul ops outside attention
+        latent attention            MLA's ``latent attention`` label (DeepSeek; cache write,
+                                    absorbed decode, expanded prefill)
+        router                      the ``router`` label (MoE: logits and top-k)
+        experts                     the ``experts`` label (MoE: the routed experts' matmuls)
+        linear layers               aten linear / matmul ops outside the labels above
         other ops                   norms, RoPE, activations, embedding, copies
       draft model                   a draft_model drafter's forward passes and sampling
       sampler                       logits -> token ids (and the host copy)
@@ -42,6 +46,9 @@ STEP_PARTS = {
     "spec.draft_model": "draft model",
 }
 ATTENTION_LABEL = "attention"
+# Labels of architecture-specific parts of the forward pass, each its own row per phase
+# (kvserve/latent_attention.py, models/moe.py and the MoE blocks' routers).
+PART_LABELS = ("latent attention", "router", "experts")
 ATTENTION_OPS = {"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
                  "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_efficient_attention", "aten::_flash_attention_forward"}
@@ -52,10 +59,11 @@ LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::
               "kvserve::q4_linear", "kvserve::q5_linear", "kvserve::q8_linear", "kvserve::bf16_linear",
               "kvserve::fp32_linear"}  # labels of kvserve's own kernels (their *_linear_out)
 
-ROW_ORDER = ["prefill forward", "  attention (prefill)", "  linear layers (prefill)",
-             "  other ops (prefill)", "decode forward", "  attention (decode)",
-             "  linear layers (decode)", "  other ops (decode)", "draft model", "sampler",
-             "scheduler and batch building", "detokenizer", "other step overhead", "idle"]
+# The rows inside a forward pass, per phase; "other ops" is the rest of it.
+FORWARD_KINDS = ("attention", *PART_LABELS, "linear layers", "other ops")
+ROW_ORDER = [*(row for phase in ("prefill", "decode")
+               for row in (f"{phase} forward", *(f"  {kind} ({phase})" for kind in FORWARD_KINDS))),
+             "draft model", "sampler", "scheduler and batch building", "detokenizer", "other step overhead", "idle"]
 
 
 @dataclass
@@ -73,6 +81,8 @@ class _Event:
 def _kind(name: str) -> Optional[str]:
     if name == ATTENTION_LABEL or name in ATTENTION_OPS:
         return "attention"
+    if name in PART_LABELS:
+        return name
     if name in LINEAR_OPS:
         return "linear layers"
     return None
@@ -124,7 +134,7 @@ def categorize(events: Iterable, wall_us: float) -> dict[str, float]:
         totals[f"  {kind} ({phase})"] += ev.duration
 
     for phase in ("prefill", "decode"):
-        inner = totals[f"  attention ({phase})"] + totals[f"  linear layers ({phase})"]
+        inner = sum(totals[f"  {kind} ({phase})"] for kind in FORWARD_KINDS if kind != "other ops")
         totals[f"  other ops ({phase})"] = max(0.0, totals[f"{phase} forward"] - inner)
     top = sum(totals[k] for k in ("prefill forward", "decode forward", "draft model", "sampler",
                                   "scheduler and batch building", "detokenizer"))
@@ -136,6 +146,8 @@ def categorize(events: Iterable, wall_us: float) -> dict[str, float]:
 def category_table(seconds: dict[str, float], wall_s: float) -> str:
     lines = [f"{'category':<34} {'time s':>9} {'% of wall':>10}", "-" * 55]
     for name in ROW_ORDER:
+        if name.strip().startswith(PART_LABELS) and not seconds[name]:
+            continue  # an architecture without that part (dense MLP, per-head attention)
         lines.append(f"{name:<34} {seconds[name]:>9.3f} {100 * seconds[name] / wall_s:>9.1f}%")
     lines.append(f"{'wall':<34} {wall_s:>9.3f} {100.0:>9.1f}%")
     return "\n".join(lines)

@@ -67,6 +67,31 @@ class ModelConfig:
     norm_topk_prob: bool = False
     mlp_only_layers: list[int] = field(default_factory=list)
     decoder_sparse_step: int = 1
+    # DeepSeek's routing (models/routing.py; HF's names): "softmax" or "sigmoid" scores,
+    # "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3, with a per-expert score
+    # correction bias) top-k over ``n_group`` expert groups of which ``topk_group`` are kept,
+    # the routed weights times ``routed_scaling_factor``; ``n_shared_experts`` always-on
+    # experts beside the routed ones (one MLP ``n_shared_experts`` times as wide).
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # Multi-head latent attention (DeepSeek V2/V3; ``kv_lora_rank`` 0: not MLA). HF's names:
+    # the query's low-rank width (None: one full projection), the shared latent's width, the
+    # per-head key parts without and with rope, the value head width, and whether the rope
+    # dims rotate in adjacent pairs (HF's ``rope_interleave``; DeepSeek's own layout).
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers

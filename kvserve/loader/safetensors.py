@@ -20,6 +20,8 @@ HF_MODEL_TYPES: dict[str, tuple[str, bool]] = {
     "qwen3_moe": ("qwen3_moe", False),
     "phi3": ("phi3", False),
     "gemma3_text": ("gemma3", True),
+    "deepseek_v2": ("deepseek_v2", False),
+    "deepseek_v3": ("deepseek_v3", False),
 }
 
 
@@ -50,8 +52,8 @@ def _rope_settings(cfg: dict[str, Any], layer_kind: Optional[str]) -> tuple[floa
         kind = "longrope"
     if kind == "default":
         return base, None
-    if kind not in ("linear", "llama3", "longrope"):
-        raise ConfigError(f"unsupported rope scaling '{kind}' (supported: linear, llama3, longrope)")
+    if kind not in ("linear", "llama3", "longrope", "yarn"):
+        raise ConfigError(f"unsupported rope scaling '{kind}' (supported: linear, llama3, longrope, yarn)")
     scaling["rope_type"] = kind
     return base, scaling
 

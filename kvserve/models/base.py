@@ -166,6 +166,11 @@ class PagedCausalLM(nn.Module):
             raise ConfigError(f"weight '{name}' has shape {tuple(tensor.shape)}, the model expects {tuple(expected)}")
         setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
+    def is_unused_checkpoint_weight(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to something the model does not run (DeepSeek
+        V3's multi-token-prediction layer): skipped at load instead of refused."""
+        return False
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Assign upstream-named weights (already on the target device/dtype), concatenating
         the shards of fused projections. Every parameter must be covered exactly."""
@@ -177,6 +182,8 @@ class PagedCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy too
+            if self.is_unused_checkpoint_weight(name):
+                continue
             target, index, count = self._packed_target(name)
             if target not in params:
                 raise ConfigError(f"unexpected weight '{name}' for {type(self).__name__}")

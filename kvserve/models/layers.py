@@ -69,7 +69,51 @@ def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict], device: t
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "longrope":  # the short factors: positions within the original context
         return longrope_inv_freq(head_dim, base, scaling["short_factor"], device)
-    raise ConfigError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, longrope)")
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, base, scaling, device)
+    raise ConfigError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, longrope, yarn)")
+
+
+def yarn_inv_freq(head_dim: int, base: float, scaling: dict, device: torch.device | str) -> torch.Tensor:
+    """YaRN (HF's ``_compute_yarn_parameters``, its order of operations): frequencies whose
+    wavelength fits the original context many times are kept (extrapolated), those that fit
+    it less than once are slowed by ``factor`` (interpolated), with a linear ramp between the
+    dims that make ``beta_fast`` and ``beta_slow`` rotations over the original context."""
+    factor = float(scaling["factor"])
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (HF's guard against a zero-width ramp)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, device=device).to(torch.float32) / head_dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for no stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """YaRN's cos/sin multiplier (HF's): the configured ``attention_factor``, else
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` where the config gives both
+    (DeepSeek: the two cancel), else ``mscale(factor)``."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 def longrope_inv_freq(head_dim: int, base: float, factors: list[float], device: torch.device | str) -> torch.Tensor:
@@ -121,6 +165,8 @@ class RopeFrequencies:
         self.longrope: Optional[float] = None
         if (scaling or {}).get("rope_type") == "longrope":
             self.longrope = longrope_attention_factor(scaling, max_position_embeddings or 0)
+        # YaRN: its cos/sin multiplier, one for every position (1.0: none).
+        self.yarn_factor = yarn_attention_factor(scaling) if (scaling or {}).get("rope_type") == "yarn" else 1.0
         self._by_device: dict[torch.device, torch.Tensor] = {}
         self._tables_by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         rope_inv_freq(head_dim, base, scaling, "cpu")  # rejects a bad scaling at load time
@@ -144,6 +190,8 @@ class RopeFrequencies:
             tables = _cos_sin(positions, torch.cat((inv_freq, inv_freq)), torch.float32)
             if self.longrope is not None:
                 tables = self._longrope_tables(positions, tables)
+            if self.yarn_factor != 1.0:
+                tables = tuple(t * self.yarn_factor for t in tables)
             self._tables_by_device[device] = tables
         return tables
 

@@ -82,7 +82,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_class: type[LlamaAttention] = LlamaAttention  # (Qwen3: with QK-norm)
+    attention_class: type[nn.Module] = LlamaAttention  # (Qwen3: with QK-norm; DeepSeek: MLA)
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -120,9 +120,14 @@ class LlamaModel(nn.Module):
             self.layer_class(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope_inv_freq = RopeFrequencies(config.head_dim, config.rope_theta, config.rope_scaling,
+        self.rope_inv_freq = RopeFrequencies(self.rotary_dim(config), config.rope_theta, config.rope_scaling,
                                              config.max_position_embeddings)
         self.fused_layers: Optional[FusedDecoderLayers] = None  # kvserve.models.fused attaches it
+
+    @staticmethod
+    def rotary_dim(config: ModelConfig) -> int:
+        """The dims rope rotates: the whole head (DeepSeek's MLA: its rope part only)."""
+        return config.head_dim
 
     def fused_inputs(self, num_positions: int, device: torch.device) -> tuple:
         """What the fused layers read besides the step: (the embedding table's arguments

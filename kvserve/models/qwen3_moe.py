@@ -2,12 +2,9 @@
 MLP (except the layers in ``mlp_only_layers``, which keep a dense one).
 
 Router: softmax over the experts' logits (in float32, as HF), the top ``num_experts_per_tok``
-(ties broken by the lower expert index: a stable sort, where ``torch.topk`` leaves ties
-unspecified), optionally renormalised (``norm_topk_prob``). Experts run only on the tokens
-routed to them: the step's (token, expert) pairs are grouped per expert, and each active
-expert runs one gate+up and one down matmul on its rows; each token's weighted results are
-added in ascending expert order (HF's order). A row's result does not depend on the other rows
-(kvserve's fp32 linears reduce each row alone), so batching leaves it unchanged.
+(ties broken by the lower expert index: models/routing.py), optionally renormalised
+(``norm_topk_prob``). Experts run only on the tokens routed to them, grouped per expert
+(models/moe.py, shared with DeepSeek).
 
 The native fused decoder declines MoE layers (``DecoderLayerSpec.mlp == "moe"``): such a model
 runs layer by layer, in the modules below. Under tensor parallelism each rank holds a slice
@@ -24,44 +21,23 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from kvserve import ops
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup
 from kvserve.models.layers import RMSNorm
 from kvserve.models.llama import GatedMLP, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from kvserve.models.moe import MoERouter, run_routed_experts
 from kvserve.models.qwen3 import Qwen3Attention
+from kvserve.models.routing import softmax_top_k
 from kvserve.models.spec import DecoderLayerSpec
-from kvserve.quant import Fp32Linear
-from kvserve.quant.common import batch_invariant_linears
-from kvserve.token_roles import roles_of_rows
+from kvserve.tracing import label
 
 ARCHITECTURE = "qwen3_moe"
-
-
-class MoERouter(nn.Module):
-    """The router's logits ``[T, experts]``. Not an ``nn.Linear``, so that weight-format
-    conversion leaves it exact: a rounded router would send tokens to other experts."""
-
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (w.dtype == x.dtype == torch.float32 and x.device.type == "cpu" and ops.cpu_extension() is not None
-                and batch_invariant_linears()):
-            return Fp32Linear(w, None)(x)  # (a row's logits independent of the batch)
-        return nn.functional.linear(x, w)
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights ``[T, k]`` in the logits' dtype, expert ids ``[T, k]``): the softmax's top k,
     ties to the lower expert id, optionally renormalised to sum to 1."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, experts = sorted_probs[:, :top_k], order[:, :top_k]
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, experts = softmax_top_k(logits, top_k, normalize)
     return weights.to(logits.dtype), experts
 
 
@@ -79,34 +55,9 @@ class SparseMoEBlock(nn.Module):
         self.hidden_act = config.hidden_act  # (as GatedMLP's, for whoever reads the layer's MLP)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.top_k, self.normalize)
-        # Each token's k choices in ascending expert order: the order their outputs are summed
-        # in below (HF's order), whatever their probabilities.
-        experts, order = experts.sort(dim=-1, stable=True)
-        weights = weights.gather(1, order)
-        flat = experts.reshape(-1)  # (token, choice) pairs, row-major: pair p is token p // k
-        pairs = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending within one
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        tokens, pair_weights = pairs // self.top_k, weights.reshape(-1)[pairs]
-        # Every pair's weighted expert output lands in its own row (index_copy_: no
-        # accumulation, and ~1000x faster on the CPU than index_add_, which measured ~5 ms a
-        # call here), then each token's k rows are added in order: row by row, so a row's
-        # result does not depend on the others.
-        per_pair = x.new_empty(flat.shape[0], x.shape[1])
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue  # an expert no token chose: its weights are never read
-            segment = slice(start, start + count)
-            rows = tokens[segment]  # (ascending, distinct: a token takes an expert once)
-            with roles_of_rows(rows):  # each row keeps its token role (its weight format)
-                y = self.experts[expert](x.index_select(0, rows))
-            per_pair.index_copy_(0, pairs[segment], y * pair_weights[segment, None])
-            start += count
-        per_pair = per_pair.view(x.shape[0], self.top_k, x.shape[1])
-        out = per_pair[:, 0]
-        for choice in range(1, self.top_k):
-            out = out + per_pair[:, choice]
+        with label("router"):
+            weights, experts = route(self.gate(x), self.top_k, self.normalize)
+        out = run_routed_experts(x, weights, experts, self.experts)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from kvserve.config import ConfigError
 from kvserve.models.base import PagedCausalLM
+from kvserve.models.deepseek_v2 import DeepseekV2ForCausalLM
+from kvserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.mistral import MistralForCausalLM
@@ -20,6 +22,8 @@ MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "phi3": Phi3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 

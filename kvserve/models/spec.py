@@ -33,11 +33,14 @@ class DecoderLayerSpec:
     # "gated": one gate+up projection, an activation, a down projection. "moe": routed
     # experts, which the native loop does not run (the model then runs layer by layer).
     mlp: str = "gated"
+    # "mha": per-head q/k/v (grouped or not) on the per-head KV cache. "mla": DeepSeek's
+    # multi-head latent attention on the latent cache, which the native loop does not run.
+    attention: str = "mha"
 
     @property
     def native(self) -> bool:
         """Whether the native decoder's skeleton can run this layer at all."""
-        return self.mlp == "gated"
+        return self.mlp == "gated" and self.attention == "mha"
 
 
 LLAMA_LAYER = DecoderLayerSpec()

@@ -1,7 +1,8 @@
 """Tensor parallelism (Megatron-style) for the decoder models, as a sharding plan.
 
 Per rank: the query heads ``[r * q/T, (r+1) * q/T)`` and their KV heads (split across ranks
-when there are at least T of them, else replicated: rank r holds head ``r * kv // T``), a
+when there are at least T of them, else replicated: rank r holds head ``r * kv // T``; MLA:
+the heads' rows of q_proj / q_b_proj / kv_b_proj, the latent replicated, models/mla.py), a
 1/T slice of the MLP's intermediate dimension, and a 1/T slice of the vocabulary (padded to
 a multiple of T). Column-parallel: q/k/v, gate/up (rows sliced, no communication).
 Row-parallel: o_proj and down_proj (input columns sliced), each followed by one all-reduce;
@@ -74,9 +75,10 @@ def stage_kv_spec(config: ModelConfig, tp_size: int, layer_range: tuple[int, int
                   kv_dtype: Union[str, torch.dtype], groups: tuple[KVCacheGroup, ...]) -> KVCacheSpec:
     """The KV one rank of ``config``'s model (the full model's config) holds: its KV heads,
     layers ``[start, end)`` of its stage, each in its group and slot as the stage's cut of the
-    model's ``groups`` puts it, every block."""
-    whole = KVCacheSpec(config.num_hidden_layers, local_kv_heads(config, tp_size), config.head_dim,
-                        block_size, kv_dtype, groups)
+    model's ``groups`` puts it, every block. (MLA: the whole latent on every rank, models/mla.py
+    says why.)"""
+    whole = KVCacheSpec.for_model(config, block_size, kv_dtype, groups=groups,
+                                  num_kv_heads=local_kv_heads(config, tp_size))
     return whole.restrict(*layer_range)
 
 
@@ -101,8 +103,11 @@ class TPShardPlan:
     def row_range(self, name: str) -> Optional[tuple[int, int]]:
         """Output rows (dim 0) this rank keeps of a column-parallel or vocabulary weight."""
         cfg, r, t = self.config, self.rank, self.size
-        if ".q_proj." in name:
+        if ".q_proj." in name or ".q_b_proj." in name:  # (MLA: head_dim is nope + rope)
             per = cfg.num_attention_heads // t * cfg.head_dim
+            return r * per, (r + 1) * per
+        if ".kv_b_proj." in name:  # MLA: each head's key nope rows, then its value rows
+            per = cfg.num_attention_heads // t * (cfg.qk_nope_head_dim + cfg.v_head_dim)
             return r * per, (r + 1) * per
         if ".k_proj." in name or ".v_proj." in name:
             h0, h1 = self._kv_head_range()
@@ -118,7 +123,7 @@ class TPShardPlan:
         """Input columns (dim 1) this rank keeps of a row-parallel weight."""
         cfg, r, t = self.config, self.rank, self.size
         if ".o_proj.weight" in name:
-            per = cfg.num_attention_heads // t * cfg.head_dim
+            per = cfg.num_attention_heads // t * (cfg.v_head_dim if cfg.uses_mla else cfg.head_dim)
             return r * per, (r + 1) * per
         if ".down_proj.weight" in name:
             per = self._mlp_width(name) // t
@@ -132,8 +137,13 @@ class TPShardPlan:
         rank then does 1/T of each active expert's work whatever the routing, where experts
         placed per rank would leave a rank idle when its experts are not chosen. The router
         is replicated (its weight ``mlp.gate.weight`` matches no rule), so every rank routes
-        the same tokens to the same experts, and the block's output is all-reduced once."""
-        return self.config.moe_intermediate_size if ".experts." in name else self.config.intermediate_size
+        the same tokens to the same experts, and the block's output is all-reduced once.
+        DeepSeek's shared experts (``mlp.shared_experts.``, one MLP ``n_shared_experts`` expert
+        widths wide) are split the same way, inside the same all-reduce."""
+        cfg = self.config
+        if ".shared_experts." in name:
+            return cfg.moe_intermediate_size * cfg.n_shared_experts
+        return cfg.moe_intermediate_size if ".experts." in name else cfg.intermediate_size
 
     def fused_parts(self, name: str) -> Optional[list[tuple[str, int, int]]]:
         """For a checkpoint tensor that holds several projections in its rows (Phi-3's

@@ -14,16 +14,17 @@ import torch
 from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
-from kvserve.models import gemma3, llama, mistral, phi3, qwen3, qwen3_moe
+from kvserve.models import deepseek_v2, deepseek_v3, gemma3, llama, mistral, phi3, qwen3, qwen3_moe
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.layers import GemmaRMSNorm, RMSNorm
 from kvserve.models.registry import get_model_class
 
-TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs", "qwen3", "qwen3_moe", "phi3", "mistral-swa")
+TINY_ARCHITECTURES = ("llama", "gemma3", "gemma3-swa", "gemma3-pairs", "qwen3", "qwen3_moe", "phi3", "mistral-swa",
+                      "deepseek_v2", "deepseek_v3")
 
 TINY_MODELS = {"tiny-llama": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-swa": "gemma3-swa",
                "tiny-gemma3-pairs": "gemma3-pairs", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe", "tiny-phi3": "phi3",
-               "tiny-mistral-swa": "mistral-swa"}
+               "tiny-mistral-swa": "mistral-swa", "tiny-deepseek-v2": "deepseek_v2", "tiny-deepseek-v3": "deepseek_v3"}
 # Each architecture's module holds its tiny configs (models/<arch>.py's tiny_config).
 _TINY_BY_MODULE: dict[str, Callable[[], ModelConfig]] = {
     "llama": llama.tiny_config, "gemma3": gemma3.tiny_config,
@@ -31,6 +32,7 @@ _TINY_BY_MODULE: dict[str, Callable[[], ModelConfig]] = {
     "gemma3-pairs": functools.partial(gemma3.tiny_config, "pairs"),
     "qwen3": qwen3.tiny_config, "qwen3_moe": qwen3_moe.tiny_config, "phi3": phi3.tiny_config,
     "mistral-swa": mistral.tiny_config,
+    "deepseek_v2": deepseek_v2.tiny_config, "deepseek_v3": deepseek_v3.tiny_config,
 }
 # Tiny models with other head counts, for tensor-parallel tests: "tiny-llama-h6kv2" is
 # tiny-llama with 6 query and 2 KV heads, "tiny-llama-h4kv2d32" the same with a head dimension
@@ -115,6 +117,29 @@ def unfused_state_dict(model: PagedCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
+_EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
+
+
+def hf_module_state_dict(model: PagedCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights as transformers 5's modules hold them (for a reference model's
+    ``load_state_dict``): ``unfused_state_dict``, except that routed experts are stacked
+    into 3-D ``mlp.experts.gate_up_proj [E, 2 x width, hidden]`` (each expert's gate rows,
+    then its up rows: kvserve's fused layout) and ``mlp.experts.down_proj [E, hidden, width]``.
+    Checkpoints (``save_pretrained``) keep one tensor per expert, as ``unfused_state_dict``."""
+    state = unfused_state_dict(model)
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in model.state_dict().items():
+        m = _EXPERT_WEIGHT.match(name)
+        if m:
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = tensor
+    for (prefix, proj), per_expert in experts.items():
+        for e in per_expert:
+            for part in (("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)):
+                state.pop(f"{prefix}.{e}.{part}.weight")
+        state[f"{prefix}.{proj}"] = torch.stack([per_expert[e] for e in range(len(per_expert))])
+    return state
+
+
 def _shard_sizes(parent: nn.Module, fused: str, rows: int, count: int) -> list[int]:
     if fused == "qkv_proj":
         return list(parent.split_sizes)
@@ -136,6 +161,8 @@ def to_hf_config(config: ModelConfig) -> Any:
     )
     if config.rope_scaling:
         common["rope_scaling"] = dict(config.rope_scaling)
+    if config.architecture in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_hf_config(config)
     if config.architecture == "gemma3":
         return Gemma3TextConfig(
             rope_local_base_freq=config.rope_local_base_freq, sliding_window=config.sliding_window,
@@ -157,6 +184,32 @@ def to_hf_config(config: ModelConfig) -> Any:
         return MistralConfig(hidden_act=config.hidden_act, sliding_window=config.sliding_window, **common)
     return LlamaConfig(hidden_act=config.hidden_act, attention_bias=config.attention_bias,
                        mlp_bias=config.mlp_bias, **common)
+
+
+def _deepseek_hf_config(config: ModelConfig) -> Any:
+    """DeepseekV2Config / DeepseekV3Config of ``config``'s shape (MLA, experts, routing)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    first_dense = len(config.mlp_only_layers)
+    assert config.mlp_only_layers == list(range(first_dense)), "DeepSeek's dense layers come first"
+    kwargs: dict[str, Any] = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_attention_heads, max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
+        hidden_act=config.hidden_act, attention_bias=config.attention_bias,
+        rope_parameters={"rope_theta": config.rope_theta, "rope_type": "default", **(config.rope_scaling or {})},
+        q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+        n_routed_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size, n_shared_experts=config.n_shared_experts,
+        routed_scaling_factor=config.routed_scaling_factor, n_group=config.n_group, topk_group=config.topk_group,
+        norm_topk_prob=config.norm_topk_prob, first_k_dense_replace=first_dense,
+    )
+    if config.architecture == "deepseek_v2":
+        return DeepseekV2Config(topk_method=config.topk_method, mlp_bias=config.mlp_bias, **kwargs)
+    return DeepseekV3Config(rope_interleave=config.rope_interleave, **kwargs)
 
 
 def _int_if_whole(x: Any) -> Any:
