@@ -349,3 +349,14 @@ def test_rescored_head_transient_logits_reuse_one_buffer(fast):
         fresh = RescoredLMHead(make(), w, top_k=8)
         fresh(xs[0], transient=True)
         assert fresh._kept_logits is None
+
+
+def test_int8_linear_takes_widths_not_a_multiple_of_16():
+    """torch's int8 kernel reads inputs in steps of 16 (a 24-wide layer crashed it): padded."""
+    from kvserve.quant.int8 import Int8Linear
+    from kvserve.quant.registry import native_linear_args
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 24), torch.randn(3, 24)
+    layer = Int8Linear(w, None)
+    assert torch.allclose(layer(x), x @ w.T, rtol=0.05, atol=0.15)
+    assert native_linear_args(layer) is None  # (runs as a module, not in the native decoder)

@@ -73,7 +73,9 @@ def _bf16_args(layer: Bf16Linear) -> NativeArgs:
     return "onednn_bf16" if layer.prepacked else "dense", layer.weight, None, layer.bias, layer.out_features
 
 
-def _int8_args(layer: Int8Linear) -> NativeArgs:
+def _int8_args(layer: Int8Linear) -> Optional[NativeArgs]:
+    if layer.weight.shape[1] != layer.in_features:
+        return None  # (padded inputs: the decoder passes them as they are; such a model runs layer by layer)
     return "int8", layer.weight, layer.scales, layer.bias
 
 
