@@ -13,7 +13,8 @@ from kvserve.block_formats import QuantizedTensor
 from kvserve.quant import (DecodeFormatLinear, Int4Linear, Q5Linear, Q8Linear, SegmentedLinear, gguf_linear,
                            tile_nibbles, untile_nibbles)
 
-BLOCK = {T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
+BLOCK = {T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q5_K: (256, 176),
+         T.Q6_K: (256, 210)}
 
 
 def _fp16_bytes(rng, shape, lo, hi):
@@ -31,7 +32,7 @@ def random_blocks(quant_type: T, n: int, k: int, seed: int = 0) -> np.ndarray:
         blocks[..., 0:2] = _fp16_bytes(rng, shape, 0.001, 0.05)
     if quant_type == T.Q4_1:
         blocks[..., 2:4] = _fp16_bytes(rng, shape, -0.4, 0.0)
-    if quant_type == T.Q4_K:
+    if quant_type in (T.Q4_K, T.Q5_K):
         blocks[..., 0:2] = _fp16_bytes(rng, shape, 0.0005, 0.003)
         blocks[..., 2:4] = _fp16_bytes(rng, shape, 0.0005, 0.003)
     if quant_type == T.Q6_K:
@@ -71,7 +72,7 @@ def check_every_row_blocking(layer, k: int, portable: bool, check_rows) -> tuple
 
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("quant_type,k", [(T.Q4_1, 64), (T.Q4_1, 96), (T.Q4_1, 576), (T.Q5_0, 96), (T.Q5_0, 640),
-                                          (T.Q4_K, 512), (T.Q6_K, 512), (T.Q8_0, 640)])
+                                          (T.Q4_K, 512), (T.Q5_K, 512), (T.Q6_K, 512), (T.Q8_0, 640)])
 def test_kernel_matches_plain_torch(quant_type, k, portable):
     """Every row count the kernels block differently (1-4 rows together, then the rest), with
     bias; the portable loops (machines without AVX512-BF16) against the same reference. K = 96

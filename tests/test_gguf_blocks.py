@@ -211,3 +211,22 @@ def test_other_file_types_are_held_in_their_own_formats(fmt, tmp_path):
     info = gf.tensors["blk.0.ffn_down.weight"]
     expected = dequantize(gf.raw("blk.0.ffn_down.weight"), info.quant_type).reshape(info.shape)
     assert torch.equal(model.model.layers[0].mlp.down_proj.dequantized(), torch.from_numpy(expected))
+
+
+@needs_kernels
+def test_q5_k_in_its_own_bits():
+    """Q5_K read as stored (5.625 bits per weight; it was held in bf16): gguf's values, and the
+    kernels' outputs against them."""
+    from kvserve.quant import Q5KLinear
+    n, k = 37, 512
+    raw = _raw(T.Q5_K, n, k, seed=5)
+    layer = Q5KLinear.from_gguf_raw(raw, "Q5_K", (n, k), torch.randn(n))
+    if layer is None:
+        pytest.skip("this CPU's nibble kernel reads rows, not tiles")
+    assert layer.packed.numel() * 8 / (n * k) < 5.7 + 16 * 8 * 5.7 / n
+    w = torch.from_numpy(dequantize(raw, T.Q5_K).reshape(n, k))
+    assert torch.equal(layer.dequantized(), w)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, k)
+        exact = x.double() @ w.double().T + layer.bias.double()
+        assert (layer(x).double() - exact).norm() / exact.norm() < 1e-4

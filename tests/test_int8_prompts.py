@@ -13,7 +13,7 @@ from kvserve import LLM, SamplingParams, ops
 from kvserve.block_formats import QuantizedTensor
 from kvserve.loader import load_model
 from kvserve.loader.resolve import resolve_model
-from kvserve.quant import Int4Linear, Q6KLinear, gguf_linear, int8_prompt_layers
+from kvserve.quant import Int4Linear, Q5KLinear, Q6KLinear, gguf_linear, int8_prompt_layers
 from kvserve.token_roles import ALL_PROMPT, TokenRoles, use_token_roles
 
 from test_block_formats import random_blocks
@@ -46,6 +46,8 @@ def _layer(qtype: T, n: int, k: int):
         return Q6KLinear.from_gguf_raw(data, "Q6_K", (n, k), None)
     if qtype in (T.Q4_K, T.Q4_1):
         return Int4Linear.from_gguf_raw(data, qtype.name, (n, k), None)
+    if qtype == T.Q5_K:
+        return Q5KLinear.from_gguf_raw(data, "Q5_K", (n, k), None)
     return gguf_linear([QuantizedTensor(qtype, data, (n, k))], None)
 
 
@@ -57,7 +59,7 @@ def _activations(m: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_1, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q4_1, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("m,n,k", [(1, 40, 512), (5, 40, 512), (8, 40, 512), (13, 40, 512), (70, 40, 4096)])
 def test_kernel_equals_its_rounding_model(qtype, m, n, k):
     layer = _layer(qtype, n, k)

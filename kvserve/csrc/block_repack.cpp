@@ -40,10 +40,12 @@ void q4_group(const uint8_t* row, bool q4_0, int64_t g, uint8_t* values, uint16_
 
 }  // namespace
 
-// Q4_K's own tiles (quant_linear.cpp's Q4KTiles): per tile and super-block, 8 groups of
-// [256 bytes of nibbles, sc[16], mn[16]], then d[16] and dmin[16] as stored (fp16).
-static torch::Tensor q4_k_tiles(const torch::Tensor& raw, int64_t K) {
-  constexpr int64_t kGroupBytes = 256 + 32, kSuperBytes = 8 * kGroupBytes + 64;
+// Q4_K's and Q5_K's own tiles (quant_linear.cpp's KQuantTiles): per tile and super-block, 8 groups
+// of [256 bytes of nibbles, (Q5_K) 8 masks of the fifth bits, sc[16], mn[16]], then d[16] and
+// dmin[16] as stored (fp16).
+static torch::Tensor k_quant_tiles(const torch::Tensor& raw, int64_t K, bool five) {
+  const int64_t mask_bytes = five ? 64 : 0, kGroupBytes = 256 + mask_bytes + 32, kSuperBytes = 8 * kGroupBytes + 64;
+  const int64_t block_bytes = five ? 176 : 144;
   const int64_t N = raw.size(0), tiles = (N + kTileRows - 1) / kTileRows, supers = K / 256;
   auto packed = torch::zeros({tiles, supers, kSuperBytes}, torch::kUInt8);
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -54,19 +56,26 @@ static torch::Tensor q4_k_tiles(const torch::Tensor& raw, int64_t K) {
       for (int64_t r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
         const uint8_t* row = in + (t * kTileRows + r) * in_stride;
         for (int64_t b = 0; b < supers; ++b) {
-          const uint8_t* block = row + 144 * b;
+          const uint8_t* block = row + block_bytes * b;
           uint8_t* super = out + (t * supers + b) * kSuperBytes;
+          const uint8_t* qh = block + 16;  // (Q5_K: value l of group j has its fifth bit at bit j of qh[l])
           for (int j = 0; j < 8; ++j) {
             int sc, mn;
             ggml_rows_detail::scale_min_k4(j, block + 4, sc, mn);
-            const uint8_t* qs = block + 16 + 32 * (j / 2);
+            const uint8_t* qs = block + (five ? 48 : 16) + 32 * (j / 2);
             const int shift = 4 * (j % 2);
             uint8_t* p = super + j * kGroupBytes;
             for (int i = 0; i < 4; ++i)
-              for (int c = 0; c < 4; ++c)
-                p[64 * i + 4 * r + c] = ((qs[4 * i + c] >> shift) & 0xF) | (((qs[16 + 4 * i + c] >> shift) & 0xF) << 4);
-            p[256 + r] = static_cast<uint8_t>(sc);
-            p[256 + 16 + r] = static_cast<uint8_t>(mn);
+              for (int c = 0; c < 4; ++c) {
+                const int lo = 4 * i + c, hi = 16 + 4 * i + c, bit = static_cast<int>(4 * r + c);
+                p[64 * i + 4 * r + c] = ((qs[lo] >> shift) & 0xF) | (((qs[hi] >> shift) & 0xF) << 4);
+                if (five) {  // masks i (the low nibbles' values) and 4 + i (the high ones'), as Q6_K's
+                  p[256 + 8 * i + bit / 8] |= ((qh[lo] >> j) & 1) << (bit % 8);
+                  p[256 + 8 * (4 + i) + bit / 8] |= ((qh[hi] >> j) & 1) << (bit % 8);
+                }
+              }
+            p[256 + mask_bytes + r] = static_cast<uint8_t>(sc);
+            p[256 + mask_bytes + 16 + r] = static_cast<uint8_t>(mn);
           }
           std::memcpy(super + 8 * kGroupBytes + 2 * r, block, 2);       // d
           std::memcpy(super + 8 * kGroupBytes + 32 + 2 * r, block + 2, 2);  // dmin
@@ -78,9 +87,10 @@ static torch::Tensor q4_k_tiles(const torch::Tensor& raw, int64_t K) {
 }
 
 torch::Tensor gguf_nibble_tiles(torch::Tensor raw, int64_t type, int64_t K) {
-  TORCH_CHECK(type == kGgmlQ4_K || type == kGgmlQ4_1 || type == kGgmlQ4_0, "gguf_nibble_tiles reads Q4_K, Q4_1 and Q4_0");
+  TORCH_CHECK(type == kGgmlQ4_K || type == kGgmlQ5_K || type == kGgmlQ4_1 || type == kGgmlQ4_0,
+              "gguf_nibble_tiles reads Q4_K, Q5_K, Q4_1 and Q4_0");
   check_raw(raw, type, K);
-  if (type == kGgmlQ4_K) return q4_k_tiles(raw, K);
+  if (type == kGgmlQ4_K || type == kGgmlQ5_K) return k_quant_tiles(raw, K, type == kGgmlQ5_K);
   const int64_t N = raw.size(0), tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t groups = (K + 63) / 64 * 2, stored_groups = K / 32;
   const int64_t group_bytes = 256 + 2 * kTileRows * 2;  // the nibbles, the rows' fp16 d and m

@@ -7,9 +7,9 @@
 
 #include <vector>
 
-// Q4_K, Q4_1 or Q4_0 rows (uint8 [N, row bytes], GGML type `type`, K weights a row) as the
-// nibble kernels' tiles: Q4_K in its own bits ([ceil(N / 16), K / 256, 2368], quant_linear.cpp's
-// Q4KTiles), Q4_1 and Q4_0 in kvserve.quant.nibbles.tile_nibbles' layout ([ceil(N / 16), Kp / 32,
+// Q4_K, Q5_K, Q4_1 or Q4_0 rows (uint8 [N, row bytes], GGML type `type`, K weights a row) as the
+// nibble kernels' tiles: Q4_K and Q5_K in their own bits ([ceil(N / 16), K / 256, 2368 | 2880],
+// quant_linear.cpp's KQuantTiles), Q4_1 and Q4_0 in kvserve.quant.nibbles.tile_nibbles' layout ([ceil(N / 16), Kp / 32,
 // 320] with fp16 d and m, Q4_0's m = -8 d; Kp = K rounded up to 64, the groups past K zeros).
 torch::Tensor gguf_nibble_tiles(torch::Tensor raw, int64_t type, int64_t K);
 

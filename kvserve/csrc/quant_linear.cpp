@@ -298,10 +298,15 @@ struct Q5Tiles {
 // and dmin (fp16, 32 bytes each): 2368 bytes. The kernels form each group's d * sc and
 // -(dmin * mn) in fp32, exact, the very values the fp32-scale tiles store: the same outputs,
 // bit for bit, from 0.77x the bytes.
-struct Q4KTiles {
+// Q5_K (kFifthBits) likewise, 5.625 bits per weight against the file's 5.5: after each group's
+// nibbles, the values' fifth bits as Q5Tiles' 8 masks (64 bytes), then sc and mn: 2880 bytes.
+template <bool kFifthBits>
+struct KQuantTiles {
   static constexpr bool kOffset = true;
-  static constexpr int kMaxValue = 15;
-  static constexpr int64_t kGroupBytes = kTileNibbleBytes + 2 * kTileRows;  // a group's nibbles, sc and mn
+  static constexpr int kMaxValue = kFifthBits ? 31 : 15;
+  static constexpr int64_t kMaskBytes = kFifthBits ? 64 : 0;
+  static constexpr int64_t kScaleOffset = kTileNibbleBytes + kMaskBytes;  // a group's sc, then mn
+  static constexpr int64_t kGroupBytes = kScaleOffset + 2 * kTileRows;
   static constexpr int64_t kSuperBytes = 8 * kGroupBytes + 2 * kTileRows * 2;
   const uint8_t* packed;
   int64_t groups, chunks;
@@ -315,22 +320,31 @@ struct Q4KTiles {
   }
   float portable_scale(int64_t n, int64_t c, int half) const {
     const int64_t t = n / kTileRows, r = n % kTileRows, g = 2 * c + half;
-    return super_scale(t, g, r, 0) * static_cast<float>(group(t, g)[kTileNibbleBytes + r]);
+    return super_scale(t, g, r, 0) * static_cast<float>(group(t, g)[kScaleOffset + r]);
   }
   float portable_offset(int64_t n, int64_t c, int half) const {
     const int64_t t = n / kTileRows, r = n % kTileRows, g = 2 * c + half;
-    return -(super_scale(t, g, r, 1) * static_cast<float>(group(t, g)[kTileNibbleBytes + kTileRows + r]));
+    return -(super_scale(t, g, r, 1) * static_cast<float>(group(t, g)[kScaleOffset + kTileRows + r]));
   }
   std::pair<int, int> portable_values(int64_t n, int64_t c, int half, int j) const {
-    const uint8_t byte = tile_byte(group(n / kTileRows, 2 * c + half), n % kTileRows, j);
-    return {byte & 15, byte >> 4};
+    const uint8_t* p = group(n / kTileRows, 2 * c + half);
+    const uint8_t byte = tile_byte(p, n % kTileRows, j);
+    if (!kFifthBits) return {byte & 15, byte >> 4};
+    uint64_t low_mask, high_mask;  // (Q5Tiles' masks)
+    std::memcpy(&low_mask, p + kTileNibbleBytes + 8 * (j / 4), 8);
+    std::memcpy(&high_mask, p + kTileNibbleBytes + 8 * (4 + j / 4), 8);
+    const int bit = 4 * static_cast<int>(n % kTileRows) + j % 4;
+    return {static_cast<int>((byte & 15) | ((low_mask >> bit) & 1) << 4),
+            static_cast<int>((byte >> 4) | ((high_mask >> bit) & 1) << 4)};
   }
 #ifdef KVSERVE_Q4_AVX512
-  static void values(const uint8_t*, __m512i (&)[4], __m512i (&)[4]) {}
+  static void values(const uint8_t* p, __m512i (&low)[4], __m512i (&high)[4]) {
+    if constexpr (kFifthBits) Q5Tiles::values(p, low, high);
+  }
   void scales(const uint8_t* p, int64_t t, int64_t g, __m512& d, __m512& m) const {
     const uint8_t* s = super_block(t, g) + 8 * kGroupBytes;
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes))));
-    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 16))));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kScaleOffset))));
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kScaleOffset + 16))));
     d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))), sc);
     const __m512 dmin_mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))), mn);
     m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin_mn), _mm512_set1_epi32(INT32_MIN)));
@@ -340,11 +354,13 @@ struct Q4KTiles {
   }
 #endif
 #ifdef KVSERVE_QUANT_AVX2
-  static void values(const uint8_t*, int, __m256i (&)[4], __m256i (&)[4]) {}
+  static void values(const uint8_t* p, int h, __m256i (&low)[4], __m256i (&high)[4]) {
+    if constexpr (kFifthBits) Q5Tiles::values(p, h, low, high);
+  }
   void scales(const uint8_t* p, int64_t t, int64_t g, int h, __m256& d, __m256& m) const {
     const uint8_t* s = super_block(t, g) + 8 * kGroupBytes;
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 8 * h))));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kTileNibbleBytes + 16 + 8 * h))));
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kScaleOffset + 8 * h))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kScaleOffset + 16 + 8 * h))));
     d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * h))), sc);
     const __m256 dmin_mn = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32 + 16 * h))), mn);
     m = _mm256_xor_ps(dmin_mn, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN)));
@@ -352,6 +368,8 @@ struct Q4KTiles {
   }
 #endif
 };
+using Q4KTiles = KQuantTiles<false>;
+using Q5KTiles = KQuantTiles<true>;
 
 // Q6_K in its own bits (6.5625 per weight, as the file; the 8-bit codes and fp32 scales of
 // Q8Linear take 10): per tile of 16 rows and super-block of 256 inputs, its 8 groups, each 256
@@ -411,11 +429,12 @@ struct Q6KTiles {
 };
 
 // The tile group's rows' scales and offsets: per group's own bytes (Q4Tiles, Q5Tiles), or with
-// its super-block's (Q4KTiles).
+// its super-block's (Q4KTiles, Q5KTiles).
 #ifdef KVSERVE_Q4_AVX512
 template <typename Tiles>
 inline void tile_scales(const Tiles&, const uint8_t* p, int64_t, int64_t, __m512& d, __m512& m) { Tiles::scales(p, d, m); }
-inline void tile_scales(const Q4KTiles& w, const uint8_t* p, int64_t t, int64_t g, __m512& d, __m512& m) {
+template <bool kFifthBits>
+inline void tile_scales(const KQuantTiles<kFifthBits>& w, const uint8_t* p, int64_t t, int64_t g, __m512& d, __m512& m) {
   w.scales(p, t, g, d, m);
 }
 #endif
@@ -424,7 +443,9 @@ template <typename Tiles>
 inline void tile_scales(const Tiles&, const uint8_t* p, int64_t, int64_t, int h, __m256& d, __m256& m) {
   Tiles::scales(p, h, d, m);
 }
-inline void tile_scales(const Q4KTiles& w, const uint8_t* p, int64_t t, int64_t g, int h, __m256& d, __m256& m) {
+template <bool kFifthBits>
+inline void tile_scales(const KQuantTiles<kFifthBits>& w, const uint8_t* p, int64_t t, int64_t g, int h, __m256& d,
+                        __m256& m) {
   w.scales(p, t, g, h, d, m);
 }
 #endif
@@ -1208,13 +1229,13 @@ template <typename Fn>
 void visit_tiles(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed, const Fn& fn) {
   const int64_t group_bytes = packed.dim() == 3 ? packed.size(2) : 0;
   const bool q5 = group_bytes == Q5Tiles::kGroupBytes, q4_k = group_bytes == Q4KTiles::kSuperBytes,
-             q6_k = group_bytes == Q6KTiles::kSuperBytes;
+             q5_k = group_bytes == Q5KTiles::kSuperBytes, q6_k = group_bytes == Q6KTiles::kSuperBytes;
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-                  (q5 || q4_k || q6_k || group_bytes == Q4Tiles<uint16_t>::kGroupBytes ||
+                  (q5 || q4_k || q5_k || q6_k || group_bytes == Q4Tiles<uint16_t>::kGroupBytes ||
                    group_bytes == Q4Tiles<float>::kGroupBytes),
               "packed must be uint8 [ceil(N / 16), Kp / 32, 320 | 384 | 352] (kvserve.quant.tile_nibbles) "
-              "or [ceil(N / 16), K / 256, 2368 | 3360] (Q4_K's, Q6_K's own tiles)");
-  const int64_t N = out.size(1), groups = packed.size(1) * (q4_k || q6_k ? 8 : 1), Kp = groups * kGroup, K = x.size(1);
+              "or [ceil(N / 16), K / 256, 2368 | 2880 | 3360] (Q4_K's, Q5_K's, Q6_K's own tiles)");
+  const int64_t N = out.size(1), groups = packed.size(1) * (q4_k || q5_k || q6_k ? 8 : 1), Kp = groups * kGroup, K = x.size(1);
   check_linear_rows(x, out, N);
   TORCH_CHECK(packed.size(0) == (N + kTileRows - 1) / kTileRows, "packed holds ", packed.size(0) * kTileRows,
               " rows, out ", N);
@@ -1227,6 +1248,8 @@ void visit_tiles(const torch::Tensor& out, const torch::Tensor& x, const torch::
     fn(Q5Tiles{p, groups, chunks});
   } else if (q4_k) {
     fn(Q4KTiles{p, groups, chunks});
+  } else if (q5_k) {
+    fn(Q5KTiles{p, groups, chunks});
   } else if (group_bytes == Q4Tiles<float>::kGroupBytes) {
     fn(Q4Tiles<float>{p, groups, chunks});
   } else {

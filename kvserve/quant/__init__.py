@@ -34,7 +34,7 @@ from kvserve.quant.int8 import Int8Linear
 from kvserve.quant.lm_head import (LM_HEAD_RESCORE_TOP_K, SCREEN_GROUP, SCREEN_TOP_K, Q4Screen, RescoredLMHead,
                                    screen_activations)
 from kvserve.quant.nibbles import NIBBLE_TILE_ROWS, quantize_min_max, tile_nibbles, tiled_nibble_kernels, untile_nibbles
-from kvserve.quant.q4 import Int4Linear
+from kvserve.quant.q4 import Int4Linear, Q5KLinear
 from kvserve.quant.q5 import Q5Linear
 from kvserve.quant.q6 import Q6KLinear
 from kvserve.quant.q8 import Q8Linear
@@ -47,7 +47,7 @@ from kvserve.quant.w8a8 import (W8A8_GROUP, W8A8_OUTLIERS, W8A8_PANEL, W8A8Linea
 __all__ = [
     "BF16_PANEL", "FORMATS", "INT4_GROUP_SIZE", "LM_HEAD_RESCORE_TOP_K", "NIBBLE_TILE_ROWS", "SCREEN_GROUP",
     "SCREEN_TOP_K", "W8A8_GROUP", "W8A8_OUTLIERS", "W8A8_PANEL", "WEIGHT_FORMATS", "Bf16Linear", "DecodeFormatLinear",
-    "Fp32Linear", "Int4Linear", "Int8Linear", "Q4Screen", "Q5Linear", "Q6KLinear", "Q8Linear", "RescoredLMHead", "SegmentedLinear",
+    "Fp32Linear", "Int4Linear", "Int8Linear", "Q4Screen", "Q5KLinear", "Q5Linear", "Q6KLinear", "Q8Linear", "RescoredLMHead", "SegmentedLinear",
     "W8A8Linear", "WeightFormat", "affine_min_max", "batch_invariant_linears", "convert_linear_layers", "format_of",
     "gguf_format", "gguf_linear", "has_prefill_copies", "int8_prompt_layers", "native_linear_args", "pack_bf16_weight",
     "pack_bf16_weight_reference", "pack_w8a8_weight", "prefill_copy_bytes", "prefill_copy_format", "quantize_min_max",

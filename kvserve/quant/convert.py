@@ -37,7 +37,9 @@ def _gguf_block_linear(quant_type: str, data: np.ndarray, shape: tuple[int, ...]
     if fmt is None:
         return None
     layer = fmt.from_gguf_raw(data, quant_type, shape, bias) if fmt.from_gguf_raw is not None else None
-    return layer if layer is not None else fmt.from_gguf(block_formats.unpack(quant_type, data, shape), shape, bias)
+    if layer is not None or fmt.from_gguf is None:
+        return layer
+    return fmt.from_gguf(block_formats.unpack(quant_type, data, shape), shape, bias)
 
 
 def gguf_linear(raw_parts: list, bias: Optional[torch.Tensor]) -> Optional[DecodeFormatLinear]:

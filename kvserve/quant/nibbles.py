@@ -56,18 +56,21 @@ def tile_nibbles(values: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor
 
 
 Q4_K_SUPER_BYTES = 8 * (256 + 32) + 64  # csrc/quant_linear.cpp Q4KTiles::kSuperBytes
+Q5_K_SUPER_BYTES = 8 * (256 + 64 + 32) + 64  # Q5KTiles::kSuperBytes (the fifth bits' masks after the nibbles)
 
 
-def _untile_q4_k(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K's own tiles (block_repack.cpp) as (values, d * sc, -(dmin * mn)) per group of 32."""
-    tiles, supers, _ = packed.shape
-    rows = NIBBLE_TILE_ROWS
-    groups = packed[:, :, :8 * 288].reshape(tiles, supers * 8, 288)  # the tile groups, in order
-    values, _, _ = untile_nibbles(torch.cat([groups[..., :256], torch.zeros(tiles, supers * 8, 128, dtype=torch.uint8)],
-                                            dim=-1), n)
-    sc = groups[..., 256:272].float().permute(0, 2, 1)  # (tile, row, group)
-    mn = groups[..., 272:288].float().permute(0, 2, 1)
-    halves = packed[:, :, 8 * 288:].contiguous().view(torch.float16).float().view(tiles, supers, 2, rows)
+def _untile_k_quant(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K's or Q5_K's own tiles (block_repack.cpp) as (values, d * sc, -(dmin * mn)) per group of 32."""
+    tiles, supers, super_bytes = packed.shape
+    rows, masks = NIBBLE_TILE_ROWS, 64 if super_bytes == Q5_K_SUPER_BYTES else 0
+    group_bytes = 256 + masks + 32
+    groups = packed[:, :, :8 * group_bytes].reshape(tiles, supers * 8, group_bytes)  # the tile groups, in order
+    # (through the Q5_0 layout: nibbles, masks, then 32 bytes of unused scales; zero masks for Q4_K)
+    values, _, _ = untile_nibbles(torch.cat([groups[..., :256 + masks],
+                                             torch.zeros(tiles, supers * 8, 96 - masks, dtype=torch.uint8)], dim=-1), n)
+    sc = groups[..., 256 + masks:272 + masks].float().permute(0, 2, 1)  # (tile, row, group)
+    mn = groups[..., 272 + masks:288 + masks].float().permute(0, 2, 1)
+    halves = packed[:, :, 8 * group_bytes:].contiguous().view(torch.float16).float().view(tiles, supers, 2, rows)
     d = halves[:, :, 0].permute(0, 2, 1).repeat_interleave(8, dim=-1)  # (tile, row, group)
     dmin = halves[:, :, 1].permute(0, 2, 1).repeat_interleave(8, dim=-1)
     flat = lambda t: t.reshape(tiles * rows, supers * 8)[:n]  # noqa: E731
@@ -75,10 +78,10 @@ def _untile_q4_k(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def untile_nibbles(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``tile_nibbles``' inverse (and Q4_K's own tiles'): (values int32 ``[N, groups * 32]``, d, m
+    """``tile_nibbles``' inverse (and Q4_K's and Q5_K's own tiles'): (values int32 ``[N, groups * 32]``, d, m
     fp32 ``[N, groups]``; m None for Q5_0)."""
-    if packed.shape[-1] == Q4_K_SUPER_BYTES:
-        return _untile_q4_k(packed, n)
+    if packed.shape[-1] in (Q4_K_SUPER_BYTES, Q5_K_SUPER_BYTES):
+        return _untile_k_quant(packed, n)
     tiles, groups, group_bytes = packed.shape
     rows, q5 = NIBBLE_TILE_ROWS, group_bytes == 352
     nib = packed[:, :, :256].reshape(tiles, groups, 4, rows, 4)  # (tile, group, i, row, c)

@@ -36,6 +36,8 @@ class Int4Linear(DecodeFormatLinear):
     = (d, d', m, m') of a chunk's two groups, as fp16 bits (int16) or fp32.
     """
 
+    GGUF_RAW_TYPES: tuple[str, ...] = ("Q4_K", "Q4_1", "Q4_0")  # what from_gguf_raw reads
+
     def __init__(self, qs: torch.Tensor, dm: torch.Tensor, in_features: int, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
         self.out_features, self.in_features = qs.shape[0], in_features
@@ -107,13 +109,13 @@ class Int4Linear(DecodeFormatLinear):
         tiles, natively (block_repack.cpp: the values ``from_nibble_blocks`` gives, without its
         temporaries); None where the kernels read rows or the extension is absent."""
         ext = ops.load_extension()
-        if ext is None or not tiled_nibble_kernels() or type_name not in ("Q4_K", "Q4_1", "Q4_0"):
+        if ext is None or not tiled_nibble_kernels() or type_name not in cls.GGUF_RAW_TYPES:
             return None
         packed = ext.gguf_nibble_tiles(read_only_tensor(data), int(GGMLQuantizationType[type_name]), shape[-1])
         layer = cls.__new__(cls)
         DecodeFormatLinear.__init__(layer)
         layer.out_features, layer.in_features = shape[0], shape[-1]
-        layer.fp32_scales = type_name == "Q4_K"
+        layer.fp32_scales = type_name in ("Q4_K", "Q5_K")
         layer.register_buffer("bias", _fp32_bias(bias))
         layer.register_buffer("packed", packed)
         layer.register_buffer("qs", None)
@@ -136,3 +138,14 @@ class Int4Linear(DecodeFormatLinear):
             return _block_quantized_forward(
                 self, x, lambda ext, rows: ext.tiled_nibble_linear(rows, self.packed, self.out_features, self.bias))
         return _block_quantized_forward(self, x, lambda ext, rows: ext.q4_linear(rows, self.qs, self.dm, self.bias))
+
+
+class Q5KLinear(Int4Linear):
+    """GGUF Q5_K in its own bits (5.625 per weight against the file's 5.5): per group of 32,
+    ``w = d * sc * q - dmin * mn`` with q in 0..31, the Q4_K tiles plus each group's fifth bits
+    (csrc/quant_linear.cpp's KQuantTiles<true>), the nibble kernels with the bits added as Q5_0's
+    are. Only where the tiled kernels run (``from_gguf_raw``); elsewhere a Q5_K matrix is held in
+    bf16, as before."""
+
+    GGUF_RAW_TYPES = ("Q5_K",)
+

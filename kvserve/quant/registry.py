@@ -19,7 +19,7 @@ from kvserve.quant.decode_format import DecodeFormatLinear
 from kvserve.quant.fp32 import Fp32Linear
 from kvserve.quant.int8 import Int8Linear
 from kvserve.quant.lm_head import Q4Screen
-from kvserve.quant.q4 import Int4Linear
+from kvserve.quant.q4 import Int4Linear, Q5KLinear
 from kvserve.quant.q5 import Q5Linear
 from kvserve.quant.q6 import Q6KLinear
 from kvserve.quant.q8 import Q8Linear
@@ -130,6 +130,9 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
                  from_gguf=lambda blocks, shape, bias: Int4Linear.from_nibble_blocks(blocks, bias),
                  from_gguf_raw=Int4Linear.from_gguf_raw,
                  streamed=("packed", "qs", "dm")),
+    # Q5_K in its own bits where the tiled kernels run (AVX512, AVX2); elsewhere no kernel reads it.
+    WeightFormat("q5_k", Q5KLinear, _int4_args, gguf_types=("Q5_K",), from_gguf_raw=Q5KLinear.from_gguf_raw,
+                 streamed=("packed",)),
     WeightFormat("q5", Q5Linear, _q5_args, gguf_types=("Q5_0",),
                  from_gguf=lambda blocks, shape, bias: Q5Linear(blocks, shape[-1], bias),
                  streamed=("packed", "qs", "qh", "d")),
