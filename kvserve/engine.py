@@ -740,12 +740,17 @@ class LLMEngine:
             "aborted_requests": self.counters.aborted_requests,
             "rejected_requests": self.counters.rejected_requests,
             **self.spec_stats(),
-            **self.transfer_stats.snapshot(),
-            "kv_transfers_staged": self.kv_producer.connector.staging.num_staged if self.kv_producer else 0,
-            "kv_transfer_staged_bytes": self.kv_producer.connector.staging.staged_bytes if self.kv_producer else 0,
-            "kv_transfers_in_flight": (self.kv_consumer.num_loading + self.kv_consumer.num_queued
-                                       if self.kv_consumer else 0),
+            **self.transfer_stats_now(),
         }
+
+    def transfer_stats_now(self) -> dict:
+        """Disaggregation counters (kvserve.disagg.stats) and the staging and loading gauges.
+        Safe from any thread: transfers move on the connector's threads, between steps too."""
+        producer, consumer = self.kv_producer, self.kv_consumer
+        return {**self.transfer_stats.snapshot(),
+                "kv_transfers_staged": producer.connector.staging.num_staged if producer else 0,
+                "kv_transfer_staged_bytes": producer.connector.staging.staged_bytes if producer else 0,
+                "kv_transfers_in_flight": consumer.num_loading + consumer.num_queued if consumer else 0}
 
     def spec_stats(self) -> dict:
         """Speculative decoding totals: draft tokens verified, accepted, and the mean number

@@ -119,8 +119,13 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         response = await _route(path, body, raw, pool, state["client"], config, metrics)
         return response
 
+    def handler_for(path: str):
+        async def handler(raw: Request) -> Response:
+            return await route(path, raw)
+        return handler
+
     for path in ROUTED_PATHS:
-        app.add_api_route(path, (lambda p: (lambda raw: route(p, raw)))(path), methods=["POST"])
+        app.add_api_route(path, handler_for(path), methods=["POST"])
     return app
 
 
