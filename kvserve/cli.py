@@ -16,7 +16,7 @@ from kvserve.config import (DEFAULT_MODEL, INT4_PREFILL_MODES, KV_CACHE_DTYPES, 
 from kvserve.executor.base import ExecutorError
 from kvserve.config.speculative import parse_speculative_config
 from kvserve.request import RequestRejected, SamplingParams
-from kvserve.disagg.config import CONNECTORS, ROLES, DisaggConfig
+from kvserve.config.disagg import CONNECTORS, ROLES, DisaggConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -47,7 +47,7 @@ from kvserve.executor.draft_model import DraftModel, DraftModelDrafter, load_dra
 from kvserve.tokenizer import load_tokenizer
 from kvserve.tracing import label
 from kvserve.disagg.block_io import gather_blocks, layout_id, scatter_blocks
-from kvserve.disagg.config import DisaggConfig
+from kvserve.config.disagg import DisaggConfig
 from kvserve.disagg.consumer import KVConsumer
 from kvserve.disagg.factory import make_connector
 from kvserve.disagg.params import (FirstTokenLogprob, KVTransferParams, RemoteDecodeRequest,

@@ -15,7 +15,7 @@ import pytest
 from conftest import track_engine
 from kvserve import SamplingParams
 from kvserve.config import ConfigError, EngineArgs
-from kvserve.disagg.config import DisaggConfig
+from kvserve.config.disagg import DisaggConfig
 from kvserve.disagg.params import KVTransferParams
 from kvserve.engine import LLMEngine
 from kvserve.request import RequestRejected

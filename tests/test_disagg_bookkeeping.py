@@ -241,3 +241,24 @@ def test_instance_pool_picks_the_least_busy_healthy_and_fails_waiters_when_one_g
     assert pool.pick("prefill") is None
     pool.check_passed(p1)
     assert pool.pick("prefill") is p1
+
+
+def test_launcher_passes_the_engine_flags_on_and_keeps_its_own():
+    from kvserve.config import ConfigError
+    from kvserve.disagg.launcher import DisaggregatedLauncher, instance_argv, parse_cpus
+
+    argv = ["--model", "tiny-llama", "--disaggregate", "--prefill-cpus", "0", "--decode-cpus=1",
+            "--port", "9000", "--host=0.0.0.0", "--kv-cache-dtype", "int8"]
+    assert instance_argv(argv) == ["--model", "tiny-llama", "--kv-cache-dtype", "int8"]
+    assert parse_cpus("0") == [0]
+    with pytest.raises(ConfigError, match="not a CPU list"):
+        parse_cpus("zero")
+    with pytest.raises(ConfigError, match="not within"):
+        parse_cpus("100000")
+    with pytest.raises(ConfigError, match="overlap"):
+        DisaggregatedLauncher(argv, [0], [0])
+    launcher = DisaggregatedLauncher(argv, [0], [1])
+    prefill, decode = launcher.children
+    assert prefill.argv[prefill.argv.index("--cpus") + 1] == "0" and "--disaggregate" not in prefill.argv
+    assert decode.argv[decode.argv.index("--disaggregation-mode") + 1] == "decode"
+    assert launcher.router_config().prefill_urls == [prefill.url]

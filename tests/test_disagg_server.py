@@ -159,3 +159,26 @@ def test_a_killed_prefill_instance_fails_fast_and_the_decode_side_stays_healthy(
     while scrape(decode_url)["kvserve:kv_cache_blocks_used"] or scrape(decode_url)["kvserve:kv_transfers_in_flight"]:
         assert time.monotonic() < deadline, "blocks held on the decode side"
         time.sleep(0.2)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0),
+                    reason="needs CPUs 0 and 1")
+def test_serve_disaggregate_is_one_command():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", "tiny-llama",
+                             "--max-model-len", "512", "--num-blocks", "200", "--log-level", "warning",
+                             "--disaggregate", "--prefill-cpus", "0", "--decode-cpus", "1", "--port", str(port)],
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url)
+        instances = {i["role"]: i["url"] for i in httpx.get(url + "/health").json()["instances"]}
+        reference = _chat(instances["decode"], "Hi there", stream=False)
+        assert _chat(url, "Hi there", stream=True) == reference
+        assert scrape(instances["decode"])["kvserve:kv_transfers_loaded_total"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    for instance in instances.values():  # the launcher stopped its instances
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(instance + "/health", timeout=2)

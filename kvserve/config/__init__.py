@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from kvserve.config.kernels import KernelConfig, parse_kernel_config
 from kvserve.config.speculative import SpeculativeConfig, parse_speculative_config
-from kvserve.disagg.config import DisaggConfig
+from kvserve.config.disagg import DisaggConfig
 from kvserve.errors import ConfigError
 
 __all__ = ["ConfigError", "ModelConfig", "CacheConfig", "SchedulerConfig", "EngineArgs", "KernelConfig",
@@ -162,7 +162,7 @@ class EngineArgs:
     # a KernelConfig or a dict of its fields (kvserve/config/kernels.py); resolved at start-up.
     kernel_config: Any = field(default_factory=KernelConfig)
     # Prefill/decode disaggregation: this engine's role (prefill or decode) and KV connector
-    # (kvserve.disagg.config.DisaggConfig); None: an ordinary, colocated engine.
+    # (kvserve.config.disagg.DisaggConfig); None: an ordinary, colocated engine.
     kv_transfer: Optional[DisaggConfig] = None
 
     def cache_config(self) -> CacheConfig:

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation: a prefill instance computes prompts and their first tokens,
 a decode instance continues them from the KV blocks it receives (kvserve/disagg/*.py).
 
-- ``config``: DisaggConfig, an instance's role and connector.
+- ``kvserve.config.disagg``: DisaggConfig, an instance's role and connector.
 - ``params``: the ``kv_transfer_params`` that travel with a request between the instances.
 - ``plan``: which blocks move (all KV groups; a sliding group's window only) and in what order.
 - ``connector``: the KV connector interface; ``shm_connector`` (one host) and
@@ -11,5 +11,5 @@ a decode instance continues them from the KV blocks it receives (kvserve/disagg/
 - ``router``: the OpenAI front that sends a request to a prefill, then a decode instance;
   ``launcher``: ``kvserve serve --disaggregate``, both instances and the front on one host.
 
-Only ``config`` is imported by the engine's configuration; the rest load on use.
+The engine builds its side from ``EngineArgs.kv_transfer``.
 """

@@ -1,7 +1,7 @@
 """Builds the connector a DisaggConfig names."""
 from __future__ import annotations
 
-from kvserve.disagg.config import DisaggConfig
+from kvserve.config.disagg import DisaggConfig
 from kvserve.disagg.connector import KVConnector
 from kvserve.disagg.staging import StagingArea
 from kvserve.disagg.stats import TransferStats

@@ -88,7 +88,15 @@ class ChildInstance:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv)
+        self.proc = subprocess.Popen(self.argv, preexec_fn=_stop_with_parent)
+
+
+def _stop_with_parent() -> None:
+    """In the child: a SIGTERM when the launcher dies, however it dies (no orphan instances)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -166,6 +174,9 @@ class DisaggregatedLauncher:
 def run_disaggregated(serve_argv: list[str], prefill_cpus: str, decode_cpus: str, host: str, port: int,
                       connector: str = "shm", log_level: str = "info") -> None:
     launcher = DisaggregatedLauncher(serve_argv, parse_cpus(prefill_cpus), parse_cpus(decode_cpus), connector)
+    # uvicorn re-raises the SIGTERM it drained on after its shutdown: as SystemExit, the
+    # instances are stopped below rather than left to their death signal.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     launcher.start()
     logger.warning("disaggregated: prefill on CPUs %s (%s), decode on CPUs %s (%s), %s connector",
                    launcher.prefill_cpus, launcher.children[0].url, launcher.decode_cpus,

@@ -90,7 +90,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         missing = [role for role in ("prefill", "decode") if pool.pick(role) is None]
         if missing:
             return _error(503, f"no healthy {' or '.join(missing)} instance")
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "instances": [
+            {"role": i.role, "url": i.url, "healthy": i.healthy} for i in pool.instances]})
 
     @app.get("/metrics")
     async def router_metrics() -> Response:
@@ -230,7 +231,10 @@ async def _route(path: str, body: dict, raw: Request, pool: InstancePool, client
         await _release(client, prefill, params, headers)
         metrics.requests.labels("decode_failed").inc()
         return _error(503, f"decode failed: the decode instance {decode.url} did not answer ({exc})")
-    if upstream is None:  # the decode instance had the request: its abort releases the transfer
+    if upstream is None:
+        # The client went away while the decode instance took the request: that instance aborts
+        # it (and drops its transfer) if it had it; if it had not, the prefill side must.
+        await _release(client, prefill, params, headers)
         metrics.requests.labels("client_gone").inc()
         return Response(status_code=499)
     if not stream or upstream.status_code != 200:
