@@ -108,6 +108,28 @@ def test_routed_answers_match_colocated_and_metrics_show_the_transfers(deploymen
     assert prefill["kvserve:kv_cache_blocks_used"] == 0 and prefill["kvserve:kv_transfers_staged"] == 0
 
 
+def test_a_client_gone_mid_stream_frees_both_sides(deployment):
+    router, decode_url = deployment["router"], deployment["decode"][1]
+    prefill_url = deployment["prefill"][1]
+    body = {"messages": [{"role": "user", "content": "Go on and on. " * 20}], "max_tokens": 200,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break  # the first token: leave
+    deadline = time.monotonic() + 10
+    while True:
+        decode, prefill = scrape(decode_url), scrape(prefill_url)
+        if (decode["kvserve:kv_cache_blocks_used"] == 0 and decode["kvserve:num_requests_running"] == 0
+                and decode["kvserve:kv_transfers_in_flight"] == 0 and prefill["kvserve:kv_cache_blocks_used"] == 0
+                and prefill["kvserve:kv_transfers_staged"] == 0):
+            break
+        assert time.monotonic() < deadline, (decode, prefill)
+        time.sleep(0.2)
+    assert decode["kvserve:request_aborted_total"] >= 1
+
+
 def _load(router: str, n: int) -> concurrent.futures.Future:
     pool = concurrent.futures.ThreadPoolExecutor(n)
     futures = [pool.submit(_chat, router, f"Story number {i}: " + "once upon a time " * 30, bool(i % 2), 40)
@@ -182,3 +204,4 @@ def test_serve_disaggregate_is_one_command():
     for instance in instances.values():  # the launcher stopped its instances
         with pytest.raises(httpx.HTTPError):
             httpx.get(instance + "/health", timeout=2)
+
