@@ -263,8 +263,9 @@ class AsyncLLMEngine:
 
     def stats(self) -> dict:
         """``engine.stats()`` as of the last step boundary: read without the lock, so that
-        /metrics never waits for a step."""
-        return self._snapshot
+        /metrics never waits for a step. The KV transfer figures are read live (they change on
+        the connector's threads, also while no step runs)."""
+        return {**self._snapshot, **self.engine.transfer_stats_now()}
 
     @property
     def num_waiting(self) -> int:

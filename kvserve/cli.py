@@ -16,6 +16,7 @@ from kvserve.config import (DEFAULT_MODEL, INT4_PREFILL_MODES, KV_CACHE_DTYPES, 
 from kvserve.executor.base import ExecutorError
 from kvserve.config.speculative import parse_speculative_config
 from kvserve.request import RequestRejected, SamplingParams
+from kvserve.config.disagg import CONNECTORS, ROLES, DisaggConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +92,37 @@ def _parse_kernel_config(text: str) -> KernelConfig:
         return parse_kernel_config(value)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_disaggregation_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--disaggregate", action="store_true",
+                   help="one host: run a prefill and a decode instance, pinned to --prefill-cpus and "
+                        "--decode-cpus, behind a router on --host:--port")
+    g.add_argument("--prefill-cpus", default=None, metavar="LIST", help="with --disaggregate: e.g. 0 or 0-3")
+    g.add_argument("--decode-cpus", default=None, metavar="LIST", help="with --disaggregate: e.g. 1 or 4-7")
+    g.add_argument("--disaggregation-mode", default=None, choices=ROLES,
+                   help="serve as one side of a disaggregated pair (several hosts; `kvserve router` fronts them)")
+    g.add_argument("--kv-connector", default="shm", choices=CONNECTORS,
+                   help="how KV moves from prefill to decode: shm (one host) or tcp (two hosts)")
+    g.add_argument("--kv-host", default="127.0.0.1", help="tcp: the prefill instance's KV address to bind")
+    g.add_argument("--kv-port", type=int, default=0, help="tcp: the prefill instance's KV port (0: any)")
+    g.add_argument("--kv-advertise-host", default=None,
+                   help="tcp: the host name decode instances dial (default --kv-host)")
+    g.add_argument("--kv-staging-ttl", type=float, default=DisaggConfig.staging_ttl_s, metavar="SECONDS",
+                   help="prefill side: drop a published transfer nobody fetched after this long")
+    g.add_argument("--kv-load-timeout", type=float, default=DisaggConfig.load_timeout_s, metavar="SECONDS",
+                   help="decode side: a transfer silent this long has failed (the request is re-prefilled)")
+    g.add_argument("--cpus", default=None, metavar="LIST",
+                   help="pin this server to these CPUs (e.g. 0-3); --num-threads defaults to their number")
+
+
+def disagg_config_from(ns: argparse.Namespace) -> Optional[DisaggConfig]:
+    if ns.disaggregation_mode is None:
+        return None
+    return DisaggConfig(role=ns.disaggregation_mode, connector=ns.kv_connector, kv_host=ns.kv_host,
+                        kv_port=ns.kv_port, kv_advertise_host=ns.kv_advertise_host,
+                        staging_ttl_s=ns.kv_staging_ttl, load_timeout_s=ns.kv_load_timeout)
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
@@ -258,7 +290,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         # Multi-node: torchrun starts this command on every rank; rank 0 serves, the others
         # are its tensor-parallel workers (kvserve/executor/launch.py).
         return run_torchrun_worker()
-    eargs = engine_args_from(ns, max_waiting_requests=ns.max_waiting_requests)
+    if ns.disaggregate:
+        return _serve_disaggregated(ns)
+    if ns.prefill_cpus or ns.decode_cpus:
+        raise ConfigError("--prefill-cpus and --decode-cpus go with --disaggregate")
+    if ns.cpus:
+        from kvserve.disagg.launcher import parse_cpus, pin_to_cpus
+
+        cpus = parse_cpus(ns.cpus)
+        pin_to_cpus(cpus)  # before the engine starts torch's threads
+        ns.num_threads = ns.num_threads or len(cpus)
+    eargs = engine_args_from(ns, max_waiting_requests=ns.max_waiting_requests, kv_transfer=disagg_config_from(ns))
     try:
         run_server(eargs, host=ns.host, port=ns.port, api_key=ns.api_key,
                    served_model_name=ns.served_model_name, log_level=ns.log_level,
@@ -267,6 +309,27 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except EngineStopped as exc:
         print(f"kvserve: error: the engine stopped: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _serve_disaggregated(ns: argparse.Namespace) -> int:
+    from kvserve.disagg.launcher import run_disaggregated
+
+    if not (ns.prefill_cpus and ns.decode_cpus):
+        raise ConfigError("--disaggregate needs --prefill-cpus and --decode-cpus (e.g. 0 and 1)")
+    if ns.disaggregation_mode is not None:
+        raise ConfigError("--disaggregate starts both instances itself: drop --disaggregation-mode")
+    run_disaggregated(ns.serve_argv, ns.prefill_cpus, ns.decode_cpus, ns.host, ns.port,
+                      connector=ns.kv_connector, log_level=ns.log_level)
+    return 0
+
+
+def cmd_router(ns: argparse.Namespace) -> int:
+    from kvserve.disagg.router import RouterConfig, run_router
+
+    run_router(RouterConfig(prefill_urls=ns.prefill, decode_urls=ns.decode, prefill_timeout_s=ns.prefill_timeout,
+                            decode_timeout_s=ns.decode_timeout, health_interval_s=ns.health_interval),
+               host=ns.host, port=ns.port, log_level=ns.log_level)
     return 0
 
 
@@ -292,7 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="FILE|STRING",
                    help="the chat template to serve chat with (a Jinja file or the template "
                         "itself), for a model that has none or to replace its own")
+    add_disaggregation_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("router", help="OpenAI front of disaggregated prefill and decode instances")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances, e.g. http://a:8001")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="bound on one prefill answer (hangs are caught sooner by the health checks)")
+    p.add_argument("--decode-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="bound on a decode answer's silence")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="health checks of every instance this often; 3 failed in a row mark it down")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("generate", help="generate from a prompt (streams) or a JSONL file of prompts")
     add_engine_args(p)
@@ -324,6 +402,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     ns = parser.parse_args(argv)
+    # The launcher of --disaggregate passes the user's serve flags on to its instances.
+    raw = list(sys.argv[1:] if argv is None else argv)
+    ns.serve_argv = raw[1:] if raw and raw[0] == "serve" else raw
     try:
         return ns.func(ns)
     except (ConfigError, RequestRejected) as exc:

@@ -3,6 +3,8 @@ sample -> update. The scheduler -> runner contract is the explicit ``SchedulerOu
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -35,7 +37,7 @@ from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
 from kvserve.pooling import EmbeddingOutput, mean_pool
 from kvserve.quant import has_prefill_copies, int8_prompt_layers, prefill_copy_bytes, prefill_copy_format
-from kvserve.request import (EngineBusy, Request, RequestOutput, RequestRejected, RequestStatus,
+from kvserve.request import (EngineBusy, Logprob, Request, RequestOutput, RequestRejected, RequestStatus,
                              SamplingParams)
 from kvserve.sampler import needs_no_step_state
 from kvserve.scheduler import Scheduler
@@ -44,6 +46,15 @@ from kvserve.speculative import Speculator, build_speculator, parse_speculative_
 from kvserve.executor.draft_model import DraftModel, DraftModelDrafter, load_draft_model
 from kvserve.tokenizer import load_tokenizer
 from kvserve.tracing import label
+from kvserve.disagg.block_io import gather_blocks, layout_id, scatter_blocks
+from kvserve.config.disagg import DisaggConfig
+from kvserve.disagg.consumer import KVConsumer
+from kvserve.disagg.factory import make_connector
+from kvserve.disagg.params import (FirstTokenLogprob, KVTransferParams, RemoteDecodeRequest,
+                                   parse_kv_transfer_params, prompt_digest)
+from kvserve.disagg.producer import KVProducer
+from kvserve.disagg.stats import TransferStats
+from kvserve.stopping import check_token_stop
 
 logger = logging.getLogger("kvserve")
 
@@ -274,7 +285,8 @@ class LLMEngine:
                                    self.max_model_len, args.enable_chunked_prefill,
                                    num_micro_batches=self.num_micro_batches,
                                    num_scheduler_steps=args.num_scheduler_steps if multi_step else 1,
-                                   multi_step_eligible=needs_no_step_state if multi_step else None)
+                                   multi_step_eligible=needs_no_step_state if multi_step else None,
+                                   before_free=self._publish_kv if args.kv_transfer is not None else None)
         self._in_flight: deque[tuple[int, SchedulerOutput]] = deque()
         self.executor: Executor
         if self.parallel:
@@ -304,6 +316,14 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
         self._pending_finished: set[str] = set()
+        # Disaggregation: a prefill instance publishes its requests' KV, a decode instance
+        # receives it (kvserve/disagg); neither on an ordinary engine.
+        self.transfer_stats = TransferStats()
+        self.kv_producer: Optional[KVProducer] = None
+        self.kv_consumer: Optional[KVConsumer] = None
+        self.kv_layout = layout_id(self.kv_spec)
+        if args.kv_transfer is not None:
+            self._start_kv_transfer(args.kv_transfer)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -398,6 +418,11 @@ class LLMEngine:
                 raise EngineBusy(f"too many waiting requests "
                                  f"(max_waiting_requests={self.args.max_waiting_requests})")
             prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+            transfer = self._check_kv_transfer(params, prompt_ids)
+            if isinstance(transfer, RemoteDecodeRequest):
+                # The prefill instance's share: the prompt and its first token, no more.
+                transfer = dataclasses.replace(transfer, max_tokens=params.max_tokens)
+                params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
             grammar = (self.grammar_compiler.compile(params.structured_outputs)
                        if params.structured_outputs is not None else None)
             arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -414,14 +439,18 @@ class LLMEngine:
                     child.grammar = grammar.new_state()
                 if params.prompt_logprobs is not None and i == 0:
                     child.prompt_logprobs = []  # siblings share the prompt: one computes them
+                child.kv_transfer = transfer
                 children.append(child)
             self.scheduler.check_fits(children[0])
         except RequestRejected:
             self.counters.rejected_requests += 1
             raise
-        for child in children:
-            self.scheduler.add_request(child)
         self.output_processor.add_group(request_id, prompt_text, prompt_ids, children)
+        for child in children:
+            if isinstance(transfer, KVTransferParams):
+                self._add_received(child, transfer)
+            else:
+                self.scheduler.add_request(child)
         self.counters.prompt_tokens += len(prompt_ids)
         return request_id
 
@@ -457,6 +486,10 @@ class LLMEngine:
             # Counted first: a metrics scrape from another thread must not see the request gone
             # from the running set but not yet counted as aborted.
             self.counters.aborted_requests += 1
+            if self.kv_consumer is not None:
+                for cid in child_ids:
+                    if self.kv_consumer.abort(cid):  # its KV was on its way: blocks freed once it lands
+                        self.output_processor.seq_by_request_id[cid][1].request.status = RequestStatus.FINISHED_ABORTED
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for cid in child_ids:
                 _, seq = self.output_processor.seq_by_request_id[cid]
@@ -465,12 +498,127 @@ class LLMEngine:
             self.step_builder.forget(child_ids)
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes, if any (idempotent)."""
+        """Stop the executor's worker processes, if any, and the KV connector (idempotent)."""
         self.executor.shutdown()
+        for side in (self.kv_producer, self.kv_consumer):
+            if side is not None:
+                side.close()
+        self.kv_producer = self.kv_consumer = None
 
     def has_unfinished_requests(self) -> bool:
         return (self.output_processor.num_unfinished > 0 or self.scheduler.has_unfinished_requests()
-                or bool(self._in_flight))
+                or bool(self._in_flight) or (self.kv_consumer is not None and self.kv_consumer.has_pending))
+
+    # ------------------------------------------------------------------ disaggregation
+    def _start_kv_transfer(self, config: DisaggConfig) -> None:
+        cache = self.executor.runner.kv_cache  # the model runs in this process (EngineArgs.validate)
+        connector = make_connector(config, self.transfer_stats)
+        bytes_per_block = self.kv_spec.bytes_per_block
+        if config.role == "prefill":
+            self.kv_producer = KVProducer(connector, self.kv_manager, self.kv_layout, bytes_per_block,
+                                          functools.partial(gather_blocks, cache), self.transfer_stats)
+        else:
+            self.kv_consumer = KVConsumer(connector, self.kv_manager, self.kv_layout, bytes_per_block,
+                                          functools.partial(scatter_blocks, cache), self.transfer_stats,
+                                          config.load_timeout_s, config.max_concurrent_loads)
+
+    def _check_kv_transfer(self, params: SamplingParams, prompt_ids: list[int]
+                           ) -> Union[None, RemoteDecodeRequest, KVTransferParams]:
+        """The request's parsed ``kv_transfer_params``, checked against this instance's role
+        and, for a decode hand-over, against the prompt and the KV layout it continues."""
+        if params.kv_transfer_params is None:
+            return None
+        transfer = parse_kv_transfer_params(params.kv_transfer_params)
+        role = self.args.kv_transfer.role if self.args.kv_transfer is not None else None
+        wanted = "prefill" if isinstance(transfer, RemoteDecodeRequest) else "decode"
+        if role != wanted:
+            raise RequestRejected(f"kv_transfer_params for a {wanted} instance, but this one is "
+                                  f"{'not disaggregated' if role is None else 'a ' + role + ' instance'} "
+                                  f"(serve with --disaggregation-mode {wanted})")
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise RequestRejected("disaggregated requests take n = 1 and no prompt_logprobs")
+        if isinstance(transfer, KVTransferParams):
+            if transfer.connector != self.kv_consumer.connector.name:
+                raise RequestRejected(f"the KV was published over the {transfer.connector!r} connector, "
+                                      f"this instance uses {self.kv_consumer.connector.name!r}")
+            if transfer.kv_layout != self.kv_layout:
+                raise RequestRejected(f"the prefill instance's KV layout {transfer.kv_layout} is not this "
+                                      f"instance's {self.kv_layout} (serve the same model and KV settings)")
+            if (transfer.num_prompt_tokens != len(prompt_ids)
+                    or transfer.prompt_digest != prompt_digest(prompt_ids)):
+                raise RequestRejected("the prompt's tokens differ from those the prefill instance computed "
+                                      "(a different model, tokenizer or chat template?)")
+            if not 0 <= transfer.first_token_id < self.model_config.vocab_size:
+                raise RequestRejected(f"kv_transfer_params.first_token_id {transfer.first_token_id} is "
+                                      f"outside the vocabulary")
+        return transfer
+
+    def _publish_kv(self, request: Request) -> None:
+        """A prefill instance's request finished (Scheduler.before_free: its blocks are still
+        held): publish its KV when the decode side will go on from it."""
+        ticket = request.kv_transfer
+        if (self.kv_producer is None or not isinstance(ticket, RemoteDecodeRequest) or not request.output_token_ids
+                or request.status is RequestStatus.FINISHED_ABORTED):
+            return
+        # The decode side goes on unless the first token already ended the request there.
+        goes_on = (request.status is RequestStatus.FINISHED_LENGTH and request.num_tokens < self.max_model_len
+                   and (ticket.max_tokens is None or ticket.max_tokens > 1))
+        seq = self.output_processor.seq_by_request_id.get(request.request_id)
+        first_logprobs = None
+        if seq is not None and seq[1].logprobs:
+            first_logprobs = [FirstTokenLogprob(t, lp.logprob, lp.rank) for t, lp in seq[1].logprobs[0].items()]
+        tables = self.kv_manager.get_block_tables(request.request_id) if goes_on else None
+        try:
+            params = self.kv_producer.params_for(request, tables, first_logprobs)
+        except Exception:  # staging failed (shared memory full...): the decode side re-prefills
+            logger.exception("request %s: publishing its KV failed; its decode instance will "
+                             "recompute the prompt", request.request_id)
+            params = self.kv_producer.params_for(request, None, first_logprobs)
+        request.kv_transfer_result = params.to_json()
+
+    def _add_received(self, request: Request, transfer: KVTransferParams) -> None:
+        """A decode instance's request: the first token the prefill instance sampled is its
+        first output at once; its KV, unless that token ended it, is fetched by the consumer
+        and the request joins the running batch when it has arrived."""
+        request.output_token_ids.append(transfer.first_token_id)
+        logprobs = None
+        if request.sampling_params.logprobs is not None and transfer.first_token_logprobs:
+            logprobs = {e.token_id: Logprob(e.token_id, e.logprob, e.rank) for e in transfer.first_token_logprobs}
+        stopped = self.output_processor.process_new_token(request, logprobs)
+        status = (RequestStatus.FINISHED_STOPPED if self._advance_grammar(request) or stopped
+                  else check_token_stop(request, self.max_model_len))
+        self._pending_finished.add(request.request_id)  # the first token goes out with the next step
+        if status is not None:
+            request.status = status
+            self.output_processor.mark_finished(request)
+            self.kv_consumer.release_remote(transfer)
+            return
+        self.kv_consumer.add(request, transfer)
+
+    def _admit_received(self, touched: set[str]) -> None:
+        """Move the decode requests whose KV has arrived into the running batch, hand the ones
+        whose transfer failed to the scheduler to be re-prefilled here, and start transfers
+        for queued ones while sequence slots are free."""
+        consumer = self.kv_consumer
+        loaded, failed = consumer.poll()
+        now = time.monotonic()
+        for request in loaded:
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.first_scheduled_time = request.first_scheduled_time or now
+            self.scheduler.add_running(request)
+            touched.add(request.request_id)
+        for request, reason in failed:
+            logger.warning("request %s: KV transfer failed (%s); re-prefilling it here", request.request_id, reason)
+            request.num_computed_tokens = 0
+            self.scheduler.add_request(request)
+            touched.add(request.request_id)
+        room = self.args.max_num_seqs - self.scheduler.num_running - consumer.num_loading
+        if room > 0:
+            consumer.start_loads(room)
+
+    def release_transfer(self, transfer_id: str) -> bool:
+        """A prefill instance drops a published transfer whose decode side will not come."""
+        return self.kv_producer is not None and self.kv_producer.release(transfer_id)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -484,6 +632,8 @@ class LLMEngine:
         apply_kernel_config(self.kernel_config)  # (another engine in this process may differ)
         touched: set[str] = set(self._pending_finished)
         self._pending_finished.clear()
+        if self.kv_consumer is not None:
+            self._admit_received(touched)
         stats = StepStats()
         # One micro-batch (no pipeline): submit, then collect the same step at once.
         busy = {mb for mb, _ in self._in_flight}
@@ -499,6 +649,8 @@ class LLMEngine:
             done = (sched, self.executor.collect())
         if done is not None:
             self._apply(*done, stats, touched)
+        elif self.kv_consumer is not None and self.kv_consumer.num_loading and not touched:
+            self.kv_consumer.wait(0.02)  # nothing to compute until a transfer lands: no busy loop
         with label("detokenizer"):
             outputs = self.output_processor.outputs_for(touched)
         self.counters.finished_requests += sum(1 for o in outputs if o.finished)
@@ -593,7 +745,17 @@ class LLMEngine:
             "aborted_requests": self.counters.aborted_requests,
             "rejected_requests": self.counters.rejected_requests,
             **self.spec_stats(),
+            **self.transfer_stats_now(),
         }
+
+    def transfer_stats_now(self) -> dict:
+        """Disaggregation counters (kvserve.disagg.stats) and the staging and loading gauges.
+        Safe from any thread: transfers move on the connector's threads, between steps too."""
+        producer, consumer = self.kv_producer, self.kv_consumer
+        return {**self.transfer_stats.snapshot(),
+                "kv_transfers_staged": producer.connector.staging.num_staged if producer else 0,
+                "kv_transfer_staged_bytes": producer.connector.staging.staged_bytes if producer else 0,
+                "kv_transfers_in_flight": consumer.num_loading + consumer.num_queued if consumer else 0}
 
     def spec_stats(self) -> dict:
         """Speculative decoding totals: draft tokens verified, accepted, and the mean number

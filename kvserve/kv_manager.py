@@ -239,6 +239,73 @@ class KVCacheManager:
             self._cache_full_blocks(request, tables, min(num_known_tokens, request.num_tokens) // self.block_size)
         return [[b.block_id for b in blocks] for blocks in tables]
 
+    def allocate_received(self, request: Request, hit_block_ids: Sequence[Sequence[int]],
+                          num_hit_tokens: int, num_tokens: int
+                          ) -> Optional[tuple[list[list[int]], list[tuple[int, int, int]]]]:
+        """Blocks for a request whose first ``num_tokens`` tokens' KV is computed elsewhere (a
+        prefill instance) and copied in: the prefix-cache hit (``get_computed_blocks``'s result,
+        ``num_hit_tokens`` tokens) is kept, and every group gets a new block for each entry past
+        the hit that a query at the last full-block boundary (``num_tokens`` rounded down) can
+        see: the decode query at ``num_tokens`` needs less, but with these a later request with
+        the same prompt can hit every full block, as it could where the prompt was computed. A
+        sliding group's entries before that are the null block.
+
+        Returns (the block table of every group, ``(group, index, block_id)`` of each new block
+        to fill), or None (changing nothing) when the pool lacks room. The new blocks are not
+        findable in the prefix cache until ``cache_received``: until their KV has arrived no
+        other request may hit them."""
+        if request.request_id in self._req_blocks:
+            raise ValueError(f"request {request.request_id} already holds blocks")
+        num_table = self.num_blocks_for(num_tokens)
+        num_hit = num_hit_tokens // self.block_size
+        hit_ids = list(hit_block_ids) or [[] for _ in self.group_windows]
+        plan: list[list[Optional[Block]]] = []  # per group, per entry: a hit block, None = new, null
+        num_new = num_revived = 0
+        for g in range(self.num_groups):
+            first = self._first_needed_block(g, num_tokens // self.block_size * self.block_size)
+            entries: list[Optional[Block]] = []
+            for i in range(num_table):
+                if i < first:
+                    entries.append(self._null)
+                elif i < num_hit:
+                    block = self.block_pool.blocks[hit_ids[g][i]]
+                    num_revived += block.ref_cnt == 0
+                    entries.append(block)
+                else:
+                    entries.append(None)
+                    num_new += 1
+            plan.append(entries)
+        if num_new + num_revived > self.block_pool.num_free_blocks:
+            return None
+        # Hits first: one sitting in the free queue must be taken before a new block evicts it.
+        self.block_pool.touch(b for entries in plan for b in entries if b is not None and b is not self._null)
+        fresh = iter(self.block_pool.get_new_blocks(num_new))
+        tables: list[list[Block]] = []
+        filled: list[tuple[int, int, int]] = []
+        for g, entries in enumerate(plan):
+            table = []
+            for i, block in enumerate(entries):
+                if block is None:
+                    block = next(fresh)
+                    filled.append((g, i, block.block_id))
+                table.append(block)
+            tables.append(table)
+        self._req_blocks[request.request_id] = tables
+        return [[b.block_id for b in t] for t in tables], filled
+
+    def cache_received(self, request: Request, num_tokens: int) -> None:
+        """The KV of ``request``'s first ``num_tokens`` tokens has arrived in the blocks
+        ``allocate_received`` gave it: make its full blocks findable."""
+        tables = self._req_blocks.get(request.request_id)
+        if tables and self.enable_prefix_caching:
+            self._cache_full_blocks(request, tables, min(num_tokens // self.block_size, len(tables[0])))
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of ``request``'s first ``num_blocks`` full blocks (its prefix-cache
+        identity, the same on every instance with this block size)."""
+        self._update_block_hashes(request, num_blocks)
+        return list(request.block_hashes[:num_blocks])
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Make findable the full blocks whose every token ``request`` holds and has computed
         (a multi-step round computes several of its tokens after allocation, which caches only
@@ -278,10 +345,7 @@ class KVCacheManager:
 
     def _first_needed_block(self, group: int, first_query: int) -> int:
         """The first block of ``group`` a query at ``first_query`` or later can see."""
-        window = self.group_windows[group]
-        if window is None:
-            return 0
-        return max(0, first_query - window + 1) // self.block_size
+        return first_visible_block(self.group_windows[group], self.block_size, first_query)
 
     def _releasable(self, blocks: list[Block], group: int, first_query: int) -> tuple[int, list[Block]]:
         """(n, the blocks among the first n entries of a sliding group's table not yet
@@ -330,6 +394,14 @@ class KVCacheManager:
         if start >= num_prompt:
             return tuple(output[start - num_prompt:end - num_prompt])
         return tuple(prompt[start:]) + tuple(output[:end - num_prompt])
+
+
+def first_visible_block(window: Optional[int], block_size: int, query_position: int) -> int:
+    """The first block a query at ``query_position`` (or later) sees in a group of ``window``
+    (None: full attention, every block)."""
+    if window is None:
+        return 0
+    return max(0, query_position - window + 1) // block_size
 
 
 def _group_key(group: int, block_hash: BlockHash) -> BlockHash:

@@ -94,7 +94,8 @@ class RequestGroup:
                              prompt_token_ids=self.prompt_token_ids, outputs=outputs,
                              finished=self.finished, metrics=metrics,
                              num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs,
+                             kv_transfer_params=first.kv_transfer_result)
 
 
 class OutputProcessor:

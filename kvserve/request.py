@@ -42,6 +42,9 @@ class SamplingParams:
     # A grammar the output must match (kvserve.structured.StructuredOutputsParams).
     structured_outputs: Optional[Any] = None
     skip_special_tokens: bool = True
+    # Prefill/decode disaggregation (vLLM's name): {"do_remote_decode": true} on a prefill
+    # instance, the prefill instance's answer on a decode instance (kvserve.disagg.params).
+    kv_transfer_params: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -139,6 +142,10 @@ class Request:
     block_hashes: list = field(default_factory=list)
     # Pipeline parallelism: the micro-batch this request runs in (Scheduler.schedule(micro_batch)).
     micro_batch: int = 0
+    # Disaggregation: the parsed kv_transfer_params (kvserve.disagg.params), and on a prefill
+    # instance the params its finished output hands to the decode instance.
+    kv_transfer: Any = None
+    kv_transfer_result: Optional[dict] = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -241,3 +248,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Per prompt token: None for the first, then {token_id: Logprob} (when asked for).
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    # A prefill instance's finished request: where its KV waits for the decode instance.
+    kv_transfer_params: Optional[dict] = None

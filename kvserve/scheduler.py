@@ -36,6 +36,7 @@ class Scheduler:
         num_micro_batches: int = 1,
         num_scheduler_steps: int = 1,
         multi_step_eligible: Optional[Callable[[Request], bool]] = None,
+        before_free: Optional[Callable[[Request], None]] = None,
     ) -> None:
         if (max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or num_micro_batches < 1
                 or num_scheduler_steps < 1):
@@ -56,6 +57,9 @@ class Scheduler:
         # where ``multi_step_eligible`` accepts every running request (see _num_steps).
         self.num_scheduler_steps = num_scheduler_steps
         self.multi_step_eligible = multi_step_eligible
+        # Called with each request that finishes, its status set and its blocks still held
+        # (a prefill instance publishes their KV there, before they go back to the pool).
+        self.before_free = before_free
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -118,6 +122,22 @@ class Scheduler:
         load[request.micro_batch] += 1
         self._requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose KV for all but its newest token is already in the blocks the
+        KV manager holds for it (received from a prefill instance): it runs from its next
+        token on, as if it had been computed here."""
+        if request.request_id in self._requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens - request.num_computed_tokens != 1:
+            raise ValueError(f"request {request.request_id}: {request.num_computed_tokens} of "
+                             f"{request.num_tokens} tokens computed; a received request lacks exactly one")
+        request.status = RequestStatus.RUNNING
+        load = self._micro_batch_load
+        request.micro_batch = load.index(min(load))
+        load[request.micro_batch] += 1
+        self._requests[request.request_id] = request
+        self.running.append(request)
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -355,5 +375,7 @@ class Scheduler:
         self._micro_batch_load[request.micro_batch] -= 1
         request.status = status
         request.finished_time = time.monotonic()
+        if self.before_free is not None:
+            self.before_free(request)
         self.kv_manager.free(request)
         del self._requests[request.request_id]

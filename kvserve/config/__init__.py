@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from kvserve.config.kernels import KernelConfig, parse_kernel_config
 from kvserve.config.speculative import SpeculativeConfig, parse_speculative_config
+from kvserve.config.disagg import DisaggConfig
 from kvserve.errors import ConfigError
 
 __all__ = ["ConfigError", "ModelConfig", "CacheConfig", "SchedulerConfig", "EngineArgs", "KernelConfig",
@@ -188,6 +189,9 @@ class EngineArgs:
     # Which CPU kernels and numerics run (routes, batch invariance, step teams, collectives):
     # a KernelConfig or a dict of its fields (kvserve/config/kernels.py); resolved at start-up.
     kernel_config: Any = field(default_factory=KernelConfig)
+    # Prefill/decode disaggregation: this engine's role (prefill or decode) and KV connector
+    # (kvserve.config.disagg.DisaggConfig); None: an ordinary, colocated engine.
+    kv_transfer: Optional[DisaggConfig] = None
 
     def cache_config(self) -> CacheConfig:
         cfg = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -221,3 +225,10 @@ class EngineArgs:
         parse_speculative_config(self.speculative_config)
         self.kernel_config = parse_kernel_config(self.kernel_config)
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs).validate()
+        if self.kv_transfer is not None:
+            self.kv_transfer.validate()
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+                raise ConfigError("disaggregated prefill/decode runs the model in the engine's process: "
+                                  "it cannot be combined with tensor or pipeline parallelism")
+            if self.speculative_config is not None:
+                raise ConfigError("disaggregated prefill/decode does not support speculative decoding yet")

@@ -24,7 +24,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                      CompletionRequest, CompletionResponse, DetokenizeRequest,
                                      DetokenizeResponse, EmbeddingRequest, EmbeddingResponse,
-                                     ErrorResponse, ModelCard, ModelList,
+                                     ErrorResponse, KVTransferRelease, ModelCard, ModelList,
                                      MAX_TOKENS_MARK, TOKEN_ID_MARK, TOKEN_KEY_MARK, TokenizeRequest, TokenizeResponse)
 from kvserve.server.response_store import DEFAULT_CAPACITY, ResponseStore
 from kvserve.server.responses import create_response, get_response
@@ -121,6 +121,13 @@ def create_app(async_engine, served_model_name: str, api_key: Optional[str] = No
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, max_model_len=ctx.max_model_len,
                          chat_template=async_engine.engine.tokenizer.has_chat_template)
+
+    @app.post("/v1/kv_transfer/release", responses=_ERRORS)
+    async def release_kv_transfer(body: KVTransferRelease) -> JSONResponse:
+        # A prefill instance's published KV whose decode side will not come (the router's
+        # client went away in between): staged bytes go now rather than at expiry. The staging
+        # area has its own lock: no wait for the engine's step.
+        return JSONResponse({"released": async_engine.engine.release_transfer(body.transfer_id)})
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

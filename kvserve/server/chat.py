@@ -129,7 +129,7 @@ class _ChatWriter:
                 finish_reason=finish_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created,
                                       model=self.ctx.model_name, choices=choices,
-                                      usage=self._usage(final))
+                                      usage=self._usage(final), kv_transfer_params=final.kv_transfer_params)
 
     def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: Optional[UsageInfo] = None) -> str:
         payload = ChatCompletionStreamResponse(id=self.request_id, created=self.created,

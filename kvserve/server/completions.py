@@ -66,6 +66,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest,
         await ctx.compile_grammar(structured[1], structured[0])
         params = dataclasses.replace(params, structured_outputs=structured[1])
     prompts = await _prompts(ctx, body.prompt)
+    if body.kv_transfer_params is not None and len(prompts) != 1:
+        raise bad_request("kv_transfer_params needs a single prompt", param="kv_transfer_params")
     max_tokens_param = None if body.max_tokens is None else "max_tokens"
     per_prompt = [ctx.fit_to_context(params, len(p.token_ids), "prompt", max_tokens_param) for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -136,7 +138,7 @@ class _CompletionWriter:
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(id=self.request_id, created=self.created,
                                   model=self.ctx.model_name, choices=choices,
-                                  usage=self._usage(finals))
+                                  usage=self._usage(finals), kv_transfer_params=finals[0].kv_transfer_params)
 
     async def events(self, streams: EngineStreams) -> AsyncIterator[str]:
         observe = OutputObserver(self.ctx.metrics)

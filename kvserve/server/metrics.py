@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvserve.request import RequestOutput
 
@@ -33,6 +33,10 @@ _GAUGES = {
     "kv_blocks_total": ("kv_cache_blocks_total", "KV-cache blocks in the pool."),
     "spec_mean_accepted_length": ("spec_decode_mean_accepted_length",
                                   "Speculative decoding: mean tokens per verify step (accepted drafts + 1)."),
+    "kv_transfers_staged": ("kv_transfers_staged", "Prefill side: published KV transfers not yet fetched."),
+    "kv_transfer_staged_bytes": ("kv_transfer_staged_bytes", "Prefill side: bytes of KV staged for decode instances."),
+    "kv_transfers_in_flight": ("kv_transfers_in_flight",
+                               "Decode side: requests whose KV is queued for or on its way from a prefill instance."),
 }
 _COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens admitted."),
@@ -44,6 +48,25 @@ _COUNTERS = {
     "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Speculative draft tokens verified."),
     "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
     "spec_num_steps": ("spec_decode_num_drafts", "Verify steps that carried drafts (per request)."),
+    "kv_transfers_published": ("kv_transfers_published", "Prefill side: KV transfers published."),
+    "kv_transfer_published_bytes": ("kv_transfer_published_bytes", "Prefill side: bytes of KV published."),
+    "kv_transfers_fetched": ("kv_transfers_fetched", "Prefill side: published transfers fetched by a decode side."),
+    "kv_transfer_sent_bytes": ("kv_transfer_sent_bytes", "Prefill side: bytes of KV sent over TCP."),
+    "kv_transfers_expired": ("kv_transfers_expired", "Prefill side: published transfers nobody fetched in time."),
+    "kv_transfers_loaded": ("kv_transfers_loaded", "Decode side: KV transfers received."),
+    "kv_transfer_received_bytes": ("kv_transfer_received_bytes", "Decode side: bytes of KV received."),
+    "kv_transfer_received_blocks": ("kv_transfer_received_blocks", "Decode side: KV blocks received."),
+    "kv_transfer_reused_blocks": ("kv_transfer_reused_blocks",
+                                  "Decode side: prompt blocks not transferred, found in the local prefix cache."),
+    "kv_transfers_failed": ("kv_transfers_failed",
+                            "Decode side: KV transfers that failed (the request was re-prefilled locally)."),
+}
+# engine.stats() key -> (histogram name without prefix, help); values (cumulative buckets, sum, count).
+_HISTOGRAMS = {
+    "kv_transfer_load_seconds": ("kv_transfer_load_seconds",
+                                 "Decode side: time from starting a KV transfer to its last block written."),
+    "kv_transfer_publish_seconds": ("kv_transfer_publish_seconds",
+                                    "Prefill side: time to copy a request's KV out of the pool and stage it."),
 }
 
 
@@ -59,6 +82,8 @@ class _EngineStatsCollector:
         for name, doc in _COUNTERS.values():
             yield CounterMetricFamily(PREFIX + name, doc)
         yield CounterMetricFamily(PREFIX + "request_rejected", _REJECTED_HELP)
+        for name, doc in _HISTOGRAMS.values():
+            yield HistogramMetricFamily(PREFIX + name, doc)
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -68,6 +93,9 @@ class _EngineStatsCollector:
             yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(key, 0)))
         rejected = float(stats.get("rejected_requests", 0)) + self._server_rejections()
         yield CounterMetricFamily(PREFIX + "request_rejected", _REJECTED_HELP, value=rejected)
+        for key, (name, doc) in _HISTOGRAMS.items():
+            buckets, total, _ = stats.get(key, ([("+Inf", 0)], 0.0, 0))
+            yield HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=total)
 
 
 _REJECTED_HELP = ("Requests refused: invalid, too long, or the waiting queue was full "

@@ -149,6 +149,9 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: Optional[bool] = True
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
+    # Prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} to a prefill
+    # instance; its answer's kv_transfer_params, unchanged, to the decode instance.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def base_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """SamplingParams for this request; raises ValueError naming a bad logit_bias key."""
@@ -178,7 +181,8 @@ class SamplingRequest(RequestModel):
             ignore_eos=bool(self.ignore_eos), stop=[s for s in stop if s],
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=bool(self.include_stop_str_in_output), logprobs=logprobs,
-            skip_special_tokens=pick(self.skip_special_tokens, True))
+            skip_special_tokens=pick(self.skip_special_tokens, True),
+            kv_transfer_params=self.kv_transfer_params)
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -345,6 +349,10 @@ class EmbeddingResponse(BaseModel):
 
 
 # ---------------------------------------------------------------------- responses
+class KVTransferRelease(RequestModel):
+    transfer_id: str
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -376,6 +384,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+    # A prefill instance's answer to do_remote_decode: what its decode instance continues from.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class TopLogprob(BaseModel):
@@ -412,6 +422,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Optional[UsageInfo] = None
+    # A prefill instance's answer to do_remote_decode: what its decode instance continues from.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class DeltaFunctionCall(BaseModel):
