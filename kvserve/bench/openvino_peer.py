@@ -92,7 +92,7 @@ class OpenVinoPeer:
             self._process.kill()
             self._process.wait(5)
             raise
-        self.extra = {"ttft_measured_from": "submission", "weight_format": fmt.name,
+        self.extra = {"weight_format": fmt.name,
                       "optimum_args": " ".join(fmt.optimum_args), "model_dir": str(self.model_dir),
                       **ready["info"]}
 
@@ -111,7 +111,10 @@ class OpenVinoPeer:
         self._call({"cmd": "warmup"})
 
     def run(self, workload: Workload, progress: bool = True) -> EngineRun:
-        return engine_run(self.name, self._call(run_request(workload))["run"], self.extra)
+        # A lone request (W3), or requests held back, are timed from their own submission.
+        own_turn = workload.num_requests == 1 or workload.max_concurrency is not None
+        extra = {**self.extra, "ttft_measured_from": "own turn" if own_turn else "submission"}
+        return engine_run(self.name, self._call(run_request(workload))["run"], extra)
 
     def close(self) -> None:
         if self._process.poll() is None:
