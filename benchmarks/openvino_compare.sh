@@ -18,6 +18,10 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 
 bench() { "$PY" -m kvserve.cli "$@" --model "$MODEL" --no-progress; }
 
+# Export first: minutes on a busy machine, longer than a peer's start-up may take.
+formats=int4; [[ "$OPENVINO" == *int8* ]] && formats=int4,int8
+"$PY" -m kvserve.bench.openvino_export --model "$MODEL" --format "$formats"
+
 bench bench throughput --workload W1 --compare "kvserve-int4,$OPENVINO,llamacpp-q4_0-batch" \
     --repeats "$REPEATS" --json "$OUT/W1.json"
 bench bench throughput --workload W2 --compare "kvserve-int4,$OPENVINO,llamacpp-q4_0-batch" \

@@ -71,6 +71,14 @@ def test_peer_unavailable_without_venv(tmp_path, monkeypatch):
         open_peer("openvino-int4", ctx)
 
 
+def test_export_command_line_needs_the_venv(tmp_path, monkeypatch, capsys):
+    from kvserve.bench.openvino_export import main
+
+    monkeypatch.setattr("kvserve.bench.openvino_export.DEFAULT_VENV", tmp_path / "absent")
+    assert main(["--model", "tiny-llama"]) == 1
+    assert "setup_openvino.sh" in capsys.readouterr().err
+
+
 def _fake_gguf(tmp_path: Path) -> Path:
     path = tmp_path / "model.Q4_1.gguf"
     path.write_bytes(b"GGUF" + bytes(60))

@@ -164,3 +164,33 @@ def ensure_exported(venv: OpenVinoVenv, paths: ExportPaths, fmt: OpenVinoFormat,
     if paths.source_kind == "gguf":
         _build_once(hf_dir, lambda out: run(hf_dir_command(venv, paths.source_path, out)))
     return _build_once(paths.model_dir(fmt), lambda out: run(export_command(venv, hf_dir, fmt, out)))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m kvserve.bench.openvino_export --model M [--format int4,int8]``: export ahead
+    of a bench run (a first export takes minutes: longer, on a busy machine, than a peer's
+    start-up is allowed)."""
+    import argparse
+
+    from kvserve.loader.resolve import resolve_model
+
+    parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="what kvserve's --model takes")
+    parser.add_argument("--format", default="int4", help=f"comma-separated: {', '.join(FORMATS)}")
+    ns = parser.parse_args(argv)
+    venv = OpenVinoVenv.default()
+    if venv.missing():
+        print(f"kvserve: {venv.missing()}", file=sys.stderr)
+        return 1
+    source = resolve_model(ns.model)
+    if source.kind not in ("gguf", "hf_dir"):
+        print(f"kvserve: OpenVINO needs a GGUF file or an HF directory, not a {source.kind} model", file=sys.stderr)
+        return 1
+    paths = ExportPaths(source.kind, str(source.path), default_cache_dir())
+    for name in ns.format.split(","):
+        print(ensure_exported(venv, paths, FORMATS[name.strip()]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
