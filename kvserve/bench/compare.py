@@ -28,6 +28,8 @@ class CompareOptions:
     matmul_size: int = 1024
     matmul_seconds: float = 1.0
     repeats: int = 1  # round-robin passes over all engines; each keeps its best
+    # The memory's read bandwidth beside the matmul limit (~2 s): for batch-1 decode figures.
+    read_bandwidth: bool = False
     progress: bool = True
 
 
@@ -39,7 +41,8 @@ class BenchSession:
         self.driver = KvserveDriver(eargs)
         engine = self.driver.engine
         self.dtype = engine.dtype
-        self.machine = machine_limit(opts.matmul_size, opts.matmul_seconds, str(engine.device))
+        self.machine = machine_limit(opts.matmul_size, opts.matmul_seconds, str(engine.device),
+                                     opts.read_bandwidth)
         self.peer_ctx = PeerContext(source_kind=engine.source.kind, source_path=str(engine.source.path),
                                     num_threads=torch.get_num_threads(), eargs=eargs,
                                     hf_batch_size=opts.hf_batch_size)

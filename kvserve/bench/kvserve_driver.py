@@ -9,6 +9,7 @@ from typing import Optional
 from kvserve.tracing import label
 from tqdm import tqdm
 
+from kvserve.bench.decode_bytes import DecodeBytes, count_decode_bytes, mean_decode_context
 from kvserve.bench.machine import ModelFlops
 from kvserve.bench.timing import EngineRun, RequestTiming
 from kvserve.bench.workloads import Workload, WorkloadSpec, build_workload
@@ -28,6 +29,11 @@ class KvserveDriver:
         self.eargs = eargs
         self.engine = engine or LLMEngine(eargs)
         self.flops = ModelFlops.from_config(self.engine.model_config)
+        # What a batch-1 greedy decode token reads (None where the weights live in worker
+        # processes): a single-stream run's bytes per token against the read bandwidth.
+        model = self.engine.model
+        self.decode_bytes: Optional[DecodeBytes] = (
+            None if model is None else count_decode_bytes(model, self.engine.kv_spec, greedy=True))
 
     @property
     def vocab_size(self) -> int:
@@ -116,6 +122,9 @@ class KvserveDriver:
             "sampled_tokens": sampled,
             "model_gflop": self.flops.flops(computed_tokens, sampled) / 1e9,
         }
+        if self.decode_bytes is not None:
+            extra["decode_bytes"] = self.decode_bytes.to_dict(
+                mean_decode_context([len(p) for p in workload.prompts], workload.output_lens))
         if eng.speculator is not None:
             spec1 = eng.spec_stats()
             steps_, drafted, accepted = (spec1[k] - spec0[k] for k in

@@ -2,9 +2,11 @@
 sweep over prompt lengths showing how prefill cost grows with length."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from kvserve.bench.compare import BenchSession, CompareOptions, summarize
+from kvserve.bench.decode_bytes import summary_bandwidth_use
 from kvserve.bench.machine import achieved
 from kvserve.bench.report import compute_ratios, result_ratios
 from kvserve.bench.timing import EngineRun
@@ -46,7 +48,8 @@ def _sweep_row(run: EngineRun) -> dict:
 def run_latency(eargs: EngineArgs, spec: WorkloadSpec, num_iters: int = 1,
                 prefill_lens: Optional[list[int]] = None,
                 opts: Optional[CompareOptions] = None) -> tuple[dict, dict[str, EngineRun]]:
-    opts = opts or CompareOptions()
+    # Batch-1 decode is bound by its reads: measure the memory's limit in the same run.
+    opts = dataclasses.replace(opts or CompareOptions(), read_bandwidth=True)
     session = BenchSession(eargs, opts)
     driver = session.driver
     vocab = driver.vocab_size
@@ -80,8 +83,13 @@ def run_latency(eargs: EngineArgs, spec: WorkloadSpec, num_iters: int = 1,
         peers[name] = summarize(run, reference=ours)
         for n, prun in peer_sweep.items():
             rows[n][name] = _sweep_row(prun)
+    read_gbs = (session.machine.get("read_bandwidth") or {}).get("gbs")
     for name, s in [("kvserve", kvserve), *peers.items()]:
         s["output_tokens_per_s_each_repeat"] = scores[name]
+        # kvserve's engines only (the peers' bytes are not counted): bytes per token / TPOT.
+        use = summary_bandwidth_use(s, read_gbs)
+        if use is not None:
+            s["decode_bandwidth"] = use
 
     workload = streams[0].describe()
     workload.update(num_iters=num_iters, num_requests=1)

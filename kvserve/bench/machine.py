@@ -1,4 +1,4 @@
-"""The machine's own limit (a plain matmul) and the FLOPs a model run actually needed.
+"""The machine's own limits (a plain matmul, a large read) and the FLOPs a model run needed.
 
 A decode or prefill figure means little on its own on a shared, noisy machine; as a fraction
 of what ``torch.matmul`` reaches in the same run it says how much headroom is left.
@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from kvserve.bench.memory_bandwidth import measure_read_bandwidth
 from kvserve.config import ModelConfig
 from kvserve.cpu_features import CPU_FEATURES, cpu_info  # noqa: F401 (re-exported for benchmarks)
 
@@ -56,7 +57,9 @@ def kernel_routes() -> dict:
     return {"bf16": ext.bf16_kernel_route(), "attention": ext.attention_kernel_route()}
 
 
-def machine_limit(size: int = 1024, seconds: float = 1.0, device: str = "cpu") -> dict:
+def machine_limit(size: int = 1024, seconds: float = 1.0, device: str = "cpu",
+                  read_bandwidth: bool = False) -> dict:
+    """The matmul limit, and with ``read_bandwidth`` (CPU only) the memory's read limit."""
     return {
         "cpu": cpu_info(),
         "kernel_routes": kernel_routes() if device == "cpu" else {},
@@ -64,6 +67,8 @@ def machine_limit(size: int = 1024, seconds: float = 1.0, device: str = "cpu") -
         "num_threads": torch.get_num_threads(),
         "gflops": {"bfloat16": matmul_gflops(torch.bfloat16, size, seconds, device),
                    "float32": matmul_gflops(torch.float32, size, seconds, device)},
+        # The memory's limit beside the arithmetic's: batch-1 decode is bound by its reads.
+        "read_bandwidth": measure_read_bandwidth().to_dict() if read_bandwidth and device == "cpu" else None,
     }
 
 

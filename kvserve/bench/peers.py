@@ -5,6 +5,9 @@
     llamacpp      = llamacpp-seq, llamacpp-batch   (llama-cpp-python, optional extra: the
                     llamacpp-q4_0-seq, -batch       shipped GGUF, and the same weights
                                                     requantized to Q4_0, llama.cpp's fastest)
+    openvino      = openvino-int4                  (OpenVINO GenAI's ContinuousBatchingPipeline,
+    openvino-int8                                   optional venv: scripts/setup_openvino.sh;
+                                                    the same weights exported by optimum-cli)
     kvserve-noprefix                               (kvserve with prefix caching off)
     kvserve-nospec, kvserve-ngram                  (kvserve with speculation off / n-gram on)
     kvserve-draft                                  (kvserve drafting with the model's own int4 weights)
@@ -39,10 +42,12 @@ ALIASES = {
     "llama.cpp": ["llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch"],
     "llamacpp-file": ["llamacpp-seq", "llamacpp-batch"],
     "llamacpp-q4_0": ["llamacpp-q4_0-seq", "llamacpp-q4_0-batch"],
+    # Issue 63's setting: int4, symmetric, a scale per 64 weights.
+    "openvino": ["openvino-int4"],
 }
 PEER_NAMES = ["hf-fp32-seq", "hf-fp32-batch", "hf-bf16-seq", "hf-bf16-batch",
               "llamacpp-seq", "llamacpp-batch", "llamacpp-q4_0-seq", "llamacpp-q4_0-batch",
-              "kvserve-noprefix",
+              "openvino-int4", "openvino-int8", "kvserve-noprefix",
               "kvserve-nospec", "kvserve-ngram", "kvserve-draft", "kvserve-kv-int8", "kvserve-kv-bfloat16",
               "kvserve-kv-float32", "kvserve-blas", "kvserve-noreclaim",
               "kvserve-int4", "kvserve-int8", "kvserve-bf16", "kvserve-fp32"]
@@ -134,6 +139,19 @@ def open_peer(name: str, ctx: PeerContext):
                 else llamacpp_peer.LlamaCppBatched(path, ctx.num_threads))
         peer.name = name
         return peer
+    if name.startswith("openvino-"):
+        from kvserve.bench.openvino_export import OpenVinoVenv
+        from kvserve.bench.openvino_peer import OpenVinoPeer, PipelineSettings
+
+        venv = OpenVinoVenv.default()
+        missing = venv.missing()
+        if missing:
+            raise PeerUnavailable(missing)
+        if ctx.source_kind not in ("gguf", "hf_dir"):
+            raise PeerUnavailable(f"OpenVINO needs a GGUF file or an HF directory, not a {ctx.source_kind} model")
+        settings = PipelineSettings(ctx.num_threads, max_num_batched_tokens=ctx.eargs.max_num_batched_tokens,
+                                    max_num_seqs=ctx.eargs.max_num_seqs)
+        return OpenVinoPeer(name, ctx.source_kind, ctx.source_path, settings, venv)
     if name in ("kvserve-noprefix", "kvserve-noreclaim"):
         from kvserve.bench.kvserve_driver import KvserveDriver
 

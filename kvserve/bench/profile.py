@@ -18,6 +18,10 @@ attention) and from the aten ops inside the forward pass, never from guesses:
       detokenizer                   detokenization, stop strings, output assembly
       other step overhead           the rest of engine.step
     idle                            wall time outside engine.step (the driver's own loop)
+
+Beside it, outside the profiler, decode at the memory limit: one 256-token prompt decoding
+128 greedy tokens, its bytes per token (``decode_bytes``) / TPOT against the machine's read
+bandwidth measured in the same run (``memory_bandwidth``).
 """
 from __future__ import annotations
 
@@ -29,7 +33,10 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvserve.bench.workloads import Workload
+from kvserve.bench.decode_bytes import summary_bandwidth_use
+from kvserve.bench.memory_bandwidth import measure_read_bandwidth
+from kvserve.bench.report import bandwidth_line
+from kvserve.bench.workloads import Workload, WorkloadSpec, build_workload
 
 if TYPE_CHECKING:
     from kvserve.bench.kvserve_driver import KvserveDriver
@@ -161,9 +168,25 @@ def top_ops(prof, n: int = 12) -> list[dict]:
             for a in rows[:n]]
 
 
+# W3's shape, shorter: enough decode steps for a stable mean TPOT.
+BANDWIDTH_PROBE = WorkloadSpec("decode-probe", "single stream", num_requests=1, prompt_len=(256, 256),
+                               output_len=128, seed=4242)
+
+
+def decode_bandwidth_probe(driver: "KvserveDriver") -> Optional[dict]:
+    """A batch-1 decode's bytes per token / TPOT against the read bandwidth, both measured
+    now, unprofiled (None where the weights are not in this process)."""
+    if driver.decode_bytes is None or driver.engine.device.type != "cpu":
+        return None
+    run = driver.run(build_workload(BANDWIDTH_PROBE, driver.vocab_size), progress=False)
+    use = summary_bandwidth_use(run.summary(), measure_read_bandwidth().gbs)
+    return None if use is None else {**use, "workload": BANDWIDTH_PROBE.description}
+
+
 def run_profile(driver: "KvserveDriver", workload: Workload, trace_path: Optional[str],
                 progress: bool = True) -> dict:
     driver.warmup()
+    bandwidth = decode_bandwidth_probe(driver)
     activities = [ProfilerActivity.CPU]
     if driver.engine.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -181,7 +204,8 @@ def run_profile(driver: "KvserveDriver", workload: Workload, trace_path: Optiona
             "wall_s": wall_s, "categories_s": seconds,
             "categories_fraction": {k: v / wall_s for k, v in seconds.items()},
             "top_ops": top_ops(prof), "trace": trace_path,
-            "output_tokens_per_s_under_profiler": run.summary()["output_tokens_per_s"]}
+            "output_tokens_per_s_under_profiler": run.summary()["output_tokens_per_s"],
+            "weights": driver.engine.weight_format, "decode_bandwidth": bandwidth}
 
 
 def print_profile(result: dict) -> None:
@@ -197,6 +221,10 @@ def print_profile(result: dict) -> None:
         print(f"speculative decoding: {spec['spec_draft_tokens']} drafted, "
               f"{spec['spec_accepted_tokens']} accepted ({100 * spec['spec_acceptance_rate']:.1f} %), "
               f"mean accepted length {spec['spec_mean_accepted_length']:.2f} tokens per verify step")
+    if result.get("decode_bandwidth"):
+        use = result["decode_bandwidth"]
+        print(f"decode at the memory limit ({use['workload']}, unprofiled):\n  "
+              + bandwidth_line(f"kvserve ({result.get('weights')} weights)", use))
     if result["trace"]:
         print(f"Chrome trace: {result['trace']} (open in chrome://tracing or ui.perfetto.dev)")
     print("(times are under the profiler, which slows op-heavy code; compare categories, "

@@ -107,6 +107,10 @@ def machine_line(machine: Optional[dict]) -> str:
     g = machine["gflops"]
     line = (f"machine limit (torch.matmul {machine['matmul_size']}^3, {machine['num_threads']} "
             f"threads): bf16 {g['bfloat16']:.1f} GFLOP/s, fp32 {g['float32']:.1f} GFLOP/s")
+    bandwidth = machine.get("read_bandwidth")
+    if bandwidth:
+        line += (f"; read bandwidth {bandwidth['gbs']:.1f} GB/s (best of {bandwidth['repeats']} sums "
+                 f"over {bandwidth['buffer_bytes'] // 2**20} MiB)")
     cpu = machine.get("cpu")
     if cpu:
         routes = machine.get("kernel_routes") or {}
@@ -114,6 +118,14 @@ def machine_line(machine: Optional[dict]) -> str:
         route += f", attention route {routes['attention']}" if "attention" in routes else ""
         line = f"cpu: {cpu['model']} [{' '.join(cpu['features']) or 'no AVX2'}]{route}\n" + line
     return line
+
+
+def bandwidth_line(name: str, use: dict) -> str:
+    """A single-stream run's decode reads against the machine's (``decode_bandwidth``)."""
+    return (f"{name}: a decode token reads {use['bytes_per_token'] / 1e6:.1f} MB (weights "
+            f"{use['weight_bytes'] / 1e6:.1f} + KV {use['kv_bytes'] / 1e6:.2f}) in {use['tpot_ms']:.2f} ms = "
+            f"{use['achieved_read_gbs']:.1f} GB/s, {use['fraction_of_read_bandwidth']:.2f} of the measured "
+            f"{use['read_bandwidth_gbs']:.1f} GB/s read bandwidth")
 
 
 def kvserve_line(s: dict) -> str:
@@ -153,6 +165,9 @@ def print_summary(result: dict, file=None) -> None:
             print(f"  {name}: greedy tokens agree with kvserve on "
                   f"{100 * s['greedy_agreement_with_kvserve']:.0f} % of outputs (prefix match)",
                   file=file)
+    for name, s in {"kvserve": result["kvserve"], **result.get("peers", {})}.items():
+        if s.get("decode_bandwidth"):
+            print("  " + bandwidth_line(name, s["decode_bandwidth"]), file=file)
     for name, s in {"kvserve": result["kvserve"], **result.get("peers", {})}.items():
         if s.get("spec_draft_tokens") is not None:
             print(f"  {name}: speculative decoding {s['spec_draft_tokens']} drafted, "
