@@ -793,6 +793,30 @@ inline bool any_wide(const PromptActivations& act, int64_t first, int64_t groups
   return wide;
 }
 
+// accumulate(r, lo, hi) for each of the MR rows from `first` with their products with the
+// tile-group (low, high): straight-line byte products when no row is wide there, else each row
+// by its own kind; both loops unrolled (an accumulator indexed at run time would live in memory).
+template <int MR, typename Accumulate>
+__attribute__((always_inline)) inline void for_prompt_rows(const __m512i (&low)[4], const __m512i (&high)[4],
+                                                           const PromptActivations& act, int64_t first,
+                                                           int64_t groups, const Accumulate& accumulate) {
+  if (!any_wide<MR>(act, first, groups)) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m512i lo, hi;
+      byte_dots(low, high, act.bytes + (first + r * groups) * kGroup, lo, hi);
+      accumulate(r, lo, hi);
+    }
+    return;
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    __m512i lo, hi;
+    prompt_dots(low, high, act, first + r * groups, lo, hi);
+    accumulate(r, lo, hi);
+  }
+}
+
 // The nibble tiles on prompt activations, per row and group, in this order: acc += m * (s_lo
 // sum(q_lo) + s_hi sum(q_hi)), then acc += (lo * s_lo + hi * s_hi) * d: the same steps for every
 // row whatever MR and whichever tile.
@@ -817,22 +841,7 @@ void nibble_tiles_int8_avx512(const Tiles& w, int64_t t0, int64_t t1, int64_t N,
                                            _mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s[0])));
         acc[r] = _mm512_fmadd_ps(dot, d, acc[r]);
       };
-      const int64_t first = r0 * groups + g;
-      if (!any_wide<MR>(act, first, groups)) {
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          __m512i lo, hi;
-          byte_dots(low, high, act.bytes + (first + r * groups) * kGroup, lo, hi);
-          accumulate(r, lo, hi);
-        }
-      } else {  // (unrolled too: an accumulator indexed at run time would live in memory)
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          __m512i lo, hi;
-          prompt_dots(low, high, act, first + r * groups, lo, hi);
-          accumulate(r, lo, hi);
-        }
-      }
+      for_prompt_rows<MR>(low, high, act, r0 * groups + g, groups, accumulate);
     }
     store_tile_rows<MR>(acc, t, N, bias, out + r0 * out_stride, out_stride);
   }
@@ -981,22 +990,7 @@ void q6_tiles_int8_avx512(const Q6KTiles& w, int64_t t0, int64_t t1, int64_t N, 
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(s0, _mm512_set1_ps(s[0])), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(s1, _mm512_set1_ps(s[1])), acc[r]);
       };
-      const int64_t first = r0 * groups + g;
-      if (!any_wide<MR>(act, first, groups)) {
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          __m512i dot0, dot1;
-          byte_dots(low, high, act.bytes + (first + r * groups) * kGroup, dot0, dot1);
-          accumulate(r, dot0, dot1);
-        }
-      } else {  // (unrolled too: an accumulator indexed at run time would live in memory)
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          __m512i dot0, dot1;
-          prompt_dots(low, high, act, first + r * groups, dot0, dot1);
-          accumulate(r, dot0, dot1);
-        }
-      }
+      for_prompt_rows<MR>(low, high, act, r0 * groups + g, groups, accumulate);
     }
     store_tile_rows<MR>(acc, t, N, bias, out + r0 * out_stride, out_stride);
   }
