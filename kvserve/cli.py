@@ -62,8 +62,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="run the model in a worker process even without parallelism")
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule and build step N+1 and process step N-1's outputs while a worker "
-                        "process computes step N (implies --worker-process; speculative decoding and "
-                        "pipeline stages keep the synchronous step)")
+                        "process computes step N (implies --worker-process; speculative decoding, tensor and "
+                        "pipeline parallelism keep the synchronous step)")
     g.add_argument("--distributed-timeout", type=float, default=EngineArgs.distributed_timeout_s,
                    metavar="SECONDS", help="a parallel worker silent this long is taken as hung "
                                            "and the engine stops")

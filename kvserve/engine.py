@@ -342,6 +342,12 @@ class LLMEngine:
             # built on placeholders yet.
             logger.warning("async scheduling: speculative decoding keeps the synchronous step")
             return False
+        if args.tensor_parallel_size > 1:
+            # A decode's input is the token the step before sampled, and only the sampling rank
+            # has it: the other ranks would need it sent (not built yet).
+            logger.warning("async scheduling: tensor-parallel ranks other than the sampling one do not see "
+                           "the sampled tokens; keeping the synchronous step")
+            return False
         if args.pipeline_parallel_size > 1:
             logger.warning("async scheduling: pipeline stages keep their own overlap of micro-batches "
                            "(the synchronous step)")

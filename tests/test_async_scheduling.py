@@ -174,5 +174,8 @@ def test_falls_back_or_refuses_where_it_cannot_hold(caplog):
             EngineArgs(model=MODEL, async_scheduling=True,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
     assert "speculative decoding keeps the synchronous step" in caplog.text
+    for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        assert not LLMEngine._async_scheduling_applies(EngineArgs(model=MODEL, async_scheduling=True, **parallel))
+    assert LLMEngine._async_scheduling_applies(EngineArgs(model=MODEL, async_scheduling=True))
     with pytest.raises(ConfigError, match="async scheduling"):
         EngineArgs(model=MODEL, async_scheduling=True, kv_transfer=DisaggConfig(role="prefill")).validate()

@@ -184,7 +184,8 @@ class EngineArgs:
     worker_process: bool = False
     # Async scheduling (vLLM's): the engine schedules and builds step N+1, and processes step
     # N-1's outputs, while the worker computes step N (kvserve/async_step.py). Implies a
-    # worker process. Speculative decoding and pipeline stages keep the synchronous step.
+    # worker process. Speculative decoding, tensor and pipeline parallelism keep the
+    # synchronous step (a log line says so).
     async_scheduling: bool = False
     # Parallelism: one worker process per rank (kvserve.executor.multiproc); 1 x 1 runs the
     # model in the engine's process (unless worker_process or async_scheduling).
