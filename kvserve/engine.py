@@ -537,7 +537,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.output_processor.num_unfinished > 0 or self.scheduler.has_unfinished_requests()
-                or bool(self._in_flight) or (self.async_loop is not None and self.async_loop.in_flight is not None) or (self.kv_consumer is not None and self.kv_consumer.has_pending))
+                or bool(self._in_flight) or (self.async_loop is not None and self.async_loop.in_flight is not None)
+                or (self.kv_consumer is not None and self.kv_consumer.has_pending))
 
     # ------------------------------------------------------------------ disaggregation
     def _start_kv_transfer(self, config: DisaggConfig) -> None:
