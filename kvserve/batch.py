@@ -30,6 +30,16 @@ class ScheduledChunk:
     # ([k, vocab] float32 numpy array) for rejection sampling. None: q = 1 on the proposed tokens (n-gram,
     # greedy), and verification compares the target's samples with the drafts.
     draft_probs: Any = None
+    # The request's progress when the chunk was scheduled: its computed tokens and the tokens
+    # it plans for (known ones and placeholders). Under async scheduling the request moves on
+    # (the next step is scheduled) before this chunk's result is applied; the chunk keeps
+    # describing the work it was. Without it, the same values as the live request's.
+    first_position: int = field(init=False)
+    num_planned_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.first_position = self.request.num_computed_tokens
+        self.num_planned_tokens = self.request.num_tokens_with_placeholders
 
     @property
     def block_ids(self) -> list[int]:
@@ -38,12 +48,12 @@ class ScheduledChunk:
 
     @property
     def start_position(self) -> int:
-        return self.request.num_computed_tokens
+        return self.first_position
 
     @property
     def needs_sample(self) -> bool:
-        return (self.request.num_computed_tokens + self.num_new_tokens
-                >= self.request.num_tokens + len(self.spec_token_ids))
+        return (self.first_position + self.num_new_tokens
+                >= self.num_planned_tokens + len(self.spec_token_ids))
 
     @property
     def num_logits(self) -> int:
@@ -53,7 +63,7 @@ class ScheduledChunk:
     @property
     def is_prefill(self) -> bool:
         return (self.num_new_tokens - len(self.spec_token_ids) > 1
-                or self.request.num_computed_tokens < self.request.num_prompt_tokens)
+                or self.first_position < self.request.num_prompt_tokens)
 
 
 @dataclass

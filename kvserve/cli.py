@@ -58,6 +58,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split the model over N worker processes (gloo on CPU, NCCL on CUDA)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="split the layer stack into N stages, one worker process (group) each")
+    g.add_argument("--worker-process", action="store_true",
+                   help="run the model in a worker process even without parallelism")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and build step N+1 and process step N-1's outputs while a worker "
+                        "process computes step N (implies --worker-process; speculative decoding, tensor and "
+                        "pipeline parallelism keep the synchronous step)")
     g.add_argument("--distributed-timeout", type=float, default=EngineArgs.distributed_timeout_s,
                    metavar="SECONDS", help="a parallel worker silent this long is taken as hung "
                                            "and the engine stops")
@@ -136,6 +142,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
         seed=ns.seed, quantization=ns.quantization, int4_prefill=ns.int4_prefill, kv_cache_dtype=ns.kv_cache_dtype,
         speculative_config=parse_speculative_config(ns.speculative_config),
         num_scheduler_steps=ns.num_scheduler_steps,
+        worker_process=ns.worker_process, async_scheduling=ns.async_scheduling,
         tensor_parallel_size=ns.tensor_parallel_size, pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_timeout_s=ns.distributed_timeout,
         kernel_config=ns.kernel_config or KernelConfig(),

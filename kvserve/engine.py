@@ -23,6 +23,7 @@ from kvserve.ops import apply_kernel_config
 from kvserve.config import ConfigError, EngineArgs, ModelConfig
 from kvserve.kv_cache import KVCacheSpec, kv_cache_groups
 from kvserve.kv_manager import KVCacheManager, max_blocks_per_request
+from kvserve.async_step import AsyncStepLoop
 from kvserve.executor.base import Executor
 from kvserve.batch import SchedulerOutput
 from kvserve.executor.builder import StepBuilder
@@ -191,7 +192,10 @@ class LLMEngine:
         tokenizer_future = tokenizer_loader.submit(load_tokenizer, self.source)
         tokenizer_loader.shutdown(wait=False)
         with _cyclic_gc_paused():
-            self.parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+            # The model runs in worker processes: with parallelism, or asked for (async
+            # scheduling overlaps the engine's work with a worker's steps).
+            self.parallel = (args.tensor_parallel_size * args.pipeline_parallel_size > 1
+                             or args.worker_process or args.async_scheduling)
             if self.parallel:
                 # The weights live in the worker processes; the engine needs only the shape.
                 self.model = None
@@ -288,6 +292,7 @@ class LLMEngine:
                                    multi_step_eligible=needs_no_step_state if multi_step else None,
                                    before_free=self._publish_kv if args.kv_transfer is not None else None)
         self._in_flight: deque[tuple[int, SchedulerOutput]] = deque()
+        async_scheduling = args.async_scheduling and self._async_scheduling_applies(args)
         self.executor: Executor
         if self.parallel:
             spec = WorkerSpec(model=args.model, dtype=self.dtype, weight_format=self.weight_format,
@@ -299,12 +304,16 @@ class LLMEngine:
                               pipeline_parallel_size=args.pipeline_parallel_size,
                               kv_groups=self.kv_groups,
                               kernel_config=args.kernel_config,
+                              async_scheduling=async_scheduling,
                               shm_path=None if under_torchrun() else
                               f"/dev/shm/kvserve-{os.getpid()}-{secrets.token_hex(4)}")
             self.executor = MultiprocExecutor(spec, args.tensor_parallel_size * args.pipeline_parallel_size)
         else:
             self.executor = UniProcExecutor(self.model, cfg, self.kv_spec, num_blocks, self.device)
         self.step_builder = StepBuilder(cfg.vocab_size)
+        self.async_loop: Optional[AsyncStepLoop] = (
+            AsyncStepLoop(self.scheduler, self.executor, self.step_builder, functools.partial(self._schedule, 0))
+            if async_scheduling else None)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs; llguidance's view of the vocabulary is built on first use.
         self.grammar_compiler = GrammarCompiler(self.tokenizer.hf, cfg.vocab_size, self.eos_token_ids)
@@ -324,6 +333,27 @@ class LLMEngine:
         self.kv_layout = layout_id(self.kv_spec)
         if args.kv_transfer is not None:
             self._start_kv_transfer(args.kv_transfer)
+
+    @staticmethod
+    def _async_scheduling_applies(args: EngineArgs) -> bool:
+        """Whether async scheduling can run with these settings; says why not in a log line."""
+        if args.speculative_config is not None:
+            # Drafts are proposed from the tokens before them and verified runs roll back: not
+            # built on placeholders yet.
+            logger.warning("async scheduling: speculative decoding keeps the synchronous step")
+            return False
+        if args.tensor_parallel_size > 1:
+            # A decode's input is the token the step before sampled, and only the sampling rank
+            # has it: the other ranks would need it sent (not built yet).
+            logger.warning("async scheduling: tensor-parallel ranks other than the sampling one do not see "
+                           "the sampled tokens; keeping the synchronous step")
+            return False
+        if args.pipeline_parallel_size > 1:
+            logger.warning("async scheduling: pipeline stages keep their own overlap of micro-batches "
+                           "(the synchronous step)")
+            return False
+        logger.info("async scheduling: the engine schedules step N+1 while the worker computes step N")
+        return True
 
     # ------------------------------------------------------------------ requests
     @property
@@ -507,7 +537,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.output_processor.num_unfinished > 0 or self.scheduler.has_unfinished_requests()
-                or bool(self._in_flight) or (self.kv_consumer is not None and self.kv_consumer.has_pending))
+                or bool(self._in_flight) or (self.async_loop is not None and self.async_loop.in_flight is not None)
+                or (self.kv_consumer is not None and self.kv_consumer.has_pending))
 
     # ------------------------------------------------------------------ disaggregation
     def _start_kv_transfer(self, config: DisaggConfig) -> None:
@@ -635,6 +666,10 @@ class LLMEngine:
         if self.kv_consumer is not None:
             self._admit_received(touched)
         stats = StepStats()
+        if self.async_loop is not None:
+            applied = self.async_loop.step(
+                lambda sched, out: self._apply(sched, out, stats, touched, committed=True))
+            return self._finish_step(t0, stats, touched, applied)
         # One micro-batch (no pipeline): submit, then collect the same step at once.
         busy = {mb for mb, _ in self._in_flight}
         for mb in range(self.num_micro_batches):
@@ -651,11 +686,15 @@ class LLMEngine:
             self._apply(*done, stats, touched)
         elif self.kv_consumer is not None and self.kv_consumer.num_loading and not touched:
             self.kv_consumer.wait(0.02)  # nothing to compute until a transfer lands: no busy loop
+        return self._finish_step(t0, stats, touched, done is not None)
+
+    def _finish_step(self, t0: float, stats: StepStats, touched: set[str], applied: bool) -> list[RequestOutput]:
+        """The outputs of the requests a step touched, and the step's counters."""
         with label("detokenizer"):
             outputs = self.output_processor.outputs_for(touched)
         self.counters.finished_requests += sum(1 for o in outputs if o.finished)
         stats.duration_s = time.perf_counter() - t0
-        if done is not None:
+        if applied:
             self.counters.steps += 1
             if stats.num_prefill_tokens:
                 self.counters.prefill_time_s += stats.duration_s
@@ -683,8 +722,9 @@ class LLMEngine:
             return self.step_builder.build(sched)
 
     def _apply(self, sched: SchedulerOutput, runner_out: StepOutput, stats: StepStats,
-               touched: set[str]) -> None:
-        """Apply a finished step's sampled tokens: stops, grammars, detokenizer, speculation."""
+               touched: set[str], committed: bool = False) -> None:
+        """Apply a finished step's sampled tokens: stops, grammars, detokenizer, speculation.
+        ``committed``: async scheduling counted the step's progress when it sent it."""
         stats.num_prefill_tokens = runner_out.num_prefill_tokens
         stats.num_decode_tokens = runner_out.num_decode_tokens
         stats.num_seqs = len(sched.chunks)
@@ -701,7 +741,7 @@ class LLMEngine:
             return self._advance_grammar(req) or stop_string
 
         with label("scheduler.update"):
-            updated = self.scheduler.update_from_output(sched, runner_out.sampled, on_token)
+            updated = self.scheduler.update_from_output(sched, runner_out.sampled, on_token, committed=committed)
         for rid, entries in runner_out.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, entries)
         touched.update(req.request_id for req in updated)

@@ -130,6 +130,10 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Async scheduling: tokens that steps already sent to the worker will sample for this
+    # request, not yet known here. Its ``num_computed_tokens`` already counts the positions
+    # those steps compute (kvserve/async_step.py); always 0 in the synchronous engine.
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Optional[Any] = None  # the stop string or token id that finished it
@@ -154,6 +158,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """The tokens the scheduler plans for: the known ones and those a step in flight will
+        sample (the same as ``num_tokens`` without async scheduling)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

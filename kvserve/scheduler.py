@@ -184,7 +184,13 @@ class Scheduler:
         i = 0
         while i < len(mine) and budget > 0:
             request = mine[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and max_new_tokens(request, self.max_model_len) <= \
+                    request.num_output_placeholders:
+                # (Async scheduling) the step in flight samples its last allowed token: it ends
+                # there, by length, whatever the token. Nothing to plan for it.
+                i += 1
+                continue
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             spec = self._spec_tokens(request, drafts.get(request.request_id), num_new, budget)
             # Drafts, and a multi-step round's later steps, ride on lookahead slots; without room
@@ -283,11 +289,40 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    # ---- async scheduling ------------------------------------------------------------------
+
+    def commit_in_flight(self, scheduler_output: SchedulerOutput) -> None:
+        """(Async scheduling) ``scheduler_output`` went to the worker: plan the next step as if
+        it were done. Its requests' computed tokens count its chunks now, and each chunk that
+        samples leaves a placeholder for the token it will produce; ``update_from_output(...,
+        committed=True)`` later replaces the placeholders with the tokens."""
+        if scheduler_output.num_steps != 1:
+            raise ValueError("async scheduling takes one step per round")
+        for chunk in scheduler_output.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            if chunk.needs_sample:
+                request.num_output_placeholders += 1
+
+    def may_preempt(self, micro_batch: int = 0) -> bool:
+        """Whether scheduling ``micro_batch`` now could preempt a running request: the blocks
+        its running requests could need for their next chunks (each its whole remaining
+        known-and-placeholder tokens, no sliding-window release counted) exceed the free pool.
+        Async scheduling collects the step in flight first then: a request is never preempted
+        with a token on its way (that token, and a seeded request's RNG draw, would be lost)."""
+        kv = self.kv_manager
+        needed = 0
+        for request in self.running_in(micro_batch):
+            target = kv.num_blocks_for(request.num_tokens_with_placeholders)
+            needed += sum(max(0, target - len(table)) for table in kv.get_block_tables(request.request_id))
+        return needed > kv.num_free_blocks
+
     # ---- results ---------------------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: Mapping[str, Union[int, Sequence[int]]],
-                           on_token: Optional[Callable[[Request, int], bool]] = None) -> list[Request]:
+                           on_token: Optional[Callable[[Request, int], bool]] = None,
+                           committed: bool = False) -> list[Request]:
         """Advance each scheduled request, append its new tokens, finish and free stopped ones.
 
         ``sampled`` maps a request id to its new token, or to the list of tokens a
@@ -299,6 +334,9 @@ class Scheduler:
         ``stopping.check_token_stop``; a stop in the middle of an accepted run ends the
         request there and drops the rest.
 
+        ``committed``: the step's progress was counted when it was sent (``commit_in_flight``,
+        async scheduling): its sampled tokens replace the placeholders it left.
+
         Returns the requests that got new tokens, finished or not.
         """
         with_new_token: list[Request] = []
@@ -308,7 +346,11 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
             needs_sample = chunk.needs_sample
-            request.num_computed_tokens += chunk.num_new_tokens
+            if committed:
+                if needs_sample:
+                    request.num_output_placeholders -= 1
+            else:
+                request.num_computed_tokens += chunk.num_new_tokens
             if not needs_sample:
                 continue
             new_tokens = sampled[request.request_id]

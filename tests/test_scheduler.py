@@ -564,3 +564,53 @@ def test_a_round_that_does_not_fit_preempts_nobody_a_single_step_would_not():
         run_to_end(sched, runner)
         assert a.output_token_ids == reference([1, 2], 6) and b.output_token_ids == reference([3, 4, 5, 6], 4)
         assert sched.kv_manager.num_used_blocks == 0
+
+
+def test_async_placeholders_plan_the_next_step_and_resolve_in_order():
+    """Async scheduling's bookkeeping, torch-free: a committed step leaves a placeholder per
+    sampling chunk, the next step decodes it, a request at its length limit is not planned
+    past it, and the collected tokens replace the placeholders in order."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    b = Request("b", [6, 7, 8], SamplingParams(max_tokens=8, ignore_eos=True))
+    sched.add_request(a)
+    sched.add_request(b)
+    first = sched.schedule()
+    sched.commit_in_flight(first)
+    assert [(c.request.num_computed_tokens, c.request.num_output_placeholders) for c in first.chunks] == [(5, 1), (3, 1)]
+    second = sched.schedule()  # planned on the placeholders: one decode each, at the next position
+    assert [(c.request.request_id, c.start_position, c.num_new_tokens, c.needs_sample) for c in second.chunks] == [
+        ("a", 5, 1, True), ("b", 3, 1, True)]
+    sched.commit_in_flight(second)
+    assert sched.update_from_output(first, {"a": 10, "b": 20}, committed=True) == [a, b]
+    assert (a.output_token_ids, a.num_output_placeholders, a.num_computed_tokens) == ([10], 1, 6)
+    # a's second (last allowed) token is in flight: the third step plans only b.
+    third = sched.schedule()
+    assert [c.request.request_id for c in third.chunks] == ["b"]
+    sched.commit_in_flight(third)
+    sched.update_from_output(second, {"a": 11, "b": 21}, committed=True)
+    assert a.is_finished and a.output_token_ids == [10, 11] and kv.get_block_tables("a") == [[]]
+    sched.update_from_output(third, {"b": 22}, committed=True)
+    assert b.output_token_ids == [20, 21, 22] and b.num_output_placeholders == 0 and b.num_computed_tokens == 5
+    assert not sched.may_preempt()
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert kv.num_used_blocks == 0
+
+
+def test_may_preempt_when_the_next_step_outgrows_the_free_pool():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    reqs = [Request(f"r{i}", list(range(1 + 10 * i, 9 + 10 * i)), SamplingParams(max_tokens=4, ignore_eos=True))
+            for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    first = sched.schedule()
+    assert not sched.may_preempt()  # nothing committed yet: 8 tokens each, in their 2 blocks
+    sched.commit_in_flight(first)  # each one's 9th token (a placeholder) needs a third block
+    assert kv.num_free_blocks == 0 and sched.may_preempt()
+    sched.update_from_output(first, {"r0": 5, "r1": 6}, committed=True)
+    sched.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+    assert not sched.may_preempt()
+    sched.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+    assert kv.num_used_blocks == 0

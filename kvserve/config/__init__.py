@@ -179,8 +179,16 @@ class EngineArgs:
     # stream's tokens arrive in bursts of up to this many. 1: a round per step. Single process,
     # without speculative decoding.
     num_scheduler_steps: int = 1
+    # Run the model in a worker process even at 1 x 1 (the executor kvserve.executor.multiproc,
+    # world size 1): the engine's own thread then only schedules and processes outputs.
+    worker_process: bool = False
+    # Async scheduling (vLLM's): the engine schedules and builds step N+1, and processes step
+    # N-1's outputs, while the worker computes step N (kvserve/async_step.py). Implies a
+    # worker process. Speculative decoding, tensor and pipeline parallelism keep the
+    # synchronous step (a log line says so).
+    async_scheduling: bool = False
     # Parallelism: one worker process per rank (kvserve.executor.multiproc); 1 x 1 runs the
-    # model in the engine's process.
+    # model in the engine's process (unless worker_process or async_scheduling).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # Bound on one step (and on every collective) of a parallel group: past it a worker is
@@ -227,6 +235,9 @@ class EngineArgs:
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs).validate()
         if self.kv_transfer is not None:
             self.kv_transfer.validate()
+            if self.async_scheduling or self.worker_process:
+                raise ConfigError("disaggregated prefill/decode runs the model in the engine's process: "
+                                  "it cannot be combined with async scheduling or a worker process")
             if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
                 raise ConfigError("disaggregated prefill/decode runs the model in the engine's process: "
                                   "it cannot be combined with tensor or pipeline parallelism")

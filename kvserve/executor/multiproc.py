@@ -30,7 +30,7 @@ from typing import Optional
 from kvserve import environment
 from kvserve.executor.base import ExecutorError
 from kvserve.executor.launch import plan_launch
-from kvserve.executor.step import StepInput, StepOutput
+from kvserve.executor.step import LateBitmasks, StepInput, StepOutput
 from kvserve.executor.worker import SHUTDOWN, STATS, WorkerSpec
 
 logger = logging.getLogger("kvserve")
@@ -49,6 +49,9 @@ class MultiprocExecutor:
         self.driver_rank = spec.driver_rank
         self._failed: Optional[str] = None
         self._num_in_flight = 0
+        # Seconds the engine's thread spent blocked in collect(), waiting for the workers (the
+        # rest of its time is the host's share of the steps).
+        self.wait_time_s = 0.0
         launch = plan_launch(world_size)
         listener = Listener((launch.listen_host, launch.listen_port), authkey=launch.authkey)
         address = f"{launch.connect_host}:{listener.address[1]}"
@@ -114,7 +117,21 @@ class MultiprocExecutor:
         # A little longer than the workers' own collective timeout: when one rank hangs, the
         # rank waiting for it reports which one first. With a step ahead of it in the
         # pipeline, it waits for that one's stages too.
-        return self._receive(self.driver_rank, self.timeout_s * 1.5 + 1.0, "ok")
+        t0 = time.perf_counter()
+        try:
+            return self._receive(self.driver_rank, self.timeout_s * 1.5 + 1.0, "ok")
+        finally:
+            self.wait_time_s += time.perf_counter() - t0
+
+    def send_late_bitmasks(self, late: LateBitmasks) -> None:
+        """(Async scheduling) The bitmasks a submitted step's late constrained requests wait
+        for; only the sampling rank reads them, after its forward pass."""
+        if self._failed:
+            raise ExecutorError(self._failed)
+        try:
+            self._conns[self.driver_rank].send_bytes(pickle.dumps(late, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            self._fail(self._death_reason() or "a worker's pipe closed")
 
     def worker_stats(self) -> list[dict]:
         """Per rank: requests it holds state for, steps run, time in steps and collectives."""

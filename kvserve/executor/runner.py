@@ -7,7 +7,7 @@ copy per tensor, so the same code serves CPU and CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ import torch
 from kvserve.attention import AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
-from kvserve.executor.step import NewRequestData, StepInput, StepOutput
+from kvserve.executor.step import LateBitmasks, NewRequestData, StepInput, StepOutput
 from kvserve.request import SamplingParams
 from kvserve.quant import has_prefill_copies
 from kvserve.sampler import Sampler, SamplingMetadata, argmax_suffices, build_sampling_metadata, make_generator
@@ -40,6 +40,20 @@ class _BitmaskRow:
 
     def fill_bitmask(self, bitmask: np.ndarray, index: int) -> None:
         bitmask[index] = self.row
+
+
+class _BitmaskToCome:
+    """(Async scheduling) A constrained request whose bitmask arrives after the forward pass
+    (StepInput.late_grammar_request_ids): it marks the row as constrained (no argmax-only
+    shortcut) until ``ModelRunner`` swaps in the real row."""
+
+    __slots__ = ()
+
+    def fill_bitmask(self, bitmask: np.ndarray, index: int) -> None:
+        raise RuntimeError("a late grammar bitmask was sampled with before it arrived")
+
+
+_BITMASK_TO_COME = _BitmaskToCome()
 
 
 class RequestState:
@@ -129,6 +143,11 @@ class ModelRunner:
         # where the model allows (PagedCausalLM.decode_round); off, they step through the model
         # in Python (tests and benchmarks compare the two).
         self.native_rounds = True
+        # Async scheduling (the engine does not know a step's tokens when it builds the next):
+        # this runner appends each sampled token to its request's history itself, feeds it to
+        # the next step's placeholder, and takes late bitmasks from ``receive_late_bitmasks``.
+        self.appends_sampled_tokens = False
+        self.receive_late_bitmasks: Optional[Callable[[], LateBitmasks]] = None
 
     def update_states(self, step: StepInput) -> None:
         for rid in step.finished_request_ids:
@@ -139,9 +158,21 @@ class ModelRunner:
             state = self.requests[chunk.request_id]
             if chunk.new_output_token_ids:
                 state.output_token_ids.extend(chunk.new_output_token_ids)
+            if chunk.feeds_last_sampled:
+                chunk.token_ids[-1] = state.output_token_ids[-1]
             if chunk.needs_sample:
                 row = step.grammar_bitmasks.get(chunk.request_id)
                 state.grammar = None if row is None else _BitmaskRow(row)
+        for rid in step.late_grammar_request_ids:
+            self.requests[rid].grammar = _BITMASK_TO_COME
+
+    def _take_late_bitmasks(self, step: StepInput) -> None:
+        """Wait for the bitmasks this step's late constrained requests sample with."""
+        if self.receive_late_bitmasks is None:
+            raise RuntimeError("a step with late grammar bitmasks, but no channel they come on")
+        late = self.receive_late_bitmasks()
+        for rid in step.late_grammar_request_ids:
+            self.requests[rid].grammar = _BitmaskRow(late.bitmasks[rid])
 
     def prepare_inputs(self, step: StepInput) -> ModelInputs:
         block_size = self.block_size
@@ -269,6 +300,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        out = self._execute(step)
+        if self.appends_sampled_tokens:
+            for rid, tokens in out.sampled.items():
+                self.requests[rid].output_token_ids.extend(tokens)
+        return out
+
+    def _execute(self, step: StepInput) -> StepOutput:
         self.update_states(step)
         if not step.chunks:
             return StepOutput()
@@ -297,6 +335,10 @@ class ModelRunner:
                          num_decode_tokens=inputs.num_decode_tokens)
         if not self.samples or logits is None:  # None: a pipeline stage before the last
             return out
+        if step.late_grammar_request_ids:
+            # (The forward pass above ran while the engine advanced these grammars.)
+            with label("runner.wait_late_bitmasks"):
+                self._take_late_bitmasks(step)
         num_sampled = len(inputs.sampled_requests)
         if inputs.prompt_targets:
             with label("prompt_logprobs"):

@@ -50,6 +50,10 @@ class ChunkInput:
     # A model drafter sampling at temperature > 0: its distributions q at each draft, a
     # [num_drafts, vocab] float32 array, for rejection sampling; None: compare samples with drafts.
     draft_probs: Optional[np.ndarray] = None
+    # Async scheduling: the chunk's last token is a placeholder for the token the previous
+    # step sampled for this request, which the engine did not know when it built this step:
+    # the worker feeds its own newest sampled token there.
+    feeds_last_sampled: bool = False
 
 
 @dataclass
@@ -64,6 +68,11 @@ class StepInput:
     # Decode steps to take (SchedulerOutput.num_steps): each later one feeds every request the
     # token the step before sampled, into the lookahead slots its block tables already hold.
     num_steps: int = 1
+    # Async scheduling: constrained requests whose bitmask the engine could not build yet (their
+    # grammar waits for the token the previous step samples). The bitmasks follow in a
+    # message of their own (LateBitmasks) that the worker reads after the forward pass,
+    # before sampling.
+    late_grammar_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -80,3 +89,11 @@ class StepOutput:
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+
+
+@dataclass
+class LateBitmasks:
+    """The bitmasks a step's ``late_grammar_request_ids`` wait for (request id -> int32 words),
+    sent once the engine has advanced their grammars with the previous step's tokens."""
+
+    bitmasks: dict[str, np.ndarray] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from kvserve import environment
 from kvserve.config import KernelConfig
 
 if TYPE_CHECKING:
+    from kvserve.executor.step import LateBitmasks
     from kvserve.kv_cache import KVCacheGroup
 
 logger = logging.getLogger("kvserve.worker")
@@ -64,11 +65,27 @@ class WorkerSpec:
     kv_groups: tuple[KVCacheGroup, ...] = ()
     # EngineArgs.kernel_config as the user gave it: each worker resolves it against its own CPU.
     kernel_config: KernelConfig = KernelConfig()
+    # EngineArgs.async_scheduling: the runner keeps each request's sampled tokens itself and
+    # the sampling rank reads late grammar bitmasks from its pipe (ModelRunner).
+    async_scheduling: bool = False
 
     @property
     def driver_rank(self) -> int:
         """The rank that samples and answers the engine: the last stage's first rank."""
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+
+def _receive_late_bitmasks(conn: Connection) -> "LateBitmasks":
+    """The engine's next message, which must be the late bitmasks of the step being run."""
+    from kvserve.executor.step import LateBitmasks
+
+    data = conn.recv_bytes()
+    if data == SHUTDOWN:
+        raise EOFError("the engine stopped in the middle of a step")
+    late = pickle.loads(data)
+    if not isinstance(late, LateBitmasks):
+        raise RuntimeError(f"expected the step's late grammar bitmasks, got {type(late).__name__}")
+    return late
 
 
 def _die_with_parent() -> None:
@@ -135,6 +152,9 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str, spec:
                             spec.kv_groups)
     driver = rank == spec.driver_rank
     runner = ModelRunner(model, local_cfg, kv_spec, spec.num_blocks, device, samples=driver)
+    if spec.async_scheduling:
+        runner.appends_sampled_tokens = True
+        runner.receive_late_bitmasks = lambda: _receive_late_bitmasks(conn)
     if len(runner.kv_cache) != len(model.model.layers):  # the model zips its layers with the cache's
         raise RuntimeError(f"KV cache of {len(runner.kv_cache)} layers for {len(model.model.layers)} model layers")
     conn.send_bytes(pickle.dumps(("ready", {"rank": rank, "pid": os.getpid(),
