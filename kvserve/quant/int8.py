@@ -27,7 +27,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
-        x2 = nn.functional.pad(x2, (0, self.weight.shape[1] - self.in_features))
+        if self.weight.shape[1] != self.in_features:  # (a padded layer only: no copy on the common path)
+            x2 = nn.functional.pad(x2, (0, self.weight.shape[1] - self.in_features))
         y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         if self.bias is not None:
             y = y + self.bias
