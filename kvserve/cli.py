@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from kvserve import environment
 from kvserve.config import (DEFAULT_MODEL, INT4_PREFILL_MODES, KV_CACHE_DTYPES, ConfigError, EngineArgs, KernelConfig,
@@ -27,8 +27,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
-                   help="KV cache budget in bytes (suffixes K, M, G allowed); default from free memory")
+    g.add_argument("--kv-cache-memory", type=_parse_kv_budget, default=None,
+                   help="KV cache budget in bytes (suffixes K, M, G allowed), or 'auto': what is free after "
+                        "the weights, less their mapped file and one step's workspace (default: an eighth "
+                        "of free memory, at most 1 GiB)")
     g.add_argument("--num-blocks", type=int, default=None, help="explicit KV block count")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
@@ -77,6 +79,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='CPU kernel routes and numerics, e.g. \'{"attention_route": "widened", "step_teams": false}\' '
                         "(keys: native_kernels, cpu_march, bf16_route, attention_route, step_teams, "
                         "batch_invariant, shm_collectives, time_collectives)")
+
+
+def _parse_kv_budget(text: str) -> Union[int, str]:
+    return "auto" if text.strip().lower() == "auto" else _parse_bytes(text)
 
 
 def _parse_bytes(text: str) -> int:

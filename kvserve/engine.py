@@ -14,6 +14,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from kvserve import ops
 from kvserve.ops import apply_kernel_config
 from kvserve.config import ConfigError, EngineArgs, ModelConfig
+from kvserve.kv_budget import AUTO, KVBudget, auto_kv_cache_memory, default_kv_cache_memory, step_workspace_bytes
 from kvserve.kv_cache import KVCacheSpec, kv_cache_groups
 from kvserve.kv_manager import KVCacheManager, max_blocks_per_request
 from kvserve.async_step import AsyncStepLoop
@@ -96,19 +98,10 @@ def resolve_precision(dtype: str, quantization: Optional[str],
     return torch.float32, quantization
 
 
-def default_kv_cache_memory(device: torch.device) -> int:
-    """A KV budget that leaves the rest of the machine alone: an eighth of available host
-    memory capped at 1 GiB on CPU (46k tokens of SmolLM2 in bf16); half of free device
-    memory on CUDA. ``--kv-cache-memory`` sets it explicitly."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.5)
-    try:
-        import psutil
-        available = psutil.virtual_memory().available
-    except ImportError:  # psutil is optional
-        available = 8 << 30
-    return int(min(1 << 30, available // 8))
+def _checkpoint_files(path: str) -> list[Path]:
+    """The files holding a model's weights: a GGUF, or a directory's safetensors."""
+    p = Path(path)
+    return [p] if p.is_file() else sorted(p.glob("*.safetensors"))
 
 
 @dataclass
@@ -259,11 +252,13 @@ class LLMEngine:
         # Blocks a request of the maximum length holds at its peak, over all groups.
         self.max_request_blocks = max_blocks_per_request(self.max_model_len, cache.block_size,
                                                          self.kv_spec.group_windows, args.max_num_batched_tokens)
+        self.workspace_bytes = self._step_workspace_bytes(args)
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
+            self.kv_budget = KVBudget(num_blocks * bytes_per_block, "explicit block count")
         else:
-            budget = cache.kv_cache_memory or default_kv_cache_memory(self.device)
-            num_blocks = budget // bytes_per_block
+            self.kv_budget = self._kv_budget(cache.kv_cache_memory)
+            num_blocks = self.kv_budget.bytes // bytes_per_block
             # No point holding more than max_num_seqs full contexts.
             max_useful = args.max_num_seqs * self.max_request_blocks + 1 + num_reserved
             num_blocks = min(num_blocks, max_useful)
@@ -365,24 +360,53 @@ class LLMEngine:
         """The start-up line's kernel configuration, as resolved on this machine."""
         return self.kernel_config.describe()
 
+    def _mapped_weight_bytes(self) -> int:
+        """Weight bytes read in place from the model file (GGUF blocks the layers map)."""
+        from kvserve.row_table import GGUFRows
+
+        if self.model is None:
+            return 0
+        return sum({m.raw.data_ptr(): m.raw.numel() for m in self.model.modules() if isinstance(m, GGUFRows)}.values())
+
+    def _step_workspace_bytes(self, args: EngineArgs) -> int:
+        cfg = self.model_config
+        q_width = cfg.num_attention_heads * cfg.head_dim
+        kv_width = 2 * cfg.num_key_value_heads * cfg.head_dim
+        intermediate = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.num_experts_per_tok))
+        return step_workspace_bytes(cfg.hidden_size, intermediate, q_width, kv_width, cfg.vocab_size,
+                                    args.max_num_batched_tokens, args.max_num_seqs)
+
+    def _kv_budget(self, requested: object) -> KVBudget:
+        """The pool's bytes: explicit, ``auto`` (kvserve.kv_budget) or the small default."""
+        if requested is None:
+            return KVBudget(default_kv_cache_memory(self.device.type), "default")
+        if requested != AUTO:
+            return KVBudget(int(requested), "explicit")
+        mapped = self._mapped_weight_bytes()
+        if self.model is None and self.source.path and self.device.type != "cuda":
+            # The workers load after the pool is sized: count the checkpoint as their weights.
+            mapped = sum(f.stat().st_size for f in _checkpoint_files(self.source.path))
+        return auto_kv_cache_memory(self.device.type, mapped, self.workspace_bytes)
+
     def describe_memory(self) -> str:
         """The start-up line's memory: the weights this process holds, those it reads in place
         from the model file (mapped: resident only as far as read), the KV pool, and the linear
         layers' formats."""
         if self.model is None:
             return f"memory: weights in the worker processes; KV pool {self.kv_cache_bytes / 2**20:.0f} MiB per rank"
-        from kvserve.row_table import GGUFRows
-
         seen, held = set(), 0
         for t in [*self.model.parameters(), *self.model.buffers()]:
             if t.device.type != "meta" and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 held += t.untyped_storage().nbytes()
-        mapped = sum({m.raw.data_ptr(): m.raw.numel() for m in self.model.modules() if isinstance(m, GGUFRows)}.values())
+        mapped = self._mapped_weight_bytes()
         formats = getattr(self.model, "weight_format_counts", None)
         return (f"memory: weights {held / 2**20:.0f} MiB held"
                 + (f" + {mapped / 2**20:.0f} MiB read in place from the file" if mapped else "")
-                + f", KV pool {self.kv_cache_bytes / 2**20:.0f} MiB"
+                + f", KV pool {self.kv_cache_bytes / 2**20:.0f} MiB ({self.kv_budget.describe()}"
+                + (f"; {self.kv_budget.bytes / 2**20:.0f} MiB capped at max_num_seqs full contexts"
+                   if self.num_blocks < self.kv_budget.bytes // self.kv_spec.bytes_per_block else "") + ")"
+                + f", step workspace ~{self.workspace_bytes / 2**20:.0f} MiB (estimated)"
                 + (f"; layers: {', '.join(f'{n} x {k}' for k, n in formats.items())}" if formats else ""))
 
     def describe_kv_cache(self) -> str:

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from kvserve.config.kernels import KernelConfig, parse_kernel_config
 from kvserve.config.speculative import SpeculativeConfig, parse_speculative_config
 from kvserve.config.disagg import DisaggConfig
 from kvserve.errors import ConfigError
+from kvserve.kv_budget import parse_kv_cache_memory
 
 __all__ = ["ConfigError", "ModelConfig", "CacheConfig", "SchedulerConfig", "EngineArgs", "KernelConfig",
            "SpeculativeConfig", "parse_speculative_config", "parse_kernel_config", "DEFAULT_MODEL", "KV_CACHE_DTYPES", "INT4_PREFILL_MODES"]
@@ -106,8 +107,9 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    # KV budget in bytes; None picks a default from free memory (see kv sizing in the engine).
-    kv_cache_memory: Optional[int] = None
+    # KV budget in bytes, or "auto" (what is free after the weights, kvserve.kv_budget); None
+    # picks a small default from free memory.
+    kv_cache_memory: Optional[Union[int, str]] = None
     # Explicit block count; overrides kv_cache_memory (tests use it to force preemption).
     num_gpu_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
@@ -115,8 +117,10 @@ class CacheConfig:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        try:
+            parse_kv_cache_memory(self.kv_cache_memory)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_gpu_blocks}")
 
@@ -151,7 +155,7 @@ class EngineArgs:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_memory: Optional[int] = None  # bytes
+    kv_cache_memory: Optional[Union[int, str]] = None  # bytes, or "auto" (kvserve.kv_budget)
     num_blocks: Optional[int] = None  # overrides kv_cache_memory
     max_num_batched_tokens: int = 2048  # prefill tokens + decodes per step (chunk budget)
     max_num_seqs: int = 64
