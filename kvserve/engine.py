@@ -378,15 +378,18 @@ class LLMEngine:
 
     def _kv_budget(self, requested: object) -> KVBudget:
         """The pool's bytes: explicit, ``auto`` (kvserve.kv_budget) or the small default."""
+        device_free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         if requested is None:
-            return KVBudget(default_kv_cache_memory(self.device.type), "default")
+            return KVBudget(default_kv_cache_memory(device_free), "default")
         if requested != AUTO:
             return KVBudget(int(requested), "explicit")
+        if device_free is not None:
+            return auto_kv_cache_memory(0, self.workspace_bytes, available=device_free)
         mapped = self._mapped_weight_bytes()
-        if self.model is None and self.source.path and self.device.type != "cuda":
+        if self.model is None and self.source.path:
             # The workers load after the pool is sized: count the checkpoint as their weights.
             mapped = sum(f.stat().st_size for f in _checkpoint_files(self.source.path))
-        return auto_kv_cache_memory(self.device.type, mapped, self.workspace_bytes)
+        return auto_kv_cache_memory(mapped, self.workspace_bytes)
 
     def describe_memory(self) -> str:
         """The start-up line's memory: the weights this process holds, those it reads in place

@@ -48,14 +48,12 @@ def parse_kv_cache_memory(value: object) -> Optional[object]:
     return value
 
 
-def default_kv_cache_memory(device_type: str) -> int:
+def default_kv_cache_memory(device_free: Optional[int] = None) -> int:
     """A KV budget that leaves the rest of the machine alone: an eighth of available host
-    memory capped at 1 GiB on CPU (46k tokens of SmolLM2 in bf16); half of free device
-    memory on CUDA."""
-    if device_type == "cuda":
-        import torch
-        free, _ = torch.cuda.mem_get_info()
-        return int(free * 0.5)
+    memory capped at 1 GiB on CPU (46k tokens of SmolLM2 in bf16); half of a device's free
+    memory (``device_free``, the caller's torch.cuda.mem_get_info) on CUDA."""
+    if device_free is not None:
+        return int(device_free * 0.5)
     return int(min(1 << 30, host_available_bytes() // 8))
 
 
@@ -103,15 +101,10 @@ def step_workspace_bytes(hidden_size: int, intermediate_size: int, q_width: int,
     return 4 * (max_num_batched_tokens * per_token + 2 * max_num_seqs * vocab_size)
 
 
-def auto_kv_cache_memory(device_type: str, mapped_bytes: int, workspace_bytes: int,
-                         available: Optional[int] = None) -> KVBudget:
-    """The ``auto`` budget; ``available`` for tests (measured here otherwise)."""
+def auto_kv_cache_memory(mapped_bytes: int, workspace_bytes: int, available: Optional[int] = None) -> KVBudget:
+    """The ``auto`` budget. ``available``: a device's free memory (its weights are allocations,
+    already out of it: pass no mapped bytes), or the host's when None."""
     if available is None:
-        if device_type == "cuda":
-            import torch
-            available, _ = torch.cuda.mem_get_info()
-            mapped_bytes = 0  # device weights are allocations, already out of free memory
-        else:
-            available = host_available_bytes()
+        available = host_available_bytes()
     spare = available - mapped_bytes - workspace_bytes - AUTO_HEADROOM_BYTES
     return KVBudget(int(max(0, spare) * AUTO_UTILIZATION), AUTO, available, mapped_bytes, workspace_bytes)

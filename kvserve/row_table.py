@@ -10,7 +10,7 @@ rescoring of its top candidates read single rows, so they lose nothing by readin
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -76,13 +76,26 @@ class GGUFRows(nn.Module):
     ``raw`` uint8 ``[rows, row bytes]`` (a view of the file's mapped pages: no copy, and only the
     pages of rows read are ever resident), ``ggml_type`` the GGUF type, ``in_features`` K. The
     kernels dequantize each row as they read it (csrc/ggml_rows.h), with the values
-    kvserve.block_formats gives. Called with token ids it is the embedding lookup."""
+    kvserve.block_formats gives. Called with token ids it is the embedding lookup.
 
-    def __init__(self, raw: torch.Tensor, ggml_type: int, in_features: int) -> None:
+    ``release``: hands the rows' pages back to the file (the loader's GGUFFile.release). Rows read
+    here are a cold path (embedding lookups, the LM head's rescored candidates), but each page
+    read stays mapped, and the kernel maps 64 KB around each fault: a Llama-3-sized head's rows
+    became ~200 MB resident in 64 decode steps of a random-weight model, on top of its repacked
+    copy. ``release_pages`` (the runner calls it every MAPPED_ROWS_RELEASE_STEPS steps) keeps
+    them resident only while in use."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, in_features: int,
+                 release: Optional[Callable[[], None]] = None) -> None:
         super().__init__()
         self.raw = raw  # (not a buffer: a mapped file is not state to save or move)
         self.ggml_type, self.in_features = int(ggml_type), int(in_features)
         self.format = torch.tensor([self.ggml_type, self.in_features], dtype=torch.int64)
+        self.release = release
+
+    def release_pages(self) -> None:
+        if self.release is not None:
+            self.release()
 
     @property
     def shape(self) -> torch.Size:
@@ -106,6 +119,20 @@ class GGUFRows(nn.Module):
 
 
 RowSource = Union[torch.Tensor, Q8Table, GGUFRows]
+
+# How often the runner hands rows read in place back to the file (GGUFRows.release_pages): the
+# pages of a step's rows come back with a minor fault each the next time they are read.
+MAPPED_ROWS_RELEASE_STEPS = 8
+
+
+def mapped_row_tables(model: nn.Module) -> list[GGUFRows]:
+    """The model's tables read in place from its file, each once (a tied head's rows are the
+    embedding's)."""
+    seen: dict[int, GGUFRows] = {}
+    for module in model.modules():
+        if isinstance(module, GGUFRows):
+            seen.setdefault(module.raw.data_ptr(), module)
+    return list(seen.values())
 
 
 def table_args(table: Union[nn.Module, RowSource]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -56,6 +56,25 @@ def test_rows_in_place_equal_gguf_dequantize(qtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q4_0, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_repacking_row_stacked_parts_equals_repacking_their_concatenation(qtype):
+    # A fused projection's q, k and v are repacked where the file holds them, not copied together
+    # first; part sizes off the 16-row tiles, so a tile spans two parts.
+    from kvserve.quant import Q5KLinear, Q6KLinear
+    from kvserve.quant.registry import gguf_format
+    k, sizes = 512, (21, 5, 14)
+    parts = [_raw(qtype, n, k, seed=i) for i, n in enumerate(sizes)]
+    shape = (sum(sizes), k)
+    build = gguf_format(qtype.name).from_gguf_raw
+    whole, split = build(np.concatenate(parts), qtype.name, shape, None), build(parts, qtype.name, shape, None)
+    if whole is None:
+        pytest.skip("this CPU's kernel for the type reads rows, not a repacked layout")
+    assert type(whole) is type(split) and isinstance(whole, (Int4Linear, Q5KLinear, Q6KLinear, Q8Linear))
+    for (name, a), (_, b) in zip(whole.named_buffers(), split.named_buffers()):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_1, T.Q4_0, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_native_repacking_equals_numpy_unpacking(qtype):
     n, k = 37, 512
@@ -150,6 +169,23 @@ def test_engine_reads_the_file_format_by_default(tiny_q4_k_m):
     assert got == [o.outputs[0].token_ids for o in converted.generate(prompts, params)]
     # batch of one: the same tokens (batch invariance holds on the blocks)
     assert [blocks.generate([p], params)[0].outputs[0].token_ids for p in prompts] == got
+
+
+def test_rows_read_in_place_go_back_to_the_file_every_few_steps(tiny_q4_k_m):
+    # The runner hands the mapped tables' pages back (GGUFRows.release_pages) so rows read once
+    # do not stay resident; reading them again after that gives the same tokens.
+    from kvserve.row_table import MAPPED_ROWS_RELEASE_STEPS
+
+    llm = LLM(tiny_q4_k_m, max_model_len=256, kv_cache_memory=32 << 20)
+    runner = llm.engine.executor.runner
+    assert runner.mapped_tables and all(isinstance(t, GGUFRows) for t in runner.mapped_tables)
+    released = []
+    for table in runner.mapped_tables:
+        table.release = (lambda inner: lambda: (released.append(1), inner()))(table.release)
+    params = SamplingParams(max_tokens=3 * MAPPED_ROWS_RELEASE_STEPS, temperature=0.0, ignore_eos=True)
+    first = llm.generate(["One, two, three,"], params)[0].outputs[0].token_ids
+    assert len(released) >= 2 * len(runner.mapped_tables)
+    assert llm.generate(["One, two, three,"], params)[0].outputs[0].token_ids == first
 
 
 @needs_kernels

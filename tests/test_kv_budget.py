@@ -25,11 +25,11 @@ def test_parse_refuses_anything_else_with_a_config_error(value):
 
 def test_auto_takes_its_share_of_what_is_left_after_mapped_weights_and_workspace():
     gib = 1 << 30
-    budget = auto_kv_cache_memory("cpu", mapped_bytes=5 * gib, workspace_bytes=gib // 2, available=20 * gib)
+    budget = auto_kv_cache_memory(mapped_bytes=5 * gib, workspace_bytes=gib // 2, available=20 * gib)
     assert budget.bytes == int((20 * gib - 5 * gib - gib // 2 - AUTO_HEADROOM_BYTES) * AUTO_UTILIZATION)
     assert budget.rule == "auto" and "5120 MiB mapped weights" in budget.describe()
     # Nothing left: an empty budget (the engine then refuses with its "too small" error).
-    assert auto_kv_cache_memory("cpu", 8 * gib, 0, available=4 * gib).bytes == 0
+    assert auto_kv_cache_memory(8 * gib, 0, available=4 * gib).bytes == 0
 
 
 def test_host_available_memory_is_read():

@@ -17,6 +17,7 @@ from kvserve.config import ModelConfig
 from kvserve.kv_cache import KVCache, KVCacheSpec
 from kvserve.executor.step import LateBitmasks, NewRequestData, StepInput, StepOutput
 from kvserve.request import SamplingParams
+from kvserve.row_table import MAPPED_ROWS_RELEASE_STEPS, mapped_row_tables
 from kvserve.quant import has_prefill_copies
 from kvserve.sampler import Sampler, SamplingMetadata, argmax_suffices, build_sampling_metadata, make_generator
 from kvserve.speculative.rejection import rejection_sample
@@ -148,6 +149,9 @@ class ModelRunner:
         # the next step's placeholder, and takes late bitmasks from ``receive_late_bitmasks``.
         self.appends_sampled_tokens = False
         self.receive_late_bitmasks: Optional[Callable[[], LateBitmasks]] = None
+        # Tables read in place from the model file, whose pages go back every so many steps.
+        self.mapped_tables = mapped_row_tables(model)
+        self.steps_since_release = 0
 
     def update_states(self, step: StepInput) -> None:
         for rid in step.finished_request_ids:
@@ -301,6 +305,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         out = self._execute(step)
+        self.steps_since_release += 1
+        if self.mapped_tables and self.steps_since_release >= MAPPED_ROWS_RELEASE_STEPS:
+            for table in self.mapped_tables:
+                table.release_pages()
+            self.steps_since_release = 0
         if self.appends_sampled_tokens:
             for rid, tokens in out.sampled.items():
                 self.requests[rid].output_token_ids.extend(tokens)

@@ -13,6 +13,7 @@ A matrix whose type no kernel reads (Q5_K, Q2_K, Q3_K, IQ*) is dequantized and h
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -45,7 +46,8 @@ def _mapped_rows(gf: GGUFFile, gguf_name: str) -> GGUFRows:
     """The tensor's rows in place (the file's pages, read-only)."""
     info = gf.tensors[gguf_name]
     raw = gf.raw(gguf_name).view(np.uint8).reshape(info.shape[0], -1)
-    return GGUFRows(read_only_tensor(raw), int(info.quant_type), info.shape[-1])
+    return GGUFRows(read_only_tensor(raw), int(info.quant_type), info.shape[-1],
+                    release=functools.partial(gf.release, gguf_name))
 
 
 def _linear(gf: GGUFFile, config: ModelConfig, gguf_names: list[str],

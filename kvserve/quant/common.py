@@ -3,7 +3,7 @@ the bias and forward helpers around kvserve's kernels, buffer sizes."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -60,6 +60,12 @@ def _block_quantized_forward_into(layer: nn.Module, x: torch.Tensor, buffer: Cal
 
 def _buffer_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def read_only_parts(data: Union[np.ndarray, Sequence[np.ndarray]]) -> list[torch.Tensor]:
+    """A GGUF matrix's bytes for the native repacks (block_repack.cpp), viewed in place: one
+    array, or its row-stacked parts (a fused projection's q, k and v as the file stores them)."""
+    return [read_only_tensor(part) for part in (data if isinstance(data, (list, tuple)) else [data])]
 
 
 def read_only_tensor(array: np.ndarray) -> torch.Tensor:

@@ -30,15 +30,18 @@ logger = logging.getLogger(__name__)
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
 
 
-def _gguf_block_linear(quant_type: str, data: np.ndarray, shape: tuple[int, ...],
+def _gguf_block_linear(quant_type: str, parts: list[np.ndarray], shape: tuple[int, ...],
                        bias: Optional[torch.Tensor]) -> Optional[DecodeFormatLinear]:
-    """A GGUF matrix read by the kernel for its own type (None: no kernel reads that type)."""
+    """A GGUF matrix (its row-stacked ``parts``, as the file holds them) read by the kernel for
+    its own type (None: no kernel reads that type). The native repacks read the parts in place;
+    the numpy unpackers take them concatenated."""
     fmt = gguf_format(quant_type)
     if fmt is None:
         return None
-    layer = fmt.from_gguf_raw(data, quant_type, shape, bias) if fmt.from_gguf_raw is not None else None
+    layer = fmt.from_gguf_raw(parts, quant_type, shape, bias) if fmt.from_gguf_raw is not None else None
     if layer is not None or fmt.from_gguf is None:
         return layer
+    data = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return fmt.from_gguf(block_formats.unpack(quant_type, data, shape), shape, bias)
 
 
@@ -55,8 +58,7 @@ def gguf_linear(raw_parts: list, bias: Optional[torch.Tensor]) -> Optional[Decod
     layers, row = [], 0
     for run in runs:
         rows = sum(p.shape[0] for p in run)
-        data = run[0].data if len(run) == 1 else np.concatenate([p.data for p in run])
-        layer = _gguf_block_linear(run[0].quant_type.name, data, (rows, run[0].shape[-1]),
+        layer = _gguf_block_linear(run[0].quant_type.name, [p.data for p in run], (rows, run[0].shape[-1]),
                                    None if bias is None else bias[row:row + rows])
         if layer is None:
             return None

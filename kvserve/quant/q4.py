@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 from kvserve import block_formats, ops
 from kvserve.quant.bf16 import widened_bf16_kernel
-from kvserve.quant.common import INT4_GROUP_SIZE, _block_quantized_forward, _fp32_bias, read_only_tensor
+from kvserve.quant.common import INT4_GROUP_SIZE, _block_quantized_forward, _fp32_bias, read_only_parts
 from kvserve.quant.decode_format import DecodeFormatLinear
 from kvserve.quant.nibbles import quantize_min_max, tile_nibbles, tiled_nibble_kernels, untile_nibbles
 
@@ -111,7 +111,7 @@ class Int4Linear(DecodeFormatLinear):
         ext = ops.load_extension()
         if ext is None or not tiled_nibble_kernels() or type_name not in cls.GGUF_RAW_TYPES:
             return None
-        packed = ext.gguf_nibble_tiles(read_only_tensor(data), int(GGMLQuantizationType[type_name]), shape[-1])
+        packed = ext.gguf_nibble_tiles(read_only_parts(data), int(GGMLQuantizationType[type_name]), shape[-1])
         layer = cls.__new__(cls)
         DecodeFormatLinear.__init__(layer)
         layer.out_features, layer.in_features = shape[0], shape[-1]

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from kvserve import ops
-from kvserve.quant.common import _block_quantized_forward, _fp32_bias, read_only_tensor
+from kvserve.quant.common import _block_quantized_forward, _fp32_bias, read_only_parts
 from kvserve.quant.decode_format import DecodeFormatLinear
 from kvserve.quant.nibbles import NIBBLE_TILE_ROWS, untile_nibbles
 
@@ -43,7 +43,7 @@ class Q6KLinear(DecodeFormatLinear):
         ext = ops.load_extension()
         if ext is None or type_name != "Q6_K" or not cls.kernel_reads_tiles():
             return None
-        packed = ext.gguf_q6_k_tiles(read_only_tensor(data), shape[-1])
+        packed = ext.gguf_q6_k_tiles(read_only_parts(data), shape[-1])
         return cls(packed, shape[0], shape[-1], bias)
 
     def _values_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from kvserve import block_formats, ops
 from kvserve.config import ConfigError
 from kvserve.quant.common import (INT4_GROUP_SIZE, _block_quantized_forward, _block_quantized_forward_into, _fp32_bias,
-                                  _packed_by_kernel, read_only_tensor)
+                                  _packed_by_kernel, read_only_parts)
 from kvserve.quant.decode_format import DecodeFormatLinear
 
 
@@ -55,7 +55,7 @@ class Q8Linear(DecodeFormatLinear):
         ext = ops.load_extension()
         if ext is None or type_name not in ("Q8_0", "Q6_K"):
             return None
-        qs, d = ext.gguf_byte_blocks(read_only_tensor(data), int(GGMLQuantizationType[type_name]), shape[-1])
+        qs, d = ext.gguf_byte_blocks(read_only_parts(data), int(GGMLQuantizationType[type_name]), shape[-1])
         return cls(qs, d, bias)
 
     @classmethod
