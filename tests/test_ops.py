@@ -160,12 +160,14 @@ def test_models_route_through_the_kernels(monkeypatch):
         assert (fused - plain).abs().max() < 1e-4, arch
 
 
-@pytest.mark.parametrize("block_size,cache_dtype,head_dim", [
-    *[(bs, dtype, 32) for bs in (8, 16, 32) for dtype in (torch.float32, torch.bfloat16, torch.int8)],
-    (16, torch.int8, 128),  # two int8 scale groups per head
-    (20, torch.bfloat16, 32), (24, torch.bfloat16, 32),  # blocks that end inside a 16-key chunk
+@pytest.mark.parametrize("block_size,cache_dtype,head_dim,heads_per_kv", [
+    *[(bs, dtype, 32, 3) for bs in (8, 16, 32) for dtype in (torch.float32, torch.bfloat16, torch.int8)],
+    (16, torch.int8, 128, 3),  # two int8 scale groups per head
+    # a decode's row block holds 1, 2 or 4 query heads (the VNNI loops run only those rows)
+    (16, torch.int8, 32, 1), (16, torch.int8, 32, 2), (16, torch.int8, 32, 4),
+    (20, torch.bfloat16, 32, 3), (24, torch.bfloat16, 32, 3),  # blocks that end inside a 16-key chunk
 ])
-def test_paged_attention_kernel_matches_torch_path(block_size, cache_dtype, head_dim):
+def test_paged_attention_kernel_matches_torch_path(block_size, cache_dtype, head_dim, heads_per_kv):
     """Block sizes below, at and above the kernel's 16-key chunk (and, as the op takes any,
     ones not a multiple of it: more chunks per partition); a mixed step (decodes,
     a first chunk and chunks with cached context, some spanning the kernel's 128-key
@@ -175,7 +177,8 @@ def test_paged_attention_kernel_matches_torch_path(block_size, cache_dtype, head
     from kvserve.kv_cache import KVCache, KVCacheSpec, LayerKV
 
     gen = torch.Generator().manual_seed(block_size)
-    heads, kv_heads = 6, 2
+    kv_heads = 2
+    heads = kv_heads * heads_per_kv
     context, new = [0, 37, 80, 5, 150, 0, 300], [23, 1, 1, 40, 30, 140, 1]
     need = [-(-(c + n) // block_size) for c, n in zip(context, new)]
     order = torch.randperm(sum(need) + 2, generator=gen).tolist()

@@ -140,45 +140,69 @@ struct PairSums16 {
 };
 #endif
 
-// isum[b][t] = sum_d q16[b][d] * key(d, offset + t) of one block's keys ([D/2][BS][2]), for
-// t < n_keys; 0 beyond. With k_ahead (a decode), the same dims of a chunk ahead are fetched into
-// L2 a line per step; with v_ahead, a line of the values at v_ahead every other step: the
-// fetches ride along with the products, as in attention_tile.
-inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, int64_t BS, int64_t offset,
-                              int64_t n_keys, int64_t D, int32_t (*isum)[kKeyChunk], const int8_t* k_ahead = nullptr,
-                              const int8_t* v_ahead = nullptr) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
-    const __mmask32 mask = n_keys >= kKeyChunk ? 0xFFFFFFFFu : (1u << (2 * n_keys)) - 1u;
-    // Two chains per row (even and odd pairs of dims): with one, the rows' 4 chains waited on
-    // vpdpwssd's latency. Integer sums, so the same in any order. The eight chains are named:
-    // as arrays GCC kept them in memory, a store after every product (2x the scores' time).
-    static_assert(kRowBlock == 4, "int8_chunk_scores names four rows' chains");
-    __m512i e0 = _mm512_setzero_si512(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-    const int16_t *q0 = q16[0], *q1 = q16[1], *q2 = q16[2], *q3 = q16[3];
-    const int8_t* src = kblock + offset * 2;
-    for (int64_t dp = 0; dp < D / 2; dp += 2, src += 4 * BS) {  // (D a multiple of 16)
-      if (k_ahead != nullptr) {
-        __builtin_prefetch(k_ahead + dp * 2 * BS, 0, 2);
-        __builtin_prefetch(k_ahead + (dp + 1) * 2 * BS, 0, 2);
-      }
-      if (v_ahead != nullptr) __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
-      const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src));
-      const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src + 2 * BS));
-      e0 = dpwssd_pair(e0, k0, q0 + 2 * dp);
-      o0 = dpwssd_pair(o0, k1, q0 + 2 * dp + 2);
+// int8_chunk_scores' VNNI loop for the block's first kRows rows (a decode's block holds its
+// query heads per KV head: 3 of 4 rows for SmolLM2's groups of 3, 1 for plain multi-head
+// attention), so no padding row's products are computed. Two chains per row (even and odd
+// pairs of dims): with one, the rows' chains waited on vpdpwssd's latency. Integer sums, so the
+// same in any order. The chains are named: as arrays GCC kept them in memory, a store after
+// every product (2x the scores' time).
+template <int kRows>
+__attribute__((always_inline)) inline void vnni_chunk_scores(const int16_t* const* q16, const int8_t* src, int64_t BS,
+                                                             int64_t D, __mmask32 mask, int32_t (*isum)[kKeyChunk],
+                                                             const int8_t* k_ahead, const int8_t* v_ahead) {
+  static_assert(kRows >= 1 && kRows <= kRowBlock, "a row block's rows");
+  __m512i e0 = _mm512_setzero_si512(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+  const int16_t *q0 = q16[0], *q1 = q16[kRows > 1 ? 1 : 0], *q2 = q16[kRows > 2 ? 2 : 0], *q3 = q16[kRows > 3 ? 3 : 0];
+  for (int64_t dp = 0; dp < D / 2; dp += 2, src += 4 * BS) {  // (D a multiple of 16)
+    if (k_ahead != nullptr) {
+      __builtin_prefetch(k_ahead + dp * 2 * BS, 0, 2);
+      __builtin_prefetch(k_ahead + (dp + 1) * 2 * BS, 0, 2);
+    }
+    if (v_ahead != nullptr) __builtin_prefetch(v_ahead + dp / 2 * 64, 0, 2);
+    const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src));
+    const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, src + 2 * BS));
+    e0 = dpwssd_pair(e0, k0, q0 + 2 * dp);
+    o0 = dpwssd_pair(o0, k1, q0 + 2 * dp + 2);
+    if constexpr (kRows > 1) {
       e1 = dpwssd_pair(e1, k0, q1 + 2 * dp);
       o1 = dpwssd_pair(o1, k1, q1 + 2 * dp + 2);
+    }
+    if constexpr (kRows > 2) {
       e2 = dpwssd_pair(e2, k0, q2 + 2 * dp);
       o2 = dpwssd_pair(o2, k1, q2 + 2 * dp + 2);
+    }
+    if constexpr (kRows > 3) {
       e3 = dpwssd_pair(e3, k0, q3 + 2 * dp);
       o3 = dpwssd_pair(o3, k1, q3 + 2 * dp + 2);
     }
-    _mm512_storeu_si512(isum[0], _mm512_add_epi32(e0, o0));
-    _mm512_storeu_si512(isum[1], _mm512_add_epi32(e1, o1));
-    _mm512_storeu_si512(isum[2], _mm512_add_epi32(e2, o2));
-    _mm512_storeu_si512(isum[3], _mm512_add_epi32(e3, o3));
-    return;
+  }
+  _mm512_storeu_si512(isum[0], _mm512_add_epi32(e0, o0));
+  if constexpr (kRows > 1) _mm512_storeu_si512(isum[1], _mm512_add_epi32(e1, o1));
+  if constexpr (kRows > 2) _mm512_storeu_si512(isum[2], _mm512_add_epi32(e2, o2));
+  if constexpr (kRows > 3) _mm512_storeu_si512(isum[3], _mm512_add_epi32(e3, o3));
+}
+#endif
+
+// isum[b][t] = sum_d q16[b][d] * key(d, offset + t) of one block's keys ([D/2][BS][2]), for
+// t < n_keys; 0 beyond; rows b < nr (the VNNI route computes only those; the others may compute
+// all kRowBlock). With k_ahead (a decode), the same dims of a chunk ahead are fetched into
+// L2 a line per step; with v_ahead, a line of the values at v_ahead every other step: the
+// fetches ride along with the products, as in attention_tile.
+inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, int64_t BS, int64_t offset,
+                              int64_t n_keys, int64_t D, int64_t nr, int32_t (*isum)[kKeyChunk],
+                              const int8_t* k_ahead = nullptr, const int8_t* v_ahead = nullptr) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
+    const __mmask32 mask = n_keys >= kKeyChunk ? 0xFFFFFFFFu : (1u << (2 * n_keys)) - 1u;
+    const int8_t* src = kblock + offset * 2;
+    static_assert(kRowBlock == 4, "int8_chunk_scores dispatches one to four rows");
+    switch (nr) {
+      case 1: vnni_chunk_scores<1>(q16, src, BS, D, mask, isum, k_ahead, v_ahead); return;
+      case 2: vnni_chunk_scores<2>(q16, src, BS, D, mask, isum, k_ahead, v_ahead); return;
+      case 3: vnni_chunk_scores<3>(q16, src, BS, D, mask, isum, k_ahead, v_ahead); return;
+      default: vnni_chunk_scores<4>(q16, src, BS, D, mask, isum, k_ahead, v_ahead); return;
+    }
   }
 #elif defined(__AVX2__)
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
@@ -211,43 +235,58 @@ inline void int8_chunk_scores(const int16_t* const* q16, const int8_t* kblock, i
   }
 }
 
-// products[b * D + d] (b < kRowBlock, d in [d_begin, d_end)) = the sum over a key partition's
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// int8_partition_values' VNNI loop for the first kRows rows (see vnni_chunk_scores). Two chains
+// per row (even and odd pairs of tokens).
+template <int kRows>
+void vnni_partition_values(const int16_t* w16, int64_t w_stride, int64_t num_chunks, const int8_t* const* vchunks,
+                           const int64_t* num_pairs, int64_t D, int64_t d_begin, int64_t d_end, int32_t* products) {
+  for (int64_t d0 = d_begin; d0 < d_end; d0 += kKeyChunk) {
+    __m512i even[kRows], odd[kRows];
+    for (int b = 0; b < kRows; ++b) even[b] = odd[b] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int8_t* src = vchunks[c] + d0 * 2;
+      const int16_t* wc = w16 + c * kKeyChunk;
+      int64_t j = 0;
+      for (; j + 1 < num_pairs[c]; j += 2, src += 4 * D) {
+        const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+        const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * D)));
+#pragma GCC unroll 4
+        for (int b = 0; b < kRows; ++b) {
+          even[b] = dpwssd_pair(even[b], v0, wc + b * w_stride + 2 * j);
+          odd[b] = dpwssd_pair(odd[b], v1, wc + b * w_stride + 2 * j + 2);
+        }
+      }
+      if (j < num_pairs[c]) {
+        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#pragma GCC unroll 4
+        for (int b = 0; b < kRows; ++b) even[b] = dpwssd_pair(even[b], v, wc + b * w_stride + 2 * j);
+      }
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < kRows; ++b) _mm512_storeu_si512(products + b * D + d0, _mm512_add_epi32(even[b], odd[b]));
+  }
+}
+#endif
+
+// products[b * D + d] (b < nr; the VNNI route computes only those, the others all kRowBlock, d in
+// [d_begin, d_end)) = the sum over a key partition's
 // chunks c < num_chunks of sum_t w16[b * w_stride + c * 16 + t] * value(t, d), where chunk c's
 // 2 * num_pairs[c] tokens start at the pair row vchunks[c] of their block's values ([BS/2][D][2]).
 // The sums stay in integer registers across the partition: it holds at most 128 tokens, and
 // 128 * 32767 * 127 < 2^31.
 inline void int8_partition_values(const int16_t* w16, int64_t w_stride, int64_t num_chunks,
                                   const int8_t* const* vchunks, const int64_t* num_pairs, int64_t D, int64_t d_begin,
-                                  int64_t d_end, int32_t* products) {
+                                  int64_t d_end, int64_t nr, int32_t* products) {
   static_assert(kKeyPartition * 32767LL * 127 < (1LL << 31), "a partition's int8 value sums must fit in int32");
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
-    for (int64_t d0 = d_begin; d0 < d_end; d0 += kKeyChunk) {
-      // Two chains per row (even and odd pairs of tokens).
-      __m512i even[kRowBlock], odd[kRowBlock];
-      for (int64_t b = 0; b < kRowBlock; ++b) even[b] = odd[b] = _mm512_setzero_si512();
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        const int8_t* src = vchunks[c] + d0 * 2;
-        const int16_t* wc = w16 + c * kKeyChunk;
-        int64_t j = 0;
-        for (; j + 1 < num_pairs[c]; j += 2, src += 4 * D) {
-          const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-          const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * D)));
-          for (int64_t b = 0; b < kRowBlock; ++b) {
-            even[b] = dpwssd_pair(even[b], v0, wc + b * w_stride + 2 * j);
-            odd[b] = dpwssd_pair(odd[b], v1, wc + b * w_stride + 2 * j + 2);
-          }
-        }
-        if (j < num_pairs[c]) {
-          const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-          for (int64_t b = 0; b < kRowBlock; ++b)
-            even[b] = dpwssd_pair(even[b], v, wc + b * w_stride + 2 * j);
-        }
-      }
-      for (int64_t b = 0; b < kRowBlock; ++b)
-        _mm512_storeu_si512(products + b * D + d0, _mm512_add_epi32(even[b], odd[b]));
+    switch (nr) {
+      case 1: return vnni_partition_values<1>(w16, w_stride, num_chunks, vchunks, num_pairs, D, d_begin, d_end, products);
+      case 2: return vnni_partition_values<2>(w16, w_stride, num_chunks, vchunks, num_pairs, D, d_begin, d_end, products);
+      case 3: return vnni_partition_values<3>(w16, w_stride, num_chunks, vchunks, num_pairs, D, d_begin, d_end, products);
+      default: return vnni_partition_values<4>(w16, w_stride, num_chunks, vchunks, num_pairs, D, d_begin, d_end, products);
     }
-    return;
   }
 #elif defined(__AVX2__)
   if (!g_portable_int8_attention.load(std::memory_order_relaxed)) {
@@ -389,7 +428,7 @@ void attention_tile_int8(const int16_t* q16, const float* q_scale, int64_t H, fl
         for (int64_t b = 0; b < kRowBlock; ++b) qg[b] = qr[b] + g * group;
         // Group g's share of the chunk ahead: its key dims, and group / 4 of the chunk's D / 4
         // lines of values.
-        int8_chunk_scores(qg, kblock + g * group * BS, BS, offsets[c], nks[c], group, isum,
+        int8_chunk_scores(qg, kblock + g * group * BS, BS, offsets[c], nks[c], group, nr, isum,
                           k_ahead != nullptr ? k_ahead + g * group * BS : nullptr,
                           few_rows ? vchunk + g * group * 16 : nullptr);
         const float* km = key_mul + (c * groups + g) * kKeyChunk;
@@ -427,7 +466,7 @@ void attention_tile_int8(const int16_t* q16, const float* q_scale, int64_t H, fl
         }
         w_scale[b] = quantize_int16(scaled, row_floats, w16 + b * row_floats);
       }
-      int8_partition_values(w16, row_floats, n, block_values, block_pairs, D, g * group, (g + 1) * group, products);
+      int8_partition_values(w16, row_floats, n, block_values, block_pairs, D, g * group, (g + 1) * group, nr, products);
       for (int64_t b = 0; b < nr; ++b) {
         float* a = acc + (r0 + b) * D;
         const int32_t* prod = products + b * D;
