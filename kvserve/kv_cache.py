@@ -24,7 +24,7 @@ index and window (group g still reads the step's table g), each cut down to the 
 so a stage may hold fewer slot tensors than the whole model has slots.
 
 INT8 (``kv_cache_dtype="int8"``): symmetric int8 with fp16 scales, for keys and values
-separately, one scale per token, KV head and group of 64 dims, in ``scales [2, num_kv_heads,
+separately, one scale per token, KV head and group of 32 dims, in ``scales [2, num_kv_heads,
 num_blocks, groups, block_size]``. Before quantizing, each head vector is rotated by the
 normalised Walsh-Hadamard transform H (orthonormal and its own inverse): ``q . k = Hq . Hk``
 and ``sum_t p_t v_t = H sum_t p_t Hv_t``, so attention works in the rotated basis (queries
@@ -32,13 +32,18 @@ rotated on the way in, outputs rotated back) and never needs the original. The r
 spreads a few outlier channels over all dims, which per-token scales cannot absorb: measured
 top-1 agreement with a bf16 cache (teacher-forced, 312 / 2,200 tokens) went from 98.7 / 98.2 %
 to 99.0 / 99.1 % on SmolLM2 and from 97.1 / 95.4 % to 100 / 98.5 % on Gemma 3 (with 64-dim
-groups; one scale per 256-dim head: 98.4 % on the short text). Why per token: a token is
-written once, when it is computed, so its scales never change afterwards (a per-block scale
-would have to requantize the block as it fills, and prefix-cached blocks would depend on what
-was written after them). Scales factor out of the products (``Hq . Hk_t = s_t (Hq . k8_t)``,
-and ``p_t v_t`` takes ``p_t s_t``), so attention applies them per token in registers and never
-materialises a dequantized block. Cost: 2 bytes per 64 int8 values, so a head of 64 holds 1.94x
-the tokens of bf16 in the same memory.
+groups; one scale per 256-dim head: 98.4 % on the short text). Why 32 dims (issue 64): 64-dim
+groups still missed greedy agreement with an fp32 cache on held-out code (Gemma 3: 5 of 8
+continuations identical) and sat at the 99 % top-1 bar; benchmarks/int8_kv_schemes.py
+compares the groupings and a KIVI-style per-channel key scale by simulation (numbers in
+tests/test_precision.py's note). Why per token: a token is written once, when it is computed,
+so its scales never change afterwards (a per-block or per-channel scale would have to
+requantize the block as it fills, or keep a filling block in another format, and prefix-cached
+blocks would depend on what was written after them). Scales factor out of the products
+(``Hq . Hk_t = sum_g s_tg (Hq_g . k8_tg)``, and ``p_t v_t`` takes ``p_t s_tg``), so attention
+applies them per token and group in registers and never materialises a dequantized block.
+Cost: 2 bytes per 32 int8 values, so a head holds 1.88x the tokens of bf16 in the same memory
+(64-dim groups: 1.94x; issue 64's floor is 1.85x).
 
 MLA (DeepSeek's multi-head latent attention, ``KVCacheSpec.latent``): a layer keeps per token
 one entry shared by every head, its compressed latent (``kv_lora_rank`` values, after
@@ -47,7 +52,7 @@ block_size, kv_lora_rank + qk_rope_head_dim]`` (``LatentLayerKV``): no per-head 
 (attention expands or absorbs them from the latent, kvserve/latent_attention.py). It is paged,
 grouped and prefix-cached as any layer (one full group: DeepSeek has no sliding layers). INT8
 quantizes the latent and the rope key as two vectors, each rotated by its own Hadamard
-transform with scales per 64 dims (``[num_blocks, block_size, groups]``): the two parts are
+transform with scales per 32 dims (``[num_blocks, block_size, groups]``): the two parts are
 powers of two in every DeepSeek shape (512 + 64) where their concatenation is not; attention
 dequantizes what it gathers.
 
@@ -74,7 +79,7 @@ _STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": tor
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SCALE_DTYPE = torch.float16
 INT8_MAX = 127
-INT8_GROUP = 64  # dims per scale (fewer when the head is smaller)
+INT8_GROUP = 32  # dims per scale (fewer when the head is smaller; why 32: the module note)
 
 
 def int8_group_size(head_dim: int) -> int:

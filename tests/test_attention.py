@@ -188,11 +188,14 @@ def test_allocate_int8_kv_cache_layout():
     assert cache.spec.bytes_per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 2)
 
 
-def test_int8_holds_at_least_1_9x_the_tokens_of_bf16():
+def test_int8_holds_at_least_1_85x_the_tokens_of_bf16():
+    """Issue 64's capacity bar, scales counted: one fp16 scale per 32 dims is 2 bytes per 32
+    int8 values, 1.88x bf16 at every head size the real models have (64-dim groups held 1.94x)."""
     for head_dim in (64, 256):  # SmolLM2's and Gemma 3's
         bf16 = KVCacheSpec(30, 3, head_dim, 16, "bfloat16")
         int8 = KVCacheSpec(30, 3, head_dim, 16, "int8")
-        assert bf16.bytes_per_token / int8.bytes_per_token >= 1.9
+        assert int8.bytes_per_layer_token == 2 * 3 * (head_dim + head_dim // 32 * 2)
+        assert bf16.bytes_per_token / int8.bytes_per_token >= 1.85
 
 
 def test_bfloat16_close_to_reference():

@@ -254,7 +254,7 @@ def test_latent_capacity_at_a_fixed_budget_vs_the_expanded_cache():
           f"({unequal_kv_bytes / latent.bytes_per_token:.2f}x against K 192 + V 128 per head)")
     assert ratio >= 10
     int8 = KVCacheSpec.for_model(config, block, "int8")
-    assert int8.bytes_per_token == ((512 + 64) + (512 // 64 + 1) * 2) * 27  # values + fp16 scales
+    assert int8.bytes_per_token == ((512 + 64) + (512 // 32 + 64 // 32) * 2) * 27  # values + fp16 scales per 32
 
 
 def test_engine_sizes_and_describes_the_latent_cache(llm_factory):

@@ -93,7 +93,7 @@ def test_act_and_mul(activation):
     assert torch.allclose(got, want, rtol=2e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("d", [16, 64, 128, 256])  # int8: 128 and 256 hold two or four 64-dim scale groups a head
+@pytest.mark.parametrize("d", [16, 64, 128, 256])  # int8: 64, 128 and 256 hold two, four and eight 32-dim scale groups a head
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16", "int8"])
 def test_write_kv_cache_strided_inputs(cache_dtype, d):
     """k/v arrive as strided views of the qkv projection; slots are arbitrary. The kernel

@@ -333,7 +333,7 @@ void attention_tile_int8(const int16_t* q16, const float* q_scale, int64_t H, fl
                          int64_t first_query_pos, int64_t num_queries, int64_t first_row, int64_t kvh, float scale,
                          int64_t window, float softcap, int64_t key_begin, int64_t key_end, float* partial,
                          std::vector<float>& work) {
-  constexpr int64_t kMaxGroups = 8;  // head dims up to 512
+  constexpr int64_t kMaxGroups = 16;  // head dims up to 512 (32-dim groups)
   const int64_t D = kD > 0 ? kD : d_runtime;
   const int64_t group = int8_group_size(D), groups = D / group;
   TORCH_CHECK(groups <= kMaxGroups, "int8 KV: head dim too large");

@@ -100,7 +100,7 @@ void check_int8_cache(const torch::Tensor& kv_cache, const torch::Tensor& scales
               "int8 KV needs an even block size and a power-of-two head dim >= 16");
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 5 &&
                   scales.size(0) == 2 && scales.size(1) == kv_cache.size(1) && scales.size(2) == kv_cache.size(2) &&
-                  scales.size(3) == D / std::min<int64_t>(64, D) && scales.size(4) == BS,
+                  scales.size(3) == D / std::min<int64_t>(32, D) && scales.size(4) == BS,  // int8_kv.h's int8_group_size
               "kv_scales must be a contiguous fp16 [2, KVH, NB, head_dim / group, BS]");
 }
 

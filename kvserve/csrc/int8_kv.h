@@ -104,7 +104,8 @@ inline void hadamard_(float* x, int64_t D) {
   for (int64_t d = 0; d < D; ++d) x[d] *= norm;
 }
 
-inline int64_t int8_group_size(int64_t D) { return std::min<int64_t>(64, D); }
+// Dims per scale: kvserve.kv_cache.INT8_GROUP (why 32: see there).
+inline int64_t int8_group_size(int64_t D) { return std::min<int64_t>(32, D); }
 
 // int8 blocks pair their elements for vpdpwssd (two int16 products summed per 32-bit lane):
 // keys [D/2][BS][2] (dims 2i, 2i+1 of a token side by side), values [BS/2][D][2] (tokens 2j,
