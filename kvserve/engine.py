@@ -256,15 +256,18 @@ class LLMEngine:
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
             self.kv_budget = KVBudget(num_blocks * bytes_per_block, "explicit block count")
+            self.budget_blocks = num_blocks
         else:
             self.kv_budget = self._kv_budget(cache.kv_cache_memory)
             num_blocks = self.kv_budget.bytes // bytes_per_block
+            self.budget_blocks = num_blocks
             # No point holding more than max_num_seqs full contexts.
             max_useful = args.max_num_seqs * self.max_request_blocks + 1 + num_reserved
             num_blocks = min(num_blocks, max_useful)
         if num_blocks < 1 + num_reserved:
             raise ConfigError(f"kv_cache_memory is too small for {1 + num_reserved} blocks "
-                              f"({bytes_per_block} bytes each)")
+                              f"({bytes_per_block} bytes each)"
+                              + (f"; {self.kv_budget.describe()}" if self.kv_budget.rule == AUTO else ""))
         self.num_blocks = num_blocks
         # This process's KV (a rank's, with workers; the draft's is described apart then).
         self.kv_cache_bytes = num_blocks * (self.kv_spec.bytes_per_block if self.parallel else bytes_per_block)
@@ -385,11 +388,15 @@ class LLMEngine:
             return KVBudget(int(requested), "explicit")
         if device_free is not None:
             return auto_kv_cache_memory(0, self.workspace_bytes, available=device_free)
-        mapped = self._mapped_weight_bytes()
-        if self.model is None and self.source.path:
-            # The workers load after the pool is sized: count the checkpoint as their weights.
-            mapped = sum(f.stat().st_size for f in _checkpoint_files(self.source.path))
-        return auto_kv_cache_memory(mapped, self.workspace_bytes)
+        mapped, num_pools = self._mapped_weight_bytes(), 1
+        if self.model is None:
+            # Worker ranks on this host each allocate a pool, and load after it is sized: the
+            # checkpoint counts as their weights (a lower bound where they hold more than it).
+            num_pools = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if under_torchrun() else 0
+            num_pools = num_pools or self.args.tensor_parallel_size * self.args.pipeline_parallel_size
+            if self.source.path:
+                mapped = sum(f.stat().st_size for f in _checkpoint_files(self.source.path))
+        return auto_kv_cache_memory(mapped, self.workspace_bytes, num_pools=num_pools)
 
     def describe_memory(self) -> str:
         """The start-up line's memory: the weights this process holds, those it reads in place
@@ -408,7 +415,7 @@ class LLMEngine:
                 + (f" + {mapped / 2**20:.0f} MiB read in place from the file" if mapped else "")
                 + f", KV pool {self.kv_cache_bytes / 2**20:.0f} MiB ({self.kv_budget.describe()}"
                 + (f"; {self.kv_budget.bytes / 2**20:.0f} MiB capped at max_num_seqs full contexts"
-                   if self.num_blocks < self.kv_budget.bytes // self.kv_spec.bytes_per_block else "") + ")"
+                   if self.num_blocks < self.budget_blocks else "") + ")"
                 + f", step workspace ~{self.workspace_bytes / 2**20:.0f} MiB (estimated)"
                 + (f"; layers: {', '.join(f'{n} x {k}' for k, n in formats.items())}" if formats else ""))
 

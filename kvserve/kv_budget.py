@@ -9,6 +9,7 @@ applies in the engine.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -30,20 +31,22 @@ class KVBudget:
     available: Optional[int] = None  # auto: memory free when sized
     mapped: int = 0  # auto: weight bytes read in place from the file
     workspace: int = 0  # auto: one step's activations, estimated
+    num_pools: int = 1  # auto: the processes that each hold a pool of these bytes
 
     def describe(self) -> str:
         if self.rule != AUTO:
             return self.rule
+        shared = f", shared by {self.num_pools} ranks" if self.num_pools > 1 else ""
         return (f"auto: {AUTO_UTILIZATION:.0%} of {self.available / 2**20:.0f} MiB available less "
                 f"{self.mapped / 2**20:.0f} MiB mapped weights, {self.workspace / 2**20:.0f} MiB workspace "
-                f"and {AUTO_HEADROOM_BYTES >> 20} MiB headroom")
+                f"and {AUTO_HEADROOM_BYTES >> 20} MiB headroom{shared}")
 
 
 def parse_kv_cache_memory(value: object) -> Optional[object]:
     """``None``, a positive byte count or ``"auto"``; anything else is a ValueError."""
     if value is None or value == AUTO:
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"kv_cache_memory must be a positive byte count or 'auto', got {value!r}")
     return value
 
@@ -58,17 +61,33 @@ def default_kv_cache_memory(device_free: Optional[int] = None) -> int:
 
 
 def _cgroup_free_bytes() -> Optional[int]:
-    """What the process's memory cgroup still allows (v2, then v1); None without a limit."""
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    """What the process's memory cgroup still allows (v2, then v1); None without a limit. The
+    cgroup's usage counts page cache, which the kernel reclaims under its limit: the inactive
+    file pages (memory.stat) are not taken as used (a model file read once while loading would
+    otherwise count twice, as usage and as the mapped weights)."""
+    for limit_file, usage_file, stat_file, inactive_key in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
         try:
             limit = Path("/sys/fs/cgroup", limit_file).read_text().strip()
             usage = int(Path("/sys/fs/cgroup", usage_file).read_text())
         except (OSError, ValueError):
             continue
         if limit.isdigit() and int(limit) < 1 << 60:  # v1 says "no limit" with a huge number
-            return max(0, int(limit) - usage)
+            return max(0, int(limit) - usage + _stat_value(Path("/sys/fs/cgroup", stat_file), inactive_key))
     return None
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def host_available_bytes() -> int:
@@ -101,10 +120,14 @@ def step_workspace_bytes(hidden_size: int, intermediate_size: int, q_width: int,
     return 4 * (max_num_batched_tokens * per_token + 2 * max_num_seqs * vocab_size)
 
 
-def auto_kv_cache_memory(mapped_bytes: int, workspace_bytes: int, available: Optional[int] = None) -> KVBudget:
-    """The ``auto`` budget. ``available``: a device's free memory (its weights are allocations,
-    already out of it: pass no mapped bytes), or the host's when None."""
+def auto_kv_cache_memory(mapped_bytes: int, workspace_bytes: int, available: Optional[int] = None,
+                         num_pools: int = 1) -> KVBudget:
+    """The ``auto`` budget of one pool. ``available``: a device's free memory (its weights are
+    allocations, already out of it: pass no mapped bytes), or the host's when None.
+    ``num_pools``: the processes on this host that each allocate a pool of this size (ranks);
+    ``workspace_bytes`` is one process's, ``mapped_bytes`` all of theirs."""
     if available is None:
         available = host_available_bytes()
-    spare = available - mapped_bytes - workspace_bytes - AUTO_HEADROOM_BYTES
-    return KVBudget(int(max(0, spare) * AUTO_UTILIZATION), AUTO, available, mapped_bytes, workspace_bytes)
+    spare = available - mapped_bytes - num_pools * workspace_bytes - AUTO_HEADROOM_BYTES
+    return KVBudget(int(max(0, spare) * AUTO_UTILIZATION) // num_pools, AUTO, available, mapped_bytes,
+                    workspace_bytes, num_pools)

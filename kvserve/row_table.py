@@ -97,6 +97,12 @@ class GGUFRows(nn.Module):
         if self.release is not None:
             self.release()
 
+    def __getstate__(self) -> dict:
+        # The release callback holds the file's mapping, which does not copy or pickle; a copy
+        # reads the same rows and keeps its pages.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "release": None}
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.raw.shape[0], self.in_features))

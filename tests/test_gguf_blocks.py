@@ -266,3 +266,14 @@ def test_q5_k_in_its_own_bits():
         x = torch.randn(rows, k)
         exact = x.double() @ w.double().T + layer.bias.double()
         assert (layer(x).double() - exact).norm() / exact.norm() < 1e-4
+
+
+def test_mapped_rows_copy_without_their_release_hook(tiny_q4_k_m):
+    import copy
+
+    model, _ = load_model(resolve_model(tiny_q4_k_m), dtype=torch.float32, quantization="gguf")
+    table = next(m for m in model.modules() if isinstance(m, GGUFRows))
+    assert table.release is not None  # (it holds the file's mapping, which does not copy)
+    clone = copy.deepcopy(table)
+    ids = torch.tensor([1, 5, 9])
+    assert clone.release is None and torch.equal(clone(ids), table(ids))

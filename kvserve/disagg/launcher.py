@@ -112,6 +112,12 @@ class DisaggregatedLauncher:
         if set(self.prefill_cpus) & set(self.decode_cpus):
             raise ConfigError(f"--prefill-cpus {self.prefill_cpus} and --decode-cpus {self.decode_cpus} overlap: "
                               f"the point is that prompts never take the decode side's cores")
+        argv = list(self.serve_argv)
+        if any(a == "--kv-cache-memory=auto" or (a == "--kv-cache-memory" and argv[i + 1:i + 2] == ["auto"])
+               for i, a in enumerate(argv)):
+            raise ConfigError("--kv-cache-memory auto sizes a pool from the memory free at start-up: the two "
+                              "instances start together and would each take it; give --disaggregate a byte count "
+                              "(each instance gets that much)")
         base = instance_argv(self.serve_argv)
         for role, cpus in (("prefill", self.prefill_cpus), ("decode", self.decode_cpus)):
             port = _free_port()
