@@ -16,9 +16,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 BlockHash = bytes
+
+
+class Anchor(Protocol):
+    """What a cached block's KV is verified against (``Block.holds``): the block before it, or
+    for a sliding-window group's block an anchor at its own position (the full group's block
+    there, or the prefix's ``prefix_index.PrefixNode`` when no group is full)."""
+
+    @property
+    def generation(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -31,14 +40,14 @@ class Block:
     # Set only while the block is in the hash index (a cached full block).
     block_hash: Optional[BlockHash] = None
     token_ids: Optional[tuple[int, ...]] = None
-    parent: Optional["Block"] = None
+    parent: Optional[Anchor] = None
     parent_generation: int = 0
 
     @property
     def is_cached(self) -> bool:
         return self.block_hash is not None
 
-    def holds(self, token_ids: tuple[int, ...], parent: Optional["Block"]) -> bool:
+    def holds(self, token_ids: tuple[int, ...], parent: Optional[Anchor]) -> bool:
         """True when this cached block's KV is exactly ``token_ids`` following ``parent``'s.
 
         Compares tokens and the parent's identity rather than trusting the hash, so a hash
@@ -139,13 +148,14 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         block_token_ids: Sequence[tuple[int, ...]],
         parent: Optional[Block],
-        anchors: Optional[Sequence[Block]] = None,
+        anchors: Optional[Sequence[Anchor]] = None,
     ) -> None:
         """Index a run of consecutive full blocks of one sequence; ``parent`` precedes the first.
 
         With ``anchors`` (a sliding-window group, whose earlier blocks may be gone), each block
         is verified against its anchor instead of the block before it: the block at the same
-        position in the full group, itself verified through the full chain.
+        position in the full group, itself verified through the full chain, or where no group
+        is full the prefix node of that position (prefix_index.py).
 
         A hash already indexed (the same content computed twice, or a collision) keeps its
         first block; the newcomer simply stays uncached.

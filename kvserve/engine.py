@@ -224,14 +224,19 @@ class LLMEngine:
         self.spec_config = parse_speculative_config(args.speculative_config)
         # The KV manager's groups are the model's, however many processes hold the layers.
         self.kv_groups = kv_cache_groups(cfg, reclaim_sliding_window=not args.disable_sliding_window_reclaim)
+        if (self.spec_config is not None and self.spec_config.method == "draft_model"
+                and self.kv_groups[0].is_sliding):
+            # The draft model keeps every position's KV in group 0's blocks; with no full group
+            # (every layer sliding) group 0 gives those back: keep the whole context.
+            logger.warning("sliding-window reclaim is off: a draft model needs a full-attention KV group")
+            self.kv_groups = kv_cache_groups(cfg, reclaim_sliding_window=False)
         if self.parallel:
             # One rank's share: the budget is per rank. The largest rank's KV per block (its
             # heads; its stage's layers of each group).
             self.kv_spec = rank_kv_spec(cfg, args.tensor_parallel_size, args.pipeline_parallel_size,
                                         cache.block_size, kv_dtype, self.kv_groups)
         else:
-            self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype,
-                                                 reclaim_sliding_window=not args.disable_sliding_window_reclaim)
+            self.kv_spec = KVCacheSpec.for_model(cfg, cache.block_size, kv_dtype, groups=self.kv_groups)
         # A draft model keeps its KV in the same blocks (a second cache, same block ids: the
         # full-attention group's table). It runs in this process (it proposes before the step
         # is built), also when the target runs on worker processes.
@@ -425,7 +430,7 @@ class LLMEngine:
         text = (f"KV cache: {self.num_blocks} blocks x {spec.block_size} tokens = "
                 f"{self.kv_cache_tokens} tokens{per_group}, {self.kv_cache_bytes / 2**20:.1f} MiB "
                 f"({spec.describe_token()}); ")
-        if spec.num_groups > 1:
+        if spec.has_sliding_groups:
             # What a token costs in each group, and what the longest request really holds: its
             # full groups' whole context, its sliding groups' window plus one prefill chunk.
             windows = spec.group_windows

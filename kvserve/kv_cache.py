@@ -12,12 +12,13 @@ kernels compute them.
 
 KV cache groups (issue #12; vLLM's hybrid KV cache layout): the layers are split into groups
 of equal size, full attention or one sliding window (``KVCacheSpec.groups``); a request has one
-block table per group, and a sliding group gives back the blocks out of its window. One pool
-of block ids serves every group: the cache holds one tensor per *slot* (position within a
-group), ``num_blocks`` blocks each, and layer L lives in slot ``slot_of(L)`` of its group,
-addressed through that group's table. A block id is thus ``slots_per_group`` layers' worth of
-one block, the same bytes in every group. A model with one group (LLaMA; or
-``--no-sliding-window-reclaim``) has one slot per layer: one tensor per layer, as before.
+block table per group, and a sliding group gives back the blocks out of its window. One pool of
+block ids serves every group: the cache holds one tensor per *slot* (position within a group),
+``num_blocks`` blocks each, and layer L lives in slot ``slot_of(L)`` of its group, addressed
+through that group's table. A block id is thus ``slots_per_group`` layers' worth of one block,
+the same bytes in every group. A model with one group has one slot per layer, one tensor per
+layer, as before groups: LLaMA (one full group), Mistral (one sliding group: every layer has
+the same window), any model under ``--no-sliding-window-reclaim`` (one full group).
 
 A pipeline stage holds only its own layers (``KVCacheSpec.restrict``): the same groups, by
 index and window (group g still reads the step's table g), each cut down to the stage's layers,
@@ -149,15 +150,17 @@ def kv_cache_groups(config: ModelConfig, reclaim_sliding_window: bool = True) ->
     The group size is the gcd of the layer counts per attention kind (Gemma 3: 3 full and 15
     sliding layers -> six groups of 3; tiny-gemma3: 1 and 3 -> four groups of 1): equal groups
     with no padding, at the price of more block tables per request when the gcd is small. A
-    model with one kind only (LLaMA), or a model that cannot reclaim (no full layer to anchor
-    prefix-cache hits, or reclaim turned off) is one full group of every layer, as before.
+    model whose every layer slides in one window (Mistral) is one sliding group of every layer:
+    one table per request, which gives back what the window has passed (its prefix-cache hits
+    are verified without a full group, kvserve/prefix_index.py). A model with full attention
+    only (LLaMA), or reclaim turned off, is one full group of every layer, as before.
     """
     n = config.num_hidden_layers
     kinds: dict[Optional[int], list[int]] = {}
     for layer in range(n):
         window = config.sliding_window if config.is_sliding(layer) and config.sliding_window else None
         kinds.setdefault(window, []).append(layer)
-    if not reclaim_sliding_window or len(kinds) == 1 or None not in kinds:
+    if not reclaim_sliding_window or list(kinds) == [None]:
         return (KVCacheGroup(tuple(range(n))),)
     size = math.gcd(*(len(layers) for layers in kinds.values()))
     groups = []

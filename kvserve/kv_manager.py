@@ -6,20 +6,25 @@ prefix share the blocks holding it, and a finished request's blocks stay findabl
 the pool needs them back.
 
 KV cache groups (``kvserve.kv_cache.KVCacheGroup``): a request has one block table per group,
-all drawing on one pool. Group 0 attends to everything and keeps every block, as a model with
-one group always did. A sliding-window group of window W keeps only the blocks a query can
-still see: once the next query is at position p, keys before ``p - W + 1`` are invisible to
-every future query, so the blocks wholly before that go back to the pool (they stay in the
+all drawing on one pool. Full-attention groups come first and keep every block, as a model
+with one group always did. A sliding-window group of window W keeps only the blocks a query
+can still see: once the next query is at position p, keys before ``p - W + 1`` are invisible
+to every future query, so the blocks wholly before that go back to the pool (they stay in the
 hash index while free) and their table entries point at the pool's null block. A group's
-cached blocks are indexed under the chain hash tagged with the group.
+cached blocks are indexed under the chain hash tagged with the group. Every group may be
+sliding (Mistral: one window on every layer).
 
-Prefix-cache rule for sliding groups (vLLM's): a hit of h tokens needs group 0's whole chain
-``[0, h)`` and, in each sliding group, the blocks holding keys a query at h can see,
-``[h - W + 1, h)``; the hit is the largest block multiple h, at most group 0's longest chain,
-where every group has them. A sliding group's cached block is verified (tokens and identity)
-against group 0's block at the same position, itself verified through the whole chain, so a
-hash collision can no more serve wrong KV than before, and a block whose predecessors were
-evicted can still be hit.
+Prefix-cache rule for sliding groups (vLLM's): a hit of h tokens needs, in a full group, the
+whole chain ``[0, h)`` and, in each sliding group, the blocks holding keys a query at h can
+see, ``[h - W + 1, h)``; the hit is the largest block multiple h, at most the longest
+verified prefix, where every group has them, found by searching down from the right: a block
+missing at i caps h at i's start. Verification (tokens and identity, never the hash alone):
+group 0's blocks, when it is full, each through the block before it, the whole chain; every
+other group's cached block against an *anchor* at its own position, itself verified through
+the whole prefix, so a block whose predecessors were evicted can still be hit and a hash
+collision can no more serve wrong KV than before. The anchor is group 0's block at that
+position, or, when no group is full, the prefix's node in a trie of token blocks kept apart
+from any KV (``kvserve.prefix_index``, which says why and what it costs).
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ import hashlib
 from array import array
 from typing import Optional, Sequence
 
-from kvserve.block_pool import Block, BlockHash, BlockPool
+from kvserve.block_pool import Anchor, Block, BlockHash, BlockPool
+from kvserve.prefix_index import PrefixIndex, PrefixNode
 from kvserve.request import Request
 
 
@@ -57,14 +63,21 @@ class KVCacheManager:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.group_windows = list(group_windows)
-        if not self.group_windows or self.group_windows[0] is not None:
-            raise ValueError(f"group 0 must attend to everything (window None), got {self.group_windows}")
+        num_full = sum(1 for w in self.group_windows if w is None)
+        if not self.group_windows or self.group_windows[:num_full] != [None] * num_full:
+            raise ValueError(f"full-attention groups come first: group 0 must attend to everything (window "
+                             f"None) unless every group is sliding, got {self.group_windows}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_prompt_boundary = hash_prompt_boundary
         has_sliding = any(w is not None for w in self.group_windows)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching, reserve_null_block=has_sliding)
         self._null = self.block_pool.null_block
+        # Group 0 full: it verifies its own blocks and anchors the others. None full: the
+        # prefix index anchors every group, and each request keeps the nodes of its cached blocks.
+        self._prefix_index = PrefixIndex() if num_full == 0 else None
+        self._anchored_groups = range(0 if num_full == 0 else 1, self.num_groups)
+        self._req_nodes: dict[str, list[PrefixNode]] = {}
         # Per request, per group: its block table (a sliding group's released entries: null).
         self._req_blocks: dict[str, list[list[Block]]] = {}
         # Per request: how many leading blocks of its tables have been offered to the cache.
@@ -116,6 +129,12 @@ class KVCacheManager:
         tables = self._req_blocks.get(request_id)
         return [[b.block_id for b in t] for t in tables] if tables else [[] for _ in self.group_windows]
 
+    @property
+    def num_prefix_nodes(self) -> int:
+        """Live nodes of the prefix index (only when no group is full): those of the prefixes
+        that cached blocks or running requests hold, none once both are gone."""
+        return len(self._prefix_index) if self._prefix_index is not None else 0
+
     def num_held_blocks(self, request_id: str, group: int) -> int:
         """Real blocks (not the null block) in one group's table of the request."""
         tables = self._req_blocks.get(request_id)
@@ -140,43 +159,57 @@ class KVCacheManager:
         num_tokens = request.num_tokens
         max_hit_blocks = (num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_hit_blocks)
-        hits: list[Block] = []
+        anchors = self._verified_anchors(request, max_hit_blocks)
+        num_hit, group_hits = self._anchored_hits(request, anchors)
+        num_hit_tokens = num_hit * self.block_size
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        if self._prefix_index is not None:
+            return group_hits, num_hit_tokens
+        return [[b.block_id for b in anchors[:num_hit]]] + group_hits, num_hit_tokens
+
+    def _verified_anchors(self, request: Request, max_blocks: int) -> list[Anchor]:
+        """The anchors of the longest verified cached prefix of ``request``'s first
+        ``max_blocks`` full blocks: group 0's cached blocks, each verified against the one
+        before, or where no group is full the prefix index's nodes."""
+        if self._prefix_index is not None:
+            return self._prefix_index.verified_prefix(request.block_hashes[:max_blocks],
+                                                      lambda i: self._block_tokens(request, i))
+        hits: list[Anchor] = []
         parent: Optional[Block] = None
-        for i in range(max_hit_blocks):
+        for i in range(max_blocks):
             block = self.block_pool.get_cached_block(request.block_hashes[i])
             if block is None or not block.holds(self._block_tokens(request, i), parent):
                 break
             hits.append(block)
             parent = block
-        num_hit, group_hits = self._sliding_hits(request, hits)
-        num_hit_tokens = num_hit * self.block_size
-        self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return [[b.block_id for b in hits[:num_hit]]] + group_hits, num_hit_tokens
+        return hits
 
-    def _sliding_hits(self, request: Request, full_hits: list[Block]) -> tuple[int, list[list[int]]]:
-        """The largest k <= len(full_hits) such that every sliding group holds the cached
-        blocks a query at ``k * block_size`` sees, and those groups' hit tables."""
-        k = len(full_hits)
+    def _anchored_hits(self, request: Request, anchors: list[Anchor]) -> tuple[int, list[list[int]]]:
+        """The largest k <= len(anchors) such that every anchored group holds the cached blocks
+        a query at ``k * block_size`` sees, each verified against the anchor at its position,
+        and those groups' hit tables. Searched from the right (vLLM's SlidingWindowManager): a
+        group missing block i caps k at i, and the groups are asked again at the lower k."""
+        k = len(anchors)
         found: dict[tuple[int, int], Optional[Block]] = {}
 
         def cached(group: int, i: int) -> Optional[Block]:
             if (group, i) not in found:
                 block = self.block_pool.get_cached_block(_group_key(group, request.block_hashes[i]))
-                ok = block is not None and block.holds(self._block_tokens(request, i), full_hits[i])
+                ok = block is not None and block.holds(self._block_tokens(request, i), anchors[i])
                 found[group, i] = block if ok else None
             return found[group, i]
 
         changed = True
         while changed and k > 0:
             changed = False
-            for g in range(1, self.num_groups):
+            for g in self._anchored_groups:
                 for i in range(k - 1, self._first_needed_block(g, k * self.block_size) - 1, -1):
                     if cached(g, i) is None:
                         k, changed = i, True  # a hit must end at or before the missing block
                         break
         tables = []
-        for g in range(1, self.num_groups):
+        for g in self._anchored_groups:
             first = self._first_needed_block(g, k * self.block_size) if k else 0
             tables.append([self._null.block_id] * first + [cached(g, i).block_id for i in range(first, k)])
         return k, tables
@@ -335,6 +368,7 @@ class KVCacheManager:
         """Return every block of ``request`` at once; cached ones stay findable until evicted."""
         tables = self._req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self._req_nodes.pop(request.request_id, None)
         # Tail first, position by position across groups: a sequence's last blocks are the
         # least likely to be shared, evict them first.
         length = max((len(t) for t in tables), default=0)
@@ -362,12 +396,23 @@ class KVCacheManager:
         self._update_block_hashes(request, num_full)
         hashes = request.block_hashes[start:num_full]
         token_ids = [self._block_tokens(request, i) for i in range(start, num_full)]
-        full = tables[0]
-        self.block_pool.cache_full_blocks(full[start:num_full], hashes, token_ids,
-                                          parent=full[start - 1] if start > 0 else None)
-        for g in range(1, self.num_groups):
+        anchors: Sequence[Anchor]
+        if self._prefix_index is None:
+            full = tables[0]
+            self.block_pool.cache_full_blocks(full[start:num_full], hashes, token_ids,
+                                              parent=full[start - 1] if start > 0 else None)
+            anchors = full[start:num_full]
+        else:
+            nodes = self._req_nodes.setdefault(request.request_id, [])
+            assert len(nodes) == start, "a request's prefix nodes follow its cached blocks"
+            parent = nodes[-1] if nodes else None
+            for block_hash, tokens in zip(hashes, token_ids):
+                parent = self._prefix_index.extend(block_hash, tokens, parent)
+                nodes.append(parent)
+            anchors = nodes[start:]
+        for g in self._anchored_groups:
             self.block_pool.cache_full_blocks(tables[g][start:num_full], [_group_key(g, h) for h in hashes],
-                                              token_ids, parent=None, anchors=full[start:num_full])
+                                              token_ids, parent=None, anchors=anchors)
         self._num_cached_blocks[request.request_id] = num_full
 
     def _update_block_hashes(self, request: Request, num_blocks: int) -> None:

@@ -84,13 +84,17 @@ def test_greedy_invariance(llm_factory, model, long_len, num_short, kv_cache_dty
     assert sum(blocks(len(p) + GREEDY.max_tokens) for p in prompts) > prompt_blocks
     room, extra = max(longest_blocks, prompt_blocks), {}
     spec = base.engine.kv_spec
-    if spec.num_groups > 1:
-        # Sliding-window groups (the new layout) give blocks back as soon as the long prompt
-        # is past its window, and the short ones' growth then fits: instead, room for the long
-        # request alone, prefilled in chunks, so that the short ones' blocks push it out.
-        extra = dict(max_num_batched_tokens=256)
+    if spec.has_sliding_groups:
+        # Sliding-window groups (Gemma 3's beside a full group, Mistral's alone) give blocks
+        # back as soon as the long prompt is past its window, and the short ones' growth then
+        # fits: instead, room for the long request alone, prefilled in chunks, so that the short
+        # ones' blocks push it out. With no full group (Mistral) that room is a window and a
+        # chunk: in chunks of 256 the long prompt would only wait for the short ones to finish;
+        # in chunks of 32 the room is less than the short ones' own growth.
+        chunk = 256 if None in spec.group_windows else 32
+        extra = dict(max_num_batched_tokens=chunk)
         longest = max(len(p) for p in prompts) + GREEDY.max_tokens - 1
-        room = max_blocks_per_request(longest, 16, spec.group_windows, 256) + 1
+        room = max_blocks_per_request(longest, 16, spec.group_windows, chunk) + 1
     small = llm_factory(model=model, dtype="float32", num_blocks=room,
                         enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype, **extra)
     assert _greedy_tokens(small, prompts) == alone

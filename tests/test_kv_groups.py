@@ -1,5 +1,6 @@
 """KV cache groups in the torch-free bookkeeping: sliding-window groups give blocks back as
-decoding proceeds, prefix hits need each group's last window, every group's blocks come back.
+decoding proceeds, prefix hits need each group's last window, every group's blocks come back;
+with a full group beside them (Gemma 3) or without one (Mistral: every group sliding).
 
 The fake model reads its input out of a simulated paged store per group, through each group's
 block table: the full group sees the whole sequence, a sliding group only the last W tokens.
@@ -10,7 +11,9 @@ import random
 
 import pytest
 
-from kvserve.kv_manager import KVCacheManager, max_blocks_per_request
+from kvserve import kv_manager as kv_manager_module
+from kvserve.kv_manager import KVCacheManager, first_visible_block, max_blocks_per_request
+from kvserve.prefix_index import PrefixIndex
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.scheduler import Scheduler
 
@@ -217,11 +220,13 @@ def test_capacity_counts_the_groups():
     assert 6 * full / grouped_decode >= 4
 
 
-def _simulate(seed):
+def _simulate(seed, with_full_group=True):
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4])
     W = rng.randint(2, 12)
     windows = [None] + [W] * rng.randint(1, 3)
+    if not with_full_group:
+        windows = windows[1:]
     budget = rng.randint(3, 24)
     num_blocks = rng.randint(12, 40)
     sched, runner = make(windows, num_blocks, bs, budget, rng.randint(1, 6), max_model_len=64,
@@ -265,12 +270,16 @@ def _simulate(seed):
     return sched
 
 
-def test_simulation_with_sliding_groups_matches_running_alone():
+@pytest.mark.parametrize("with_full_group", [True, False], ids=["gemma-like", "all-sliding"])
+def test_simulation_matches_running_alone(with_full_group):
     preemptions = hits = 0
     for seed in range(40):
-        sched = _simulate(seed)
+        sched = _simulate(seed, with_full_group)
         preemptions += sched.num_preemptions
         hits += sched.kv_manager.prefix_cache_hits
+        # Nothing runs: the prefix nodes left are those of cached blocks, gone with them.
+        sched.kv_manager.reset_prefix_cache()
+        assert sched.kv_manager.num_prefix_nodes == 0
     assert preemptions > 10 and hits > 100
 
 
@@ -279,3 +288,158 @@ def test_one_full_group_is_unchanged():
     assert kv.block_pool.null_block is None and kv.num_usable_blocks == 8
     with pytest.raises(ValueError, match="group 0"):
         KVCacheManager(8, 4, group_windows=[8, None])
+
+
+# ---- every group sliding (Mistral): no full group to anchor prefix hits on
+
+
+@pytest.mark.parametrize("windows", [[10], [10, 6]])
+def test_all_sliding_decode_holds_a_window_and_frees_every_block(windows):
+    """A 1,029-token request in a pool of 199 blocks of 4 tokens (796 tokens): each group
+    holds its window (plus a chunk while prefilling), entries before it point at the null
+    block, and every block comes back."""
+    BS, C = 4, 8
+    sched, runner = make(windows, num_blocks=200, block_size=BS, budget=C, max_model_len=1200)
+    kv = sched.kv_manager
+    assert kv.block_pool.null_block is not None
+    r = req("a", range(1, 30), max_tokens=1000)
+    sched.add_request(r)
+    while sched.has_unfinished_requests():
+        out = step(sched, runner)
+        if r.is_finished:
+            continue
+        start = out.chunks[0].start_position
+        decoding = out.chunks[0].num_new_tokens == 1
+        for g, w in enumerate(windows):
+            table = kv.get_block_ids("a", g)
+            first = first_visible_block(w, BS, start)
+            assert set(table[:first]) <= {0} and 0 not in table[first:]
+            bound = math.ceil(w / BS) + 1 if decoding else math.ceil((w - 1 + C) / BS) + 1
+            assert kv.num_held_blocks("a", g) <= bound
+    assert len(r.output_token_ids) == 1000 and r.num_tokens > kv.num_usable_blocks * BS
+    assert r.output_token_ids == reference(range(1, 30), 1000, windows)
+    assert kv.num_used_blocks == 0 and kv.num_free_blocks == kv.num_usable_blocks == 199
+    kv.reset_prefix_cache()
+    assert kv.num_prefix_nodes == 0
+
+
+def test_all_sliding_prefix_hit_is_searched_from_the_right():
+    W, BS = 8, 4
+    sched, runner = make([W], block_size=BS, budget=64)
+    kv = sched.kv_manager
+    prompt = list(range(1, 41))  # 10 blocks
+    sched.add_request(req("a", prompt, max_tokens=1))
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    b = req("b", prompt + [5, 6, 7])
+    ids, hit = kv.get_computed_blocks(b)
+    # A query at 40 sees keys 33..39: blocks 8 and 9; the entries before are the null block.
+    assert hit == 40 and len(ids) == 1
+    assert ids[0][:8] == [0] * 8 and 0 not in ids[0][8:] and len(ids[0]) == 10
+
+    # Without block 9 a hit of 36 needs blocks 7 and 8; without block 7 too, the search goes
+    # on from block 7 down: 28 needs blocks 5 and 6, cached.
+    kv.block_pool._evict(kv.block_pool.blocks[ids[0][9]])
+    ids, hit = kv.get_computed_blocks(b)
+    assert hit == 36 and ids[0][:7] == [0] * 7 and len(ids[0]) == 9
+    kv.block_pool._evict(kv.block_pool.blocks[ids[0][7]])
+    ids, hit = kv.get_computed_blocks(b)
+    assert hit == 28 and ids[0][:5] == [0] * 5 and len(ids[0]) == 7
+
+    sched.add_request(b)
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    assert b.num_cached_tokens == 28
+    assert b.output_token_ids == reference(prompt + [5, 6, 7], 4, [W])
+    assert kv.num_used_blocks == 0
+
+
+def _admit(kv, request):
+    hit_ids, num_hit = kv.get_computed_blocks(request)
+    tables = kv.allocate_slots(request, request.num_tokens - num_hit, hit_ids, num_hit)
+    assert tables is not None
+    request.num_computed_tokens = num_hit
+    return tables, num_hit
+
+
+def test_all_sliding_hash_collision_never_serves_foreign_tokens(monkeypatch):
+    monkeypatch.setattr(kv_manager_module, "hash_block_tokens", lambda parent, tokens, *roles: b"collide")
+    kv = KVCacheManager(16, 4, group_windows=[8])
+    _admit(kv, req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert kv.get_computed_blocks(req("b", [9, 9, 9, 9, 5, 6, 7, 8, 9]))[1] == 0
+    # a's second block follows another node under the same hash: never findable.
+    assert kv.get_computed_blocks(req("c", [1, 2, 3, 4, 5, 6, 7, 8, 0]))[1] == 4
+    assert kv.get_computed_blocks(req("d", [1, 2, 3, 4, 0]))[1] == 4
+
+
+def test_all_sliding_hash_that_ignores_the_parent_cannot_splice_prefixes(monkeypatch):
+    # A hash of the block's own tokens only: [R, S] collides with [P, Q, S] at S. Window 8:
+    # a hit of 12 needs the blocks of keys 5..11, the ones holding Q and S.
+    monkeypatch.setattr(kv_manager_module, "hash_block_tokens", lambda parent, tokens, *roles: repr(tokens).encode())
+    kv = KVCacheManager(32, 4, group_windows=[8])
+    P, Q, R, S = [1] * 4, [2] * 4, [3] * 4, [4] * 4
+    _admit(kv, req("a", P + Q + S + [0]))
+    _admit(kv, req("d", R + S + [0]))  # its S node follows R: the index keeps a's, after Q
+    assert kv.get_computed_blocks(req("b", R + S + [5]))[1] == 4
+    assert kv.get_computed_blocks(req("e", P + Q + S + [5]))[1] == 12
+
+
+def test_all_sliding_allocation_is_all_or_nothing_and_free_returns_everything():
+    W, BS = 8, 4
+    kv = KVCacheManager(8, BS, group_windows=[W])  # 7 usable blocks
+    a = req("a", range(1, 21))  # 5 blocks at once while its prompt is one chunk
+    tables, _ = _admit(kv, a)
+    assert kv.num_used_blocks == 5 and 0 not in tables[0]
+    b = req("b", range(50, 63))  # 4 blocks: no room
+    before = ([blk.ref_cnt for blk in kv.block_pool.blocks], kv.num_free_blocks)
+    assert kv.allocate_slots(b, 13) is None
+    assert ([blk.ref_cnt for blk in kv.block_pool.blocks], kv.num_free_blocks) == before
+    assert kv.get_block_ids("b") == []
+    # a decodes: its next query at 20 sees keys 13..19, so blocks 0..2 go back, and b fits.
+    a.num_computed_tokens = 20
+    a.output_token_ids.append(7)
+    assert kv.allocate_slots(a, 1)[0][:3] == [0, 0, 0] and kv.num_held_blocks("a", 0) == 3
+    assert kv.allocate_slots(b, 13) is not None and kv.num_used_blocks == 7
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_used_blocks == 0 and kv.num_free_blocks == kv.num_usable_blocks == 7
+    assert [blk.ref_cnt for blk in kv.block_pool.blocks] == [1] + [0] * 7
+    # Cached blocks hold their prefix nodes, and a node its parents: a's 5 (its blocks 3 and 4
+    # are still cached) and b's 3 full blocks. Blocks taken for other tokens let them go.
+    assert kv.num_prefix_nodes == 5 + 3
+    c = req("c", range(100, 128))
+    kv.allocate_slots(c, 28)
+    assert kv.num_prefix_nodes == 7  # c's own, none of a's or b's
+    kv.free(c)
+    kv.reset_prefix_cache()
+    assert kv.num_prefix_nodes == 0
+
+
+def test_full_groups_come_first():
+    with pytest.raises(ValueError, match="group 0"):
+        KVCacheManager(8, 4, group_windows=[8, None])
+    assert KVCacheManager(8, 4, group_windows=[8, 4]).num_usable_blocks == 7
+    # Mistral-7B's shape: one group of window 4,096; a 32k-token request holds 257 blocks of
+    # 16 in steady decode, 385 while a chunk of 2,048 is prefilled, instead of 2,048.
+    assert max_blocks_per_request(32768, 16, [4096], 1) == 257
+    assert max_blocks_per_request(32768, 16, [4096], 2048) == 385
+    assert max_blocks_per_request(32768, 16, [None], 2048) == 2048
+
+
+def test_prefix_index_verifies_tokens_and_parents_and_forgets_unheld_nodes():
+    index = PrefixIndex()
+    a0 = index.extend(b"h0", (1, 2), None)
+    a1 = index.extend(b"h1", (3, 4), a0)
+    assert index.extend(b"h0", (1, 2), None) is a0  # the same prefix: the same node
+    tokens = {0: (1, 2), 1: (3, 4)}
+    assert index.verified_prefix([b"h0", b"h1"], tokens.get) == [a0, a1]
+    # A colliding hash (other tokens, or the same tokens after another parent) is no proof.
+    other = index.extend(b"h1", (3, 4), index.extend(b"g0", (9, 9), None))
+    assert other is not a1 and index.find(b"h1", (3, 4), other.parent) is None
+    assert index.verified_prefix([b"h0", b"h1"], {0: (1, 2), 1: (5, 6)}.get) == [a0]
+    assert len(index) == 3
+    # Nothing holds a node but the index: it goes; a child keeps its parents.
+    del a0, other
+    assert len(index) == 2 and index.find(b"h0", (1, 2), None) is a1.parent
+    del a1
+    assert len(index) == 0

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvserve"
 MAX_LINES = 1500
 # Torch-free by design: they are unit-tested alone and could run in a process without torch.
-TORCH_FREE = ("kvserve.block_pool", "kvserve.kv_manager", "kvserve.scheduler", "kvserve.batch",
+TORCH_FREE = ("kvserve.block_pool", "kvserve.prefix_index", "kvserve.kv_manager", "kvserve.scheduler", "kvserve.batch",
               "kvserve.request", "kvserve.stopping", "kvserve.errors", "kvserve.environment",
               "kvserve.cpu_features", "kvserve.config", "kvserve.speculative.ngram",
               "kvserve.speculative.speculator", "kvserve.speculative.verify")
