@@ -5,10 +5,8 @@ same logits."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
-from typing import Optional
 
 import gguf
 import numpy as np
@@ -23,7 +21,8 @@ from kvserve.loader import load_model, resolve_model
 from kvserve.loader.gguf import config_from_gguf, open_gguf, unpermute_rows
 from kvserve.loader.gguf_reader import GGUFFile
 from kvserve.loader.resolve import ModelSource
-from kvserve.models.testing import build_random_model, tiny_config, unfused_state_dict
+from kvserve.models.testing import build_random_model, tiny_config
+from gguf_export import export_gguf, llama_cpp_permute
 
 SMOLLM2 = "smollm2-135m-instruct"
 GEMMA3 = "gemma-3-270m"
@@ -205,85 +204,11 @@ def test_gemma_is_assembled_once(tmp_path):
 # ------------------------------------------------------------------ llama.cpp conventions
 
 
-def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim in effect."""
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
-
-
-def test_unpermute_inverts_llama_cpp_permute():
+def test_unpermute_invertsllama_cpp_permute():
     hf = np.random.default_rng(0).standard_normal((3 * 8, 5))
-    stored = _llama_cpp_permute(hf, 3)
+    stored = llama_cpp_permute(hf, 3)
     assert not np.array_equal(stored, hf)
     assert np.array_equal(stored[unpermute_rows(24, 3)], hf)
-
-
-def _llama3_rope_factors(cfg) -> np.ndarray:
-    """convert_hf_to_gguf.py's rope_freqs for llama3 rope scaling."""
-    s = cfg.rope_scaling
-    base = cfg.rope_theta
-    freqs = 1.0 / (base ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
-    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
-    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(s["factor"])
-        else:
-            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
-                s["high_freq_factor"] - s["low_freq_factor"])
-            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
-    return np.array(factors, dtype=np.float32)
-
-
-def _export_gguf(model, cfg, gguf_arch: str, path: Path, quantize: bool,
-                 extra_tensors: Optional[dict[str, np.ndarray]] = None) -> None:
-    """Write a kvserve model the way llama.cpp's converter would (names via gguf's own map)."""
-    arch_enum = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
-                 "qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3}
-    names = gguf.get_tensor_name_map(arch_enum[gguf_arch], cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), gguf_arch)
-    w.add_uint32(f"{gguf_arch}.block_count", cfg.num_hidden_layers)
-    w.add_uint32(f"{gguf_arch}.context_length", cfg.max_position_embeddings)
-    w.add_uint32(f"{gguf_arch}.embedding_length", cfg.hidden_size)
-    w.add_uint32(f"{gguf_arch}.feed_forward_length", cfg.intermediate_size)
-    w.add_uint32(f"{gguf_arch}.attention.head_count", cfg.num_attention_heads)
-    w.add_uint32(f"{gguf_arch}.attention.head_count_kv", cfg.num_key_value_heads)
-    w.add_uint32(f"{gguf_arch}.attention.key_length", cfg.head_dim)
-    w.add_float32(f"{gguf_arch}.rope.freq_base", cfg.rope_theta)
-    w.add_float32(f"{gguf_arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_uint32(f"{gguf_arch}.vocab_size", cfg.vocab_size)  # (transformers' GGUF loader reads it)
-    w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
-    w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_ids[0])
-    if gguf_arch == "gemma3":
-        w.add_uint32("gemma3.attention.sliding_window", cfg.sliding_window)
-        w.add_array("gemma3.attention.sliding_window_pattern",
-                    [t == "sliding_attention" for t in cfg.layer_types])
-    if cfg.rope_scaling:
-        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
-    for name, array in (extra_tensors or {}).items():
-        w.add_tensor(name, array)
-    for hf_name, tensor in unfused_state_dict(model).items():
-        array = tensor.float().numpy()
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_arch == "llama" and ".attn_q." in name:
-            array = _llama_cpp_permute(array, cfg.num_attention_heads)
-        if gguf_arch == "llama" and ".attn_k." in name:
-            array = _llama_cpp_permute(array, cfg.num_key_value_heads)
-        if gguf_arch == "gemma3" and name.endswith("norm.weight"):
-            array = array + 1.0
-        if quantize and array.ndim == 2:
-            w.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(array))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def _logits(model, cfg, tokens: list[int]) -> torch.Tensor:
@@ -307,7 +232,7 @@ def test_gguf_written_like_llama_cpp_loads_back(tmp_path, gguf_arch, quantize):
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     original = build_random_model(cfg, seed=7)
     path = tmp_path / "tiny.gguf"
-    _export_gguf(original, cfg, gguf_arch, path, quantize)
+    export_gguf(original, cfg, gguf_arch, path, quantize)
 
     loaded, loaded_cfg = load_model(resolve_model(str(path)))
     assert loaded_cfg.architecture == cfg.architecture
@@ -334,7 +259,7 @@ def test_gguf_of_new_architectures_matches_transformers_gguf_loader(tmp_path, gg
         cfg.head_dim = 128
     original = build_random_model(cfg, seed=7)
     path = tmp_path / "tiny.gguf"
-    _export_gguf(original, cfg, gguf_arch, path, quantize=False)
+    export_gguf(original, cfg, gguf_arch, path, quantize=False)
     loaded, loaded_cfg = load_model(resolve_model(str(path)))
     assert (loaded_cfg.architecture, loaded_cfg.head_dim) == (gguf_arch, cfg.head_dim)
     assert (loaded.model.fused_layers is not None) == (ops.load_extension() is not None)
@@ -345,16 +270,6 @@ def test_gguf_of_new_architectures_matches_transformers_gguf_loader(tmp_path, gg
     got = _logits(loaded, loaded_cfg, tokens)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert (got - want).abs().max() < 1e-3
-
-
-def test_phi3_longrope_gguf_is_refused_clearly(tmp_path):
-    cfg = tiny_config("phi3")
-    path = tmp_path / "longrope.gguf"
-    factors = np.ones(cfg.head_dim // 2, dtype=np.float32)
-    _export_gguf(build_random_model(cfg, seed=7), cfg, "phi3", path, quantize=False,
-                 extra_tensors={"rope_factors_long.weight": factors, "rope_factors_short.weight": factors})
-    with pytest.raises(ConfigError, match="phi3 LongRoPE GGUF files are not supported"):
-        load_model(resolve_model(str(path)))
 
 
 def test_raw_quantized_weights_are_reachable():

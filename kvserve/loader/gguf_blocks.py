@@ -22,7 +22,7 @@ from torch import nn
 
 from kvserve import ops
 from kvserve.config import ModelConfig
-from kvserve.loader.gguf import hf_to_gguf_names, quantized_tensor, tensor_values
+from kvserve.loader.gguf import TensorRef, hf_to_gguf_names, quant_type_of, quantized_tensor, release, tensor_values
 from kvserve.loader.gguf_reader import GGUFFile
 from kvserve.models.registry import get_model_class
 from kvserve.quant.bf16 import Bf16Linear
@@ -39,7 +39,7 @@ PLAIN_TYPES = ("F32", "F16", "BF16")
 
 def has_quantized_matrices(gf: GGUFFile) -> bool:
     """Whether the file stores some matrix in a block format (not F32/F16/BF16)."""
-    return any(len(info.shape) == 2 and info.quant_type.name not in PLAIN_TYPES for info in gf.tensors.values())
+    return any(len(info.shape) >= 2 and info.quant_type.name not in PLAIN_TYPES for info in gf.tensors.values())
 
 
 def _mapped_rows(gf: GGUFFile, gguf_name: str) -> GGUFRows:
@@ -50,10 +50,11 @@ def _mapped_rows(gf: GGUFFile, gguf_name: str) -> GGUFRows:
                     release=functools.partial(gf.release, gguf_name))
 
 
-def _linear(gf: GGUFFile, config: ModelConfig, gguf_names: list[str],
+def _linear(gf: GGUFFile, config: ModelConfig, gguf_names: list[TensorRef | str],
             bias: Optional[torch.Tensor]) -> tuple[nn.Module, str]:
-    """One (fused) projection from its parts' tensors, on their blocks where a kernel reads them."""
-    types = {gf.tensors[n].quant_type.name for n in gguf_names}
+    """One (fused) projection from its parts' tensors (an expert's: its matrices' slices of the
+    expert stacks), on their blocks where a kernel reads them."""
+    types = {quant_type_of(gf, n).name for n in gguf_names}
     layer = None
     if not types & set(PLAIN_TYPES):
         parts = [quantized_tensor(gf, config, n) for n in gguf_names]
@@ -64,7 +65,7 @@ def _linear(gf: GGUFFile, config: ModelConfig, gguf_names: list[str],
         layer = Bf16Linear(weight, bias)
         kind = "bf16" if types <= set(PLAIN_TYPES) else f"bf16 (no kernel for {'+'.join(sorted(types))})"
     for name in gguf_names:
-        gf.release(name)
+        release(gf, name)
     return layer, kind
 
 

@@ -27,6 +27,9 @@ from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup
+from kvserve.models.gguf_layout import (
+    EXPERT_STACK_NAMES, ROUTER_NAMES, GGUFLayout, GGUFMetadata, check_expert_stacks,
+)
 from kvserve.models.layers import RMSNorm
 from kvserve.models.llama import GatedMLP, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from kvserve.models.mla import MultiHeadLatentAttention
@@ -172,3 +175,103 @@ def tiny_config() -> ModelConfig:
         topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
         n_shared_experts=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
     )
+
+
+# llama.cpp's expert gating functions (gguf's ExpertGatingFuncType)
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
+
+
+def adapt_gguf_config(meta: GGUFMetadata, config: ModelConfig) -> None:
+    """DeepSeek V2/V3 from a GGUF file (general.architecture ``deepseek2`` for both).
+
+    MLA: newer files describe the latent cache in ``key_length`` / ``value_length`` and the
+    heads in the ``*_mla`` keys; older ones the heads in ``key_length`` / ``value_length``.
+    Routing: the file names its gating function; a softmax router is V2's ("group_limited_greedy"
+    where the file names expert groups, else "greedy"), a sigmoid one V3's ("noaux_tc", with the
+    exp_probs_b correction bias); no gating key: softmax (older files, as llama.cpp). Rope: the
+    rope dims rotate in adjacent pairs (llama.cpp's "norm" rope, as HF's). YaRN: the file keeps
+    ``0.1 * mscale_all_dim`` only; ``mscale`` is taken equal to it, as in every released V2/V3
+    (their ratio, the cos/sin factor, is then 1)."""
+    n_layers = config.num_hidden_layers
+    rope = int(meta.get("rope.dimension_count", required=True))
+    if meta.get("attention.key_length_mla") is not None:
+        qk_head = int(meta.get("attention.key_length_mla"))
+        v_head = int(meta.get("attention.value_length_mla", required=True))
+    else:
+        qk_head = int(meta.get("attention.key_length", required=True))
+        v_head = int(meta.get("attention.value_length", required=True))
+    q_lora = int(meta.get("attention.q_lora_rank", 0) or 0)
+    config.q_lora_rank = q_lora if q_lora and meta.has_tensor("blk.0.attn_q_a.weight") else None
+    config.kv_lora_rank = int(meta.get("attention.kv_lora_rank", required=True))
+    config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim = rope, qk_head - rope, v_head
+    config.head_dim = qk_head
+    config.num_key_value_heads = config.num_attention_heads  # (adapt_mla_config's convention)
+    config.attention_bias, config.rope_interleave = False, True
+    first_dense = min(int(meta.get("leading_dense_block_count", 0)), n_layers)
+    config.mlp_only_layers = list(range(first_dense))
+    if first_dense < n_layers:
+        config.num_experts = int(meta.get("expert_count", required=True))
+        config.num_experts_per_tok = int(meta.get("expert_used_count", required=True))
+        config.moe_intermediate_size = int(meta.get("expert_feed_forward_length", required=True))
+        config.n_shared_experts = int(meta.get("expert_shared_count", 0))
+        config.routed_scaling_factor = float(meta.get("expert_weights_scale", 0.0) or 1.0)
+        config.norm_topk_prob = bool(meta.get("expert_weights_norm", False))
+        config.n_group = int(meta.get("expert_group_count", 1) or 1)
+        config.topk_group = int(meta.get("expert_group_used_count", 1) or 1)
+        check_expert_stacks(meta, config)
+    gating = int(meta.get("expert_gating_func", _GATING_SOFTMAX))
+    if gating == _GATING_SIGMOID:
+        config.architecture, config.topk_method, config.scoring_func = "deepseek_v3", "noaux_tc", "sigmoid"
+    elif gating == _GATING_SOFTMAX:
+        config.architecture, config.scoring_func = ARCHITECTURE, "softmax"
+        config.topk_method = "group_limited_greedy" if config.n_group > 1 else "greedy"
+    else:
+        raise ConfigError(f"{meta.path}: expert gating function {gating} is not supported (1 softmax, 2 sigmoid)")
+    config.rope_scaling = _gguf_yarn(meta)
+    check_deepseek_config(config)
+
+
+def _gguf_yarn(meta: GGUFMetadata) -> Optional[dict[str, Any]]:
+    kind = meta.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "yarn":
+        raise ConfigError(f"{meta.path}: rope scaling '{kind}' is not supported for deepseek2 (yarn only)")
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn", "factor": float(meta.get("rope.scaling.factor", required=True)),
+        "original_max_position_embeddings": int(meta.get("rope.scaling.original_context_length", required=True)),
+        "beta_fast": float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(meta.get("rope.scaling.yarn_beta_slow", 1.0)),
+    }
+    log_multiplier = meta.get("rope.scaling.yarn_log_multiplier")
+    if log_multiplier:
+        # (a float32 in the file: 0.1 * 0.707 reads back as 0.07069999...; rounded to the
+        # digits a config gives, the mscale is the config's)
+        scaling["mscale"] = scaling["mscale_all_dim"] = round(float(log_multiplier) / 0.1, 6)
+    return scaling
+
+
+# GGUF: ``exp_probs_b.bias`` is V3's e_score_correction_bias; ``attn_k_b`` + ``attn_v_b`` (newer
+# files) are read together as kv_b_proj.
+GGUF_LAYOUTS = (GGUFLayout("deepseek2", ARCHITECTURE, {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.kv_b_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    **ROUTER_NAMES,
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}, expert_names=EXPERT_STACK_NAMES, kv_b_split=("attn_k_b", "attn_v_b"), rope_by_adapt=True,
+    adapt=adapt_gguf_config),)

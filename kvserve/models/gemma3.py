@@ -19,6 +19,7 @@ from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
+from kvserve.models.gguf_layout import LLAMA_BLOCK_NAMES, QK_NORM_NAMES, GGUFLayout, GGUFMetadata
 from kvserve.models.spec import DecoderLayerSpec
 from kvserve.models.layers import GemmaRMSNorm, RopeFrequencies, output_projection, token_embedding
 from kvserve.row_table import table_args
@@ -183,3 +184,32 @@ def tiny_config(variant: str = "") -> ModelConfig:
         query_pre_attn_scalar=16.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2],
         name="tiny-gemma3" + (f"-{variant}" if variant else ""),
     )
+
+
+def adapt_gguf_config(meta: GGUFMetadata, config: ModelConfig) -> None:
+    """Gemma 3 from a GGUF file. Some hyper-parameters are not in the file at all and are
+    llama.cpp constants: local rope base 10000, a sliding/global pattern of 6 (older files),
+    attention scale ``head_dim ** -0.5`` (except 27B: 62 layers)."""
+    n_layers = config.num_hidden_layers
+    window = meta.get("attention.sliding_window")
+    config.hidden_act = "gelu_pytorch_tanh"
+    config.rope_local_base_freq = 10000.0
+    config.sliding_window = int(window) if window else None
+    pattern = meta.get("attention.sliding_window_pattern")
+    if pattern is not None and hasattr(pattern, "__len__"):  # newer files: one bool per layer
+        config.layer_types = ["sliding_attention" if p else "full_attention" for p in list(pattern)]
+    else:
+        period = int(pattern) if pattern is not None else 6
+        config.layer_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                              for i in range(n_layers)]
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    config.query_pre_attn_scalar = float(hidden // heads if n_layers == 62 else config.head_dim)
+
+
+# GGUF: every norm stored as 1 + w; the norms after attention and around the MLP under their own names.
+GGUF_LAYOUTS = (GGUFLayout("gemma3", "gemma3", {
+    **LLAMA_BLOCK_NAMES, **QK_NORM_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}, norms_plus_one=True, adapt=adapt_gguf_config),)

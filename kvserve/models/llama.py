@@ -17,6 +17,7 @@ from kvserve.kv_cache import KVCache, LayerKV
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup, PipelineStage
 from kvserve.models.base import PagedCausalLM
+from kvserve.models.gguf_layout import LLAMA_BLOCK_NAMES, GGUFLayout
 from kvserve.models.layers import RMSNorm, RopeFrequencies, output_projection, token_embedding
 from kvserve.row_table import table_args
 from kvserve.token_roles import roles_of_rows
@@ -179,3 +180,11 @@ def tiny_config() -> ModelConfig:
         rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=True,
         bos_token_id=1, eos_token_ids=[2], name="tiny-llama",
     )
+
+
+# GGUF (models/gguf_layout.py): llama.cpp permutes llama's q/k rows for its rope; qwen2's
+# (NEOX rope) are HF's.
+GGUF_LAYOUTS = (
+    GGUFLayout("llama", "llama", LLAMA_BLOCK_NAMES, permuted_qk=True),
+    GGUFLayout("qwen2", "qwen2", LLAMA_BLOCK_NAMES),
+)

@@ -13,6 +13,7 @@ import torch
 
 from kvserve import ops
 from kvserve.config import ModelConfig
+from kvserve.models.gguf_layout import LLAMA_BLOCK_NAMES, QK_NORM_NAMES, GGUFLayout
 from kvserve.models.layers import RMSNorm
 from kvserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from kvserve.models.spec import DecoderLayerSpec
@@ -61,3 +62,6 @@ def tiny_config() -> ModelConfig:
         max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6, hidden_act="silu",
         tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2], name="tiny-qwen3",
     )
+
+
+GGUF_LAYOUTS = (GGUFLayout("qwen3", ARCHITECTURE, {**LLAMA_BLOCK_NAMES, **QK_NORM_NAMES}),)

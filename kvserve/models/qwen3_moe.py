@@ -23,6 +23,10 @@ from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.distributed import ParallelGroup
+from kvserve.models.gguf_layout import (
+    EXPERT_STACK_NAMES, LLAMA_BLOCK_NAMES, QK_NORM_NAMES, ROUTER_NAMES, GGUFLayout, GGUFMetadata, check_expert_stacks,
+    moe_layers,
+)
 from kvserve.models.layers import RMSNorm
 from kvserve.models.llama import GatedMLP, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from kvserve.models.moe import MoERouter, run_routed_experts
@@ -102,3 +106,28 @@ def tiny_config() -> ModelConfig:
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         mlp_only_layers=[1],
     )
+
+
+def adapt_gguf_config(meta: GGUFMetadata, config: ModelConfig) -> None:
+    """Qwen3-MoE from a GGUF file: the experts from the metadata; a layer without a router
+    keeps a dense MLP (HF's ``mlp_only_layers``; llama.cpp's own files route every layer). The
+    top-k weights are renormalised unless the file says otherwise: llama.cpp's qwen3moe graph
+    always renormalises (transformers' GGUF loader defaults to the same)."""
+    n_layers = config.num_hidden_layers
+    config.num_experts = int(meta.get("expert_count", required=True))
+    config.num_experts_per_tok = int(meta.get("expert_used_count", required=True))
+    routed = moe_layers(meta, n_layers)
+    width = meta.get("expert_feed_forward_length")
+    if width is None and routed:
+        width = meta.tensor_shape(f"blk.{routed[0]}.ffn_gate_exps.weight")[1]
+    config.moe_intermediate_size = int(width or 0)
+    config.norm_topk_prob = bool(meta.get("expert_weights_norm", True))
+    config.mlp_only_layers = [i for i in range(n_layers) if i not in routed]
+    config.decoder_sparse_step = 1
+    if config.num_experts < 1 or not 1 <= config.num_experts_per_tok <= config.num_experts:
+        raise ConfigError(f"{meta.path}: {config.num_experts_per_tok} experts per token of {config.num_experts}")
+    check_expert_stacks(meta, config)
+
+
+GGUF_LAYOUTS = (GGUFLayout("qwen3moe", ARCHITECTURE, {**LLAMA_BLOCK_NAMES, **QK_NORM_NAMES, **ROUTER_NAMES},
+                           expert_names=EXPERT_STACK_NAMES, adapt=adapt_gguf_config),)

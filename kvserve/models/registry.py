@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from kvserve.config import ConfigError
+from kvserve.models import deepseek_v2, gemma3, llama, phi3, qwen3, qwen3_moe
 from kvserve.models.base import PagedCausalLM
 from kvserve.models.deepseek_v2 import DeepseekV2ForCausalLM
 from kvserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from kvserve.models.gemma3 import Gemma3ForCausalLM
+from kvserve.models.gguf_layout import GGUFLayout
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.mistral import MistralForCausalLM
 from kvserve.models.phi3 import Phi3ForCausalLM
@@ -33,3 +35,19 @@ def get_model_class(architecture: str) -> type[PagedCausalLM]:
             f"unsupported architecture '{architecture}' (supported: {', '.join(sorted(MODEL_CLASSES))})"
         )
     return MODEL_CLASSES[architecture]
+
+
+# GGUF general.architecture -> how llama.cpp writes it (each module's GGUF_LAYOUTS; DeepSeek V2
+# and V3 share "deepseek2", Mistral files are "llama").
+GGUF_LAYOUTS: dict[str, GGUFLayout] = {
+    layout.gguf_architecture: layout
+    for module in (llama, qwen3, qwen3_moe, phi3, gemma3, deepseek_v2) for layout in module.GGUF_LAYOUTS
+}
+
+
+def get_gguf_layout(gguf_architecture: str, path: str = "") -> GGUFLayout:
+    """The layout of a GGUF file's ``general.architecture`` (ConfigError naming the file, ``path``)."""
+    if gguf_architecture not in GGUF_LAYOUTS:
+        raise ConfigError(f"{path}: unsupported architecture '{gguf_architecture}' "
+                          f"(supported: {', '.join(sorted(GGUF_LAYOUTS))})")
+    return GGUF_LAYOUTS[gguf_architecture]
