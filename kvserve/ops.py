@@ -33,7 +33,7 @@ from kvserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("norm_rope.cpp", "kv_write.cpp", "attention.cpp", "attention_int8.cpp", "sampling.cpp", "bindings.cpp", "quant_linear.cpp", "screen_linear.cpp", "dense_linear.cpp", "amx_linear.cpp", "w8a8_linear.cpp", "decoder.cpp", "step_team.cpp", "block_repack.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("norm_rope.cpp", "kv_write.cpp", "attention.cpp", "attention_int8.cpp", "sampling.cpp", "bindings.cpp", "quant_linear.cpp", "screen_linear.cpp", "dense_linear.cpp", "amx_linear.cpp", "w8a8_linear.cpp", "decoder.cpp", "step_team.cpp", "block_repack.cpp", "moe_routing.cpp")]
 ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}
 _ext: Any = None
 _load_attempted = False

@@ -45,7 +45,7 @@ MODELS = [
     pytest.param("tiny-qwen3", 200, 4, id="qwen3"),
     pytest.param("tiny-phi3", 200, 4, id="phi3"),
     pytest.param("tiny-mistral-swa", 200, 4, id="mistral-swa"),
-    pytest.param("tiny-qwen3-moe", 200, 4, id="qwen3-moe"),  # routed experts, layer by layer
+    pytest.param("tiny-qwen3-moe", 200, 4, id="qwen3-moe"),  # routed experts (native decoder)
     # DeepSeek: MLA on the latent cache (int8 too), grouped routing, shared experts.
     pytest.param("tiny-deepseek-v2", 200, 4, id="deepseek-v2"),
     pytest.param("tiny-deepseek-v3", 200, 4, id="deepseek-v3"),

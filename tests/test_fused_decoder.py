@@ -66,7 +66,8 @@ def test_fused_layers_reject_tokens_and_positions_outside_their_tables():
 
 
 @pytest.mark.parametrize("weight_format", [None, "bf16", "int8", "int4"])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-phi3", "tiny-mistral-swa"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-phi3", "tiny-mistral-swa",
+                                  "tiny-qwen3-moe"])
 def test_fused_layers_match_the_python_model_exactly(name, weight_format):
     model, cfg = load_model(resolve_model(name), quantization=weight_format)
     fused = model.model.fused_layers
@@ -88,7 +89,7 @@ def test_fused_layers_match_the_python_model_exactly(name, weight_format):
 
 @pytest.mark.parametrize("copies", ["bf16", "int8"])
 @pytest.mark.parametrize("prompt_lens", [[40, 10], [100, 5], [150, 10]])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_fused_layers_match_the_python_model_exactly_with_token_roles(name, prompt_lens, copies):
     """int4 with prefill copies (bf16, or int8 under int8 activations): prompt rows through the
     copies, the others through the Q4_1 blocks, in the native loop as in the Python model.
@@ -118,7 +119,7 @@ _OUTPUT_ROWS = [lambda n: [n - 1], lambda n: [], lambda n: [0, n - 1], lambda n:
 
 @pytest.mark.parametrize("quantization,copies,prompt_lens",
                          [(None, None, None), ("int4", "bf16", [40, 10]), ("int4", "int8", [120, 5])])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3-moe"])
 def test_last_layer_past_attention_computes_only_the_output_rows(name, quantization, copies, prompt_lens):
     """models/base.py's last_layer_rows: the last layer's output projection and MLP see only the
     rows whose hidden states are wanted (each in its own token role), and those rows keep the bits
@@ -167,6 +168,96 @@ def test_last_layer_rows_and_the_logits_they_gather(name, quantization):
             logits = model(ids, pos, md, caches, torch.tensor(indices, dtype=torch.int64), **roles)
             assert torch.equal(logits, every[indices]), (native, indices)
     model.model.fused_layers = fused
+
+
+def _one_sequence(model, cfg, block_size: int = 16) -> torch.Tensor:
+    """One sequence alone: a 20-token prefill, then three decodes; the hidden states."""
+    caches = allocate_kv_cache(cfg, 4, block_size, "float32", "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (23,), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for context, new in [(0, 20), (20, 1), (21, 1), (22, 1)]:
+        md = build_attention_metadata([[0, 1, 2, 3]], [context], [new], block_size)
+        outs.append(model.model(ids[context:context + new], torch.arange(context, context + new), md, caches))
+    return torch.cat(outs)
+
+
+def _tiny_moe(mlp_only_layers: list[int], weight_format: Optional[str]):
+    """tiny-qwen3-moe with dense MLPs on ``mlp_only_layers``, as the loader builds it."""
+    from kvserve.models.testing import build_random_model, tiny_config
+    from kvserve.quant import convert_linear_layers, use_invariant_fp32_linears
+
+    cfg = tiny_config("qwen3_moe")
+    cfg.mlp_only_layers = mlp_only_layers
+    model = build_random_model(cfg, seed=2)
+    if weight_format is None:
+        use_invariant_fp32_linears(model)
+    else:
+        convert_linear_layers(model, weight_format)
+    assert attach_fused_layers(model) is not None
+    return model, cfg
+
+
+# The tiny model's own (a dense middle layer), every layer routed, dense first and last layers,
+# and no routed layer at all.
+@pytest.mark.parametrize("mlp_only_layers", [[1], [], [0, 2], [0, 1, 2]])
+@pytest.mark.parametrize("weight_format", [None, "bf16"])
+def test_routed_experts_match_the_python_model_alone_and_batched(weight_format, mlp_only_layers):
+    """Qwen3-MoE's routed experts in the native loop (decoder.cpp's RoutedExperts): the router,
+    the routing kernel and each chosen expert's linears on its rows, the same bits as the
+    modules layer by layer, for one sequence's prefill and decodes and for _three_steps' batched
+    and mixed steps, in fp32 and bf16 (the default weights on a CPU with fast bf16)."""
+    model, cfg = _tiny_moe(mlp_only_layers, weight_format)
+    fused = model.model.fused_layers
+    model.model.fused_layers = None
+    try:
+        layer_by_layer = (_one_sequence(model, cfg), _three_steps(model, cfg))
+    finally:
+        model.model.fused_layers = fused
+    ext = ops.load_extension()
+    default = ext.expert_parallel_rows()
+    # Decode-sized steps side by side (the default), every step's experts one after another, and
+    # every step's side by side (the prefills' experts of many rows, gathered, too).
+    for rows in (default, 0, 1 << 20):
+        ext.set_expert_parallel_rows(rows)
+        try:
+            native = (_one_sequence(model, cfg), _three_steps(model, cfg))
+        finally:
+            ext.set_expert_parallel_rows(default)
+        for ours, reference in zip(native, layer_by_layer):
+            assert torch.equal(ours, reference), rows
+
+
+def test_routed_experts_read_only_the_chosen_experts():
+    """An expert that no token of the step chose is never read: with every such expert's
+    weights NaN, a decode step's hidden states keep their bits (a read would spread the NaN).
+    (A decode rewrites its own KV slot before attending: the step can be run again.)"""
+    model, cfg = _tiny_moe([1], None)
+    caches = allocate_kv_cache(cfg, 2, 16, "float32", "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(5))
+    model.model(ids[:20], torch.arange(20), build_attention_metadata([[0, 1]], [0], [20], 16), caches)
+
+    def decode() -> torch.Tensor:
+        return model.model(ids[20:], torch.tensor([20]), build_attention_metadata([[0, 1]], [20], [1], 16), caches)
+
+    before = decode()
+    chosen: set[tuple[int, int]] = set()
+    routed = [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if cfg.is_moe_layer(i)]
+    hooks = [expert.register_forward_hook(lambda m, args, out, key=(i, e): chosen.add(key))
+             for i, block in routed for e, expert in enumerate(block.experts)]
+    fused, model.model.fused_layers = model.model.fused_layers, None  # (the modules' hooks see who runs)
+    try:
+        assert torch.equal(decode(), before)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.model.fused_layers = fused
+    unread = [(i, e) for i, block in routed for e in range(len(block.experts)) if (i, e) not in chosen]
+    assert len(unread) == len(routed) * (cfg.num_experts - cfg.num_experts_per_tok)
+    for i, e in unread:
+        expert = model.model.layers[i].mlp.experts[e]
+        expert.gate_up_proj.weight.fill_(float("nan"))
+        expert.down_proj.weight.fill_(float("nan"))
+    assert torch.equal(decode(), before)
 
 
 def test_token_roles_of_rows():

@@ -1,13 +1,15 @@
 """Routed experts (kvserve/models/qwen3_moe.py): the router's top-k with ties to the lower
-expert id, experts that see only their own tokens, a row's result independent of the batch,
-and the native decoder declining MoE layers (the model runs layer by layer)."""
+expert id (natively as in torch), experts that see only their own tokens, a row's result
+independent of the batch, and which routing rules the native decoder runs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvserve import ops
 from kvserve.loader import load_model, resolve_model
 from kvserve.models.qwen3_moe import SparseMoEBlock, route
+from kvserve.models.routing import softmax_top_k, softmax_top_k_reference
 from kvserve.models.testing import build_random_model, tiny_config
 
 
@@ -59,10 +61,33 @@ def test_a_rows_result_does_not_depend_on_the_batch():
         assert torch.equal(block(x[i:i + 1])[0], batched[i])
 
 
-def test_native_decoder_declines_moe_layers():
+def test_native_decoder_runs_softmax_routed_experts_only():
+    """Qwen3-MoE's softmax top-k routing runs in the native decoder (tests/test_fused_decoder.py
+    holds the two paths together); DeepSeek's routing rules do not (nor does MLA)."""
+    from kvserve.models.spec import DecoderLayerSpec
+
     model, _ = load_model(resolve_model("tiny-qwen3-moe"))
-    assert model.layer_spec.mlp == "moe" and not model.layer_spec.native
-    assert model.model.fused_layers is None
+    assert model.layer_spec.mlp == "moe" and model.layer_spec.native
+    assert model.model.fused_layers is not None
+    assert not DecoderLayerSpec(mlp="moe").native and not DecoderLayerSpec(mlp="moe", routing="noaux_tc").native
+
+
+@pytest.mark.skipif(ops.load_extension() is None, reason="fused kernels disabled")
+@pytest.mark.parametrize("normalize", [True, False])
+def test_native_routing_follows_the_torch_rule(normalize):
+    """csrc/moe_routing.cpp (what both paths route with) against routing.py's torch rule: the
+    same experts in the same order, the weights to fp32 rounding, ties to the lower index."""
+    logits = torch.randn(64, 128, generator=torch.Generator().manual_seed(4)) * 3
+    logits[5, 17] = logits[5, 90] = logits[5].max() + 1  # a tie for the first place
+    weights, experts = softmax_top_k(logits, 8, normalize)
+    want_weights, want_experts = softmax_top_k_reference(logits, 8, normalize)
+    assert torch.equal(experts, want_experts)
+    assert experts[5, :2].tolist() == [17, 90] and weights[5, 0] == weights[5, 1]
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+    if normalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(64))
+    with pytest.raises(RuntimeError, match="1 <= k <= 128"):
+        softmax_top_k(logits, 129, normalize)
 
 
 def test_tensor_parallel_checks_the_experts_width():

@@ -172,7 +172,7 @@ def test_num_scheduler_steps_is_checked():
 
 
 @pytest.mark.parametrize("quantization", ["bf16", "int4"])
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3", "tiny-gemma3-swa"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3", "tiny-gemma3-swa", "tiny-qwen3-moe"])
 def test_native_rounds_match_rounds_in_python_and_single_steps(model, quantization):
     """Greedy argmax-only decode steps on the fused layers and the LM head's screen run in one
     native call (PagedCausalLM.decode_round), a step of its own as well as a whole round: the

@@ -4,6 +4,7 @@
 
 #include "cpu_ops.h"
 #include "decoder.h"
+#include "moe_routing.h"
 #include "step_team.h"
 #include "amx_linear.h"
 #include "block_repack.h"
@@ -31,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_logsumexp", &row_logsumexp);
   m.def("top_p_floor", &top_p_floor);
   m.def("apply_token_bitmask", &apply_token_bitmask);
+  m.def("softmax_top_k", &softmax_top_k);
   m.def("q4_linear", &q4_linear);
   m.def("q5_linear", &q5_linear);
   m.def("tiled_nibble_linear", &tiled_nibble_linear);
@@ -83,6 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_bf16_status", &amx_bf16_status);
   m.def("amx_self_test_machinery", &amx_self_test_machinery);
   // The fused decoder (decoder.cpp).
+  m.def("set_expert_parallel_rows", &set_expert_parallel_rows);
+  m.def("expert_parallel_rows", &expert_parallel_rows);
   pybind11::class_<FusedDecoderLayers>(m, "FusedDecoderLayers")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, const std::vector<pybind11::dict>&>())
       .def("forward_tokens", &FusedDecoderLayers::forward_tokens)

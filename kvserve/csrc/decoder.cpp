@@ -10,6 +10,7 @@
 // (kvserve/models) stays the reference, and the tests hold the two together.
 #include "decoder.h"
 #include "cpu_ops.h"
+#include "moe_routing.h"
 #include "step_team.h"
 #include "dense_linear.h"
 #include "quant_linear.h"
@@ -243,13 +244,215 @@ struct LayerRows {
   }
 };
 
+// `n` first rows of a step's buffer (itself when it has n: a decode step's single row makes no view).
+torch::Tensor first_rows(const torch::Tensor& buffer, int64_t n) {
+  return n == buffer.size(0) ? buffer : buffer.narrow(0, 0, n);
+}
+
+// One expert call's activations: its rows' inputs (gathered where they are not one run of the
+// step's), gate_up, activated and output rows.
+struct ExpertBuffers {
+  torch::Tensor gathered, gate_up, activated, output;  // [T, H], [T, 2 I], [T, I], [T, H]
+};
+
+// A step's scratch for its routed-experts layers, made once per step (T: the step's rows).
+struct ExpertScratch {
+  torch::Tensor logits, products;                                // [T, E], [T k, H]
+  std::vector<ExpertBuffers> buffers;                            // one per thread running experts at once
+  std::vector<float> weights, pair_weights;                      // [T k]
+  std::vector<int64_t> experts, pair_rows, pair_slots, starts;  // [T k] ..., [E + 1]
+};
+
+// Steps of at most this many rows spread their experts over the threads (each expert's calls
+// on one thread); larger ones run the experts one after another, each split over the threads by
+// its kernels. A decode step's expert is a few small GEMVs: at Qwen3-30B-A3B's shape read at
+// full bandwidth either way, but at a small width each falls under the kernels' one-thread
+// threshold (dense_linear.cpp's kSmallWork) and the other threads would idle. Each output row
+// is computed whole by one thread either way: the same bits. (A global, as the kernels' route
+// switches: benchmarks compare the two; 0: always one after another.)
+int64_t g_expert_parallel_rows = 16;
+
+// Routed experts in place of a layer's MLP (Qwen3-MoE's softmax top-k): the steps of
+// models/qwen3_moe.py's SparseMoEBlock and models/moe.py's run_routed_experts, in their order,
+// on the same kernels. The router's exact logits; the routing kernel the Python model calls
+// (moe_routing.cpp); each token's k choices in ascending expert order; then each expert that
+// has tokens on its tokens' rows only (ascending; gathered where they are not one run), through
+// the same Linear calls as a dense MLP, its output rows times their weights into their (token,
+// choice) slots; each token's k slots added in ascending expert order. An expert no token
+// chose is never read.
+struct RoutedExperts {
+  Linear router;
+  std::vector<Linear> gate_up, down;  // per expert
+  int64_t top_k = 1;
+  bool normalize = false;
+  bool kernels_only = false;  // every expert's linears run kvserve's kernels (may run on any thread)
+
+  int64_t num_experts() const { return static_cast<int64_t>(gate_up.size()); }
+
+  bool team_safe() const { return router.team_safe() && kernels_only; }
+
+  // The scratch of a step of `rows` rows: buffers for as many experts at once as there are threads
+  // where such a step spreads its experts over them.
+  ExpertScratch scratch(int64_t rows, int64_t hidden_size, const torch::TensorOptions& options) const {
+    const int64_t E = num_experts(), width = gate_up.front().out_features, pairs = rows * top_k;
+    const auto buffer = [&](int64_t n, int64_t columns) { return torch::empty({n, columns}, options); };
+    ExpertScratch s{buffer(rows, E), buffer(pairs, hidden_size), {}, std::vector<float>(pairs),
+                    std::vector<float>(pairs), std::vector<int64_t>(pairs), std::vector<int64_t>(pairs),
+                    std::vector<int64_t>(pairs), std::vector<int64_t>(E + 1)};
+    const int64_t sets = in_parallel(rows) ? at::get_num_threads() : 1;
+    for (int64_t i = 0; i < sets; ++i)
+      s.buffers.push_back({buffer(rows > 1 ? rows : 0, hidden_size), buffer(rows, width), buffer(rows, width / 2),
+                           buffer(rows, hidden_size)});
+    return s;
+  }
+
+  // out [R, hidden] <- the block's output for x [R, hidden] (both with contiguous rows), whose rows
+  // have the roles `roles`.
+  void into(const torch::Tensor& out, const torch::Tensor& x, const TokenRoles& roles, int64_t activation,
+            ExpertScratch& s) const {
+    const int64_t R = x.size(0), E = num_experts(), k = top_k;
+    if (R == 0) return;
+    float* weights = s.weights.data();
+    int64_t* experts = s.experts.data();
+    {
+      RECORD_FUNCTION("router", std::vector<c10::IValue>());  // (kvserve profile's rows, as the modules' labels)
+      const auto logits = first_rows(s.logits, R);
+      router.into(logits, x, roles);
+      softmax_top_k_rows(logits.data_ptr<float>(), R, E, k, normalize, weights, experts);
+    }
+    RECORD_FUNCTION("experts", std::vector<c10::IValue>());
+    for (int64_t t = 0; t < R; ++t) {  // (a token's ids are distinct: an insertion sort keeps the pairs)
+      int64_t* ids = experts + t * k;
+      float* w = weights + t * k;
+      for (int64_t j = 1; j < k; ++j) {
+        for (int64_t i = j; i > 0 && ids[i - 1] > ids[i]; --i) {
+          std::swap(ids[i - 1], ids[i]);
+          std::swap(w[i - 1], w[i]);
+        }
+      }
+    }
+    // The (token, choice) pairs grouped by expert, tokens ascending within one (a counting sort of
+    // the token-major pairs: the stable argsort run_routed_experts takes).
+    int64_t* starts = s.starts.data();
+    std::fill(s.starts.begin(), s.starts.end(), 0);
+    for (int64_t p = 0; p < R * k; ++p) ++starts[experts[p] + 1];
+    for (int64_t e = 0; e < E; ++e) starts[e + 1] += starts[e];
+    std::vector<int64_t> next(starts, starts + E), active;
+    for (int64_t p = 0; p < R * k; ++p) {
+      const int64_t q = next[experts[p]]++;
+      s.pair_rows[q] = p / k;
+      s.pair_slots[q] = p;
+      s.pair_weights[q] = weights[p];
+    }
+    for (int64_t e = 0; e < E; ++e)
+      if (starts[e + 1] > starts[e]) active.push_back(e);
+    const int64_t num_active = static_cast<int64_t>(active.size());
+    const int64_t parts = in_parallel(R) && roles.kind != TokenRoles::Kind::kMixed
+                              ? std::min<int64_t>(num_active, static_cast<int64_t>(s.buffers.size()))
+                              : 1;
+    if (parts > 1) {
+      kvserve::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+          for (int64_t i = num_active * p / parts; i < num_active * (p + 1) / parts; ++i)
+            run_expert(active[i], x, roles, activation, s, s.buffers[p]);
+      });
+    } else {
+      for (const int64_t e : active) run_expert(e, x, roles, activation, s, s.buffers.front());
+    }
+    // Each token's k products added in ascending expert order, one add at a time (torch's
+    // `out + per_pair[:, j]` in run_routed_experts, the same IEEE sums).
+    const int64_t H = x.size(1), o_stride = out.stride(0);
+    const float* products = s.products.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    for (int64_t t = 0; t < R; ++t) {
+      float* ot = o + t * o_stride;
+      const float* pt = products + t * k * H;
+      std::copy(pt, pt + H, ot);
+      for (int64_t j = 1; j < k; ++j) {
+        const float* pj = pt + j * H;
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) ot[h] += pj[h];
+      }
+    }
+  }
+
+ private:
+  bool in_parallel(int64_t rows) const { return kernels_only && rows <= g_expert_parallel_rows; }
+
+  // Expert e on its rows of x (s's pairs from starts[e]), in `b`: its products, each output row
+  // times its weight, into the rows of s.products its (token, choice) pairs name.
+  void run_expert(int64_t e, const torch::Tensor& x, const TokenRoles& roles, int64_t activation,
+                  const ExpertScratch& s, const ExpertBuffers& b) const {
+    const int64_t R = x.size(0), H = x.size(1), start = s.starts[e], count = s.starts[e + 1] - start;
+    const int64_t* rows = s.pair_rows.data() + start;
+    torch::Tensor input = x;  // (count == R: every row, in order)
+    if (count < R && rows[count - 1] - rows[0] + 1 == count) {
+      input = x.narrow(0, rows[0], count);
+    } else if (count < R) {
+      input = first_rows(b.gathered, count);
+      const int64_t x_stride = x.stride(0);
+      const float* xp = x.data_ptr<float>();
+      float* g = input.data_ptr<float>();
+      for (int64_t i = 0; i < count; ++i) std::copy(xp + rows[i] * x_stride, xp + rows[i] * x_stride + H, g + i * H);
+    }
+    const TokenRoles expert_roles =
+        roles.kind == TokenRoles::Kind::kMixed
+            ? roles_of_rows(roles, torch::from_blob(const_cast<int64_t*>(rows), {count}, torch::kInt64))
+            : roles;
+    const auto hidden_gate_up = first_rows(b.gate_up, count), activated = first_rows(b.activated, count),
+               y = first_rows(b.output, count);
+    gate_up[e].into(hidden_gate_up, input, expert_roles);
+    act_and_mul_out(activated, hidden_gate_up, activation);
+    down[e].into(y, activated, expert_roles);
+    const float* yp = y.data_ptr<float>();
+    float* products = s.products.data_ptr<float>();
+    for (int64_t i = 0; i < count; ++i) {
+      const float w = s.pair_weights[start + i];
+      const float* src = yp + i * H;
+      float* dst = products + s.pair_slots[start + i] * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * w;
+    }
+  }
+};
+
+std::shared_ptr<const RoutedExperts> make_routed_experts(const pybind11::dict& spec) {
+  auto experts = std::make_shared<RoutedExperts>();
+  experts->router = make_linear(spec["router"].cast<pybind11::tuple>());
+  for (const auto& args : spec["experts_gate_up"].cast<pybind11::list>())
+    experts->gate_up.push_back(make_linear(args.cast<pybind11::tuple>()));
+  for (const auto& args : spec["experts_down"].cast<pybind11::list>())
+    experts->down.push_back(make_linear(args.cast<pybind11::tuple>()));
+  experts->top_k = spec["top_k"].cast<int64_t>();
+  experts->normalize = spec["normalize"].cast<bool>();
+  const int64_t E = experts->num_experts();
+  TORCH_CHECK(E >= 1 && static_cast<int64_t>(experts->down.size()) == E && experts->router.out_features == E,
+              "routed experts need one router row, one gate_up and one down projection per expert");
+  TORCH_CHECK(experts->top_k >= 1 && experts->top_k <= E, "routed experts take 1 <= k <= ", E, " per token, not ",
+              experts->top_k);
+  for (const Linear& linear : experts->gate_up)
+    TORCH_CHECK(linear.out_features == experts->gate_up.front().out_features && linear.out_features % 2 == 0,
+                "every expert must have the same (even) gate_up width");
+  const auto kernels_only = [](const std::vector<Linear>& linears) {
+    return std::all_of(linears.begin(), linears.end(), [](const Linear& l) { return l.team_safe(); });
+  };
+  experts->kernels_only = kernels_only(experts->gate_up) && kernels_only(experts->down);
+  return experts;
+}
+
 struct Layer {
   torch::Tensor input_norm, pre_ffn_norm;
   c10::optional<torch::Tensor> post_attn_norm, post_ffn_norm, q_norm, k_norm;  // Gemma's extra norms
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;  // (gate_up, down: a dense MLP's)
+  std::shared_ptr<const RoutedExperts> experts;  // routed experts in place of the dense MLP, or null
   double scale = 1.0, softcap = 0.0;
   int64_t window = 0;
   bool local_rope = false;  // Gemma 3: sliding layers have their own rope base
+
+  bool team_safe() const {
+    const bool mlp_safe = experts ? experts->team_safe() : gate_up.team_safe() && down.team_safe();
+    return qkv.team_safe() && o.team_safe() && mlp_safe;
+  }
 };
 
 }  // namespace
@@ -270,8 +473,12 @@ class FusedDecoderLayers::Impl {
       layer.k_norm = optional_tensor(spec, "k_norm");
       layer.qkv = make_linear(spec["qkv"].cast<pybind11::tuple>());
       layer.o = make_linear(spec["o"].cast<pybind11::tuple>());
-      layer.gate_up = make_linear(spec["gate_up"].cast<pybind11::tuple>());
-      layer.down = make_linear(spec["down"].cast<pybind11::tuple>());
+      if (spec.contains("router")) {
+        layer.experts = make_routed_experts(spec);
+      } else {
+        layer.gate_up = make_linear(spec["gate_up"].cast<pybind11::tuple>());
+        layer.down = make_linear(spec["down"].cast<pybind11::tuple>());
+      }
       layer.scale = spec["scale"].cast<double>();
       layer.window = spec["window"].cast<int64_t>();
       layer.softcap = spec["softcap"].cast<double>();
@@ -279,14 +486,21 @@ class FusedDecoderLayers::Impl {
       layers_.push_back(std::move(layer));
     }
     TORCH_CHECK(!layers_.empty(), "a decoder needs at least one layer");
-    for (const Layer& layer : layers_)
+    // The step's buffers are shared by its layers: the dense MLPs' one width, the routed experts' one shape.
+    for (const Layer& layer : layers_) {
+      if (layer.experts && !experts_) experts_ = layer.experts;
+      if (!layer.experts && dense_width_ < 0) dense_width_ = layer.gate_up.out_features;
+    }
+    dense_width_ = std::max<int64_t>(dense_width_, 0);
+    for (const Layer& layer : layers_) {
+      const RoutedExperts* e = layer.experts.get();
       TORCH_CHECK(layer.qkv.out_features == layers_.front().qkv.out_features &&
-                      layer.gate_up.out_features == layers_.front().gate_up.out_features &&
-                      layer.gate_up.out_features % 2 == 0,
+                      (e ? e->num_experts() == experts_->num_experts() && e->top_k == experts_->top_k &&
+                               e->gate_up.front().out_features == experts_->gate_up.front().out_features
+                         : layer.gate_up.out_features == dense_width_ && dense_width_ % 2 == 0),
                   "every layer must have the same projection shapes (the step's buffers are shared)");
-    team_safe_ = std::all_of(layers_.begin(), layers_.end(), [](const Layer& layer) {
-      return layer.qkv.team_safe() && layer.o.team_safe() && layer.gate_up.team_safe() && layer.down.team_safe();
-    });
+    }
+    team_safe_ = std::all_of(layers_.begin(), layers_.end(), [](const Layer& layer) { return layer.team_safe(); });
   }
 
   // forward from the step's tokens: hidden = the embedding rows of input_ids (an fp32 table, or
@@ -495,8 +709,8 @@ class FusedDecoderLayers::Impl {
     const auto buffer = [&](int64_t columns) { return torch::empty({T, columns}, hidden.options()); };
     const Layer& first = layers_.front();
     auto normed = buffer(hidden_size), projected = buffer(hidden_size), qkv = buffer(first.qkv.out_features),
-         attn = buffer(H * D), gate_up = buffer(first.gate_up.out_features),
-         activated = buffer(first.gate_up.out_features / 2);
+         attn = buffer(H * D), gate_up = buffer(dense_width_), activated = buffer(dense_width_ / 2);
+    ExpertScratch expert_scratch = experts_ ? experts_->scratch(T, hidden_size, hidden.options()) : ExpertScratch{};
     const auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
     const auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
     const auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
@@ -512,16 +726,22 @@ class FusedDecoderLayers::Impl {
     const auto gathers_rows = [](const TokenRoles& r) {
       return r.kind == TokenRoles::Kind::kMixed && (r.prompt_len == 0 || r.generated_len == 0);
     };
-    const bool gathers = gathers_rows(roles) || gathers_rows(output_roles);
+    // (an expert's rows of a mixed step may hold its roles in several runs)
+    const bool gathers = gathers_rows(roles) || gathers_rows(output_roles) ||
+                         (experts_ && roles.kind == TokenRoles::Kind::kMixed);
     // The layer past its attention, on rows whose attention output is in `rows.attn`.
     const auto finish_layer = [&](const Layer& layer, const LayerRows& rows, const TokenRoles& rows_roles) {
       layer.o.into(rows.projected, rows.attn, rows_roles);
       if (layer.post_attn_norm) rms_norm_out(rows.projected, rows.projected, *layer.post_attn_norm, eps_, norm_offset_);
       add_rows_(rows.hidden, rows.projected);
       rms_norm_out(rows.normed, rows.hidden, layer.pre_ffn_norm, eps_, norm_offset_);
-      layer.gate_up.into(rows.gate_up, rows.normed, rows_roles);
-      act_and_mul_out(rows.activated, rows.gate_up, activation_);
-      layer.down.into(rows.projected, rows.activated, rows_roles);
+      if (layer.experts) {
+        layer.experts->into(rows.projected, rows.normed, rows_roles, activation_, expert_scratch);
+      } else {
+        layer.gate_up.into(rows.gate_up, rows.normed, rows_roles);
+        act_and_mul_out(rows.activated, rows.gate_up, activation_);
+        layer.down.into(rows.projected, rows.activated, rows_roles);
+      }
       if (layer.post_ffn_norm) rms_norm_out(rows.projected, rows.projected, *layer.post_ffn_norm, eps_, norm_offset_);
       add_rows_(rows.hidden, rows.projected);
     };
@@ -558,8 +778,17 @@ class FusedDecoderLayers::Impl {
   double eps_, norm_offset_;
   int64_t activation_;
   std::vector<Layer> layers_;
+  int64_t dense_width_ = -1;  // the dense MLPs' gate_up width (0: none)
+  std::shared_ptr<const RoutedExperts> experts_;  // a routed-experts layer's shapes (null: none)
   bool team_safe_ = false;  // every layer's linears run kvserve's kernels (Linear::team_safe)
 };
+
+void set_expert_parallel_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "expert_parallel_rows must be >= 0");
+  g_expert_parallel_rows = rows;
+}
+
+int64_t expert_parallel_rows() { return g_expert_parallel_rows; }
 
 FusedDecoderLayers::FusedDecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                                        double norm_offset, int64_t activation,

@@ -9,6 +9,12 @@
 #include <memory>
 #include <vector>
 
+// Decode-sized steps (at most `rows` rows) run their routed experts side by side, one expert per
+// thread at a time; larger steps (and 0) one after another, each on every thread (decoder.cpp's
+// g_expert_parallel_rows). The same bits either way: benchmarks and tests compare the two.
+void set_expert_parallel_rows(int64_t rows);
+int64_t expert_parallel_rows();
+
 class FusedDecoderLayers {
  public:
   FusedDecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double norm_offset,

@@ -7,6 +7,10 @@ per expert, and each active expert runs one gate+up and one down matmul on its r
 token's weighted results are added in ascending expert order (HF's order). A row's result does
 not depend on the other rows (kvserve's fp32 linears reduce each row alone), so batching
 leaves it unchanged.
+
+The native decoder runs the same steps in the same order (csrc/decoder.cpp's RoutedExperts, for
+Qwen3-MoE's softmax routing): what changes here changes there, and tests/test_fused_decoder.py
+holds the two to the same bits.
 """
 from __future__ import annotations
 

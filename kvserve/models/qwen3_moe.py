@@ -6,9 +6,11 @@ Router: softmax over the experts' logits (in float32, as HF), the top ``num_expe
 (``norm_topk_prob``). Experts run only on the tokens routed to them, grouped per expert
 (models/moe.py, shared with DeepSeek).
 
-The native fused decoder declines MoE layers (``DecoderLayerSpec.mlp == "moe"``): such a model
-runs layer by layer, in the modules below. Under tensor parallelism each rank holds a slice
-of every expert's columns (models/tensor_parallel.py says why).
+The native fused decoder runs these layers too (``DecoderLayerSpec(mlp="moe",
+routing="softmax_top_k")``; models/fused.py): the same routing kernel and, per active expert,
+the same linear kernels on the same rows, so the same numbers as the modules below, which stay
+the reference. Under tensor parallelism each rank holds a slice of every expert's columns
+(models/tensor_parallel.py says why) and runs the modules.
 
 Parameter names are HF's checkpoint names: ``mlp.gate.weight`` (the router) and
 ``mlp.experts.<e>.{gate,up,down}_proj.weight`` (gate and up fused per expert at load).
@@ -78,8 +80,7 @@ class Qwen3MoeModel(LlamaModel):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     model_class = Qwen3MoeModel
-    # No native skeleton for routed experts: the model runs layer by layer.
-    layer_spec = DecoderLayerSpec(norm_offset=RMSNorm.offset, qk_norm=True, mlp="moe")
+    layer_spec = DecoderLayerSpec(norm_offset=RMSNorm.offset, qk_norm=True, mlp="moe", routing="softmax_top_k")
 
     @classmethod
     def adapt_hf_config(cls, hf_config: dict[str, Any], config: ModelConfig) -> None:

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from kvserve import ops
 from kvserve.config import ConfigError, ModelConfig
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -36,7 +37,17 @@ def top_k_lowest_index_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights ``[T, k]`` float32, expert ids ``[T, k]``): the softmax's top k, optionally
-    renormalised to sum to 1."""
+    renormalised to sum to 1. fp32 logits on the CPU go through the native kernel
+    (csrc/moe_routing.cpp), the one the fused decoder's routed experts call, so that the two
+    paths route alike bit for bit; ``softmax_top_k_reference`` is the rule in torch."""
+    ext = ops.cpu_extension()
+    if ext is not None and logits.dim() == 2 and ops.enabled_for(logits):
+        return ext.softmax_top_k(logits, top_k, normalize)
+    return softmax_top_k_reference(logits, top_k, normalize)
+
+
+def softmax_top_k_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax_top_k`` in torch (HF's order of operations)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = top_k_lowest_index_first(probs, top_k)
     if normalize:

@@ -2,10 +2,11 @@
 
 The native loop (kvserve/csrc/decoder.cpp, driven by models/fused.py) runs one fixed layer
 skeleton with optional parts: per-head q/k norms, norms after attention and after the MLP,
-attention logit softcaps, a second rope table for sliding layers. Each architecture's model
-class says which parts it has (``layer_spec``), and which of its modules hold them, instead
-of fused.py guessing from attribute names: an architecture the skeleton does not fit says so
-(``native=False``) and runs layer by layer, never silently mis-assembled.
+attention logit softcaps, a second rope table for sliding layers, routed experts in place of
+the MLP. Each architecture's model class says which parts it has (``layer_spec``), and which
+of its modules hold them, instead of fused.py guessing from attribute names: an architecture
+the skeleton does not fit says so (``native=False``) and runs layer by layer, never silently
+mis-assembled.
 
 Torch-free: a description, read by the loader and fused.py.
 """
@@ -30,9 +31,13 @@ class DecoderLayerSpec:
     post_ffn_norm: Optional[str] = None
     # Sliding layers read their own rope table (Gemma 3's local base frequency).
     local_rope: bool = False
-    # "gated": one gate+up projection, an activation, a down projection. "moe": routed
-    # experts, which the native loop does not run (the model then runs layer by layer).
+    # "gated": one gate+up projection, an activation, a down projection. "moe": routed experts
+    # on the layers the config says (``ModelConfig.is_moe_layer``; the others gated), by the
+    # rule ``routing`` names: the native loop runs "softmax_top_k" (Qwen3-MoE: softmax, top k,
+    # optional renormalisation; models/routing.py), not DeepSeek's grouped rules and shared
+    # experts (such a model runs layer by layer).
     mlp: str = "gated"
+    routing: Optional[str] = None
     # "mha": per-head q/k/v (grouped or not) on the per-head KV cache. "mla": DeepSeek's
     # multi-head latent attention on the latent cache, which the native loop does not run.
     attention: str = "mha"
@@ -40,7 +45,12 @@ class DecoderLayerSpec:
     @property
     def native(self) -> bool:
         """Whether the native decoder's skeleton can run this layer at all."""
-        return self.mlp == "gated" and self.attention == "mha"
+        mlp_native = self.mlp == "gated" or (self.mlp == "moe" and self.routing in NATIVE_ROUTINGS)
+        return mlp_native and self.attention == "mha"
+
+
+# The routing rules the native decoder's routed experts run (csrc/moe_routing.cpp).
+NATIVE_ROUTINGS = ("softmax_top_k",)
 
 
 LLAMA_LAYER = DecoderLayerSpec()
