@@ -102,12 +102,13 @@ def test_greedy_invariance(llm_factory, model, long_len, num_short, kv_cache_dty
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma-3-270m"])
-def test_int8_kv_cache_holds_1_9x_the_tokens_of_bf16(llm_factory, model):
+def test_int8_kv_cache_holds_1_85x_the_tokens_of_bf16(llm_factory, model):
     """Same --kv-cache-memory, default weights: the pool's token count (what the start-up
-    line prints) is at least 1.9x with int8 KV, scales included."""
+    line prints) is at least issue 64's 1.85x with int8 KV, scales included (one fp16 scale per
+    32 dims: 1.88x; 64-dim groups held 1.94x)."""
     bf16 = llm_factory(model=model, kv_cache_dtype="bfloat16")
     int8 = llm_factory(model=model, kv_cache_dtype="int8")
-    assert int8.engine.kv_cache_tokens >= 1.9 * bf16.engine.kv_cache_tokens
+    assert int8.engine.kv_cache_tokens >= 1.85 * bf16.engine.kv_cache_tokens
     assert int8.engine.kv_cache_bytes <= bf16.engine.args.kv_cache_memory
     line = int8.engine.describe_kv_cache()
     assert f"= {int8.engine.kv_cache_tokens} tokens" in line and "bytes of scale" in line and "int8" in line
