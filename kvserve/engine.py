@@ -36,6 +36,7 @@ from kvserve.executor.uniproc import UniProcExecutor
 from kvserve.executor.worker import WorkerSpec
 from kvserve.loader import load_config, load_model, return_freed_heap, source_has_blocks
 from kvserve.loader.resolve import resolve_model
+from kvserve.loader.safetensors import safetensors_files
 from kvserve.models.tensor_parallel import check_tp_shape, rank_kv_spec
 from kvserve.output_processor import OutputProcessor
 from kvserve.pooling import EmbeddingOutput, mean_pool
@@ -101,7 +102,7 @@ def resolve_precision(dtype: str, quantization: Optional[str],
 def _checkpoint_files(path: str) -> list[Path]:
     """The files holding a model's weights: a GGUF, or a directory's safetensors."""
     p = Path(path)
-    return [p] if p.is_file() else sorted(p.glob("*.safetensors"))
+    return [p] if p.is_file() else safetensors_files(p)
 
 
 @dataclass

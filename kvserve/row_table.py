@@ -100,8 +100,7 @@ class GGUFRows(nn.Module):
     def __getstate__(self) -> dict:
         # The release callback holds the file's mapping, which does not copy or pickle; a copy
         # reads the same rows and keeps its pages.
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        return {**state, "release": None}
+        return {**super().__getstate__(), "release": None}
 
     @property
     def shape(self) -> torch.Size:
